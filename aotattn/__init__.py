@@ -1,0 +1,13 @@
+"""aotattn: flash attention in Triton, compiled ahead of time.
+
+Public operators follow flash-attn's (``flash_attn_func``) and PyTorch's
+(``scaled_dot_product_attention``) conventions; ``aotattn.reference`` is the float64
+reference they are tested against. Importing aotattn touches no GPU driver.
+"""
+
+from aotattn.families.flash import flash_attn_func, scaled_dot_product_attention
+from aotattn import reference
+
+__version__ = "0.1.0"
+
+__all__ = ["flash_attn_func", "scaled_dot_product_attention", "reference", "__version__"]

@@ -1,0 +1,1 @@
+"""Kernel families: one directory each (kernels, rules, reference, operators)."""

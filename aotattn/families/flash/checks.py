@@ -1,0 +1,180 @@
+"""Argument checks of the public operators: the one place where input is validated.
+
+Every problem is a ``TypeError`` or ``ValueError`` that names the argument and says what
+was expected and what came.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from aotattn.families.flash.rules import (DTYPES, MASK_BOTTOM_RIGHT, MASK_NONE, MASK_TOP_LEFT,
+                                          MAX_HEAD_DIM)
+
+DIAGONALS = ("bottom_right", "top_left")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated attention call, in flash-attn terms (``q (B, Sq, Hq, D)``)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_k: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    softmax_scale: float
+    mask: int  # MASK_NONE, MASK_TOP_LEFT or MASK_BOTTOM_RIGHT
+    window_left: int  # -1: unbounded
+    window_right: int  # -1: unbounded
+
+    @property
+    def group_size(self) -> int:
+        return self.heads_q // self.heads_k
+
+    def kernel_window(self) -> tuple[int, int]:
+        """Window sides for the kernels: unbounded (or wider than useful) becomes Sq + Sk."""
+        wide = self.seqlen_q + self.seqlen_k
+        left = wide if self.window_left < 0 else min(self.window_left, wide)
+        right = wide if self.window_right < 0 else min(self.window_right, wide)
+        return left, right
+
+
+def _tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_tensors(names: tuple[str, str, str], q: object, k: object, v: object, layout: str) -> None:
+    """Types, ranks, dtypes, devices and strides shared by every operator."""
+    tensors = [_tensor(n, t) for n, t in zip(names, (q, k, v))]
+    for name, t in zip(names, tensors):
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor {layout}, got shape {tuple(t.shape)}")
+    qn = names[0]
+    if tensors[0].dtype not in DTYPES:
+        raise TypeError(f"{qn}: expected dtype float16, bfloat16 or float32, got {tensors[0].dtype}")
+    for name, t in zip(names[1:], tensors[1:]):
+        if t.dtype != tensors[0].dtype:
+            raise TypeError(f"{name}: expected dtype {tensors[0].dtype} (the dtype of {qn}), got {t.dtype}")
+        if t.device != tensors[0].device:
+            raise ValueError(f"{name}: expected device {tensors[0].device} (the device of {qn}), got {t.device}")
+    if tensors[0].device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{qn}: expected a CUDA or CPU tensor, got device {tensors[0].device}")
+    for name, t in zip(names, tensors):
+        if t.numel() > 0 and t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a unit stride in the last dimension, got strides {t.stride()}")
+
+
+def check_scale(name: str, scale: object, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{name}: expected a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"{name}: expected a finite number, got {scale}")
+    return float(scale)
+
+
+def check_dropout(name: str, dropout_p: object) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"{name}: expected a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"{name}: expected a float in [0, 1), got {dropout_p}")
+    if dropout_p > 0.0:
+        raise NotImplementedError(f"{name} > 0: dropout is not implemented yet")
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
+
+
+def check_window(window_size: object) -> tuple[int, int]:
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: expected sizes >= 0, or -1 for unbounded, got {(left, right)}")
+    return left, right
+
+
+def check_shapes(names: tuple[str, str, str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 batch_dim: int, seq_dim: int, heads_axis: int) -> tuple[int, ...]:
+    """Shape agreement; returns (B, Sq, Sk, Hq, Hk, D, Dv)."""
+    qn, kn, vn = names
+    batch = q.shape[batch_dim]
+    for name, t in ((kn, k), (vn, v)):
+        if t.shape[batch_dim] != batch:
+            raise ValueError(f"{name}: expected batch size {batch} (that of {qn}), got {t.shape[batch_dim]}")
+    if v.shape[seq_dim] != k.shape[seq_dim]:
+        raise ValueError(f"{vn}: expected sequence length {k.shape[seq_dim]} (that of {kn}), got {v.shape[seq_dim]}")
+    if v.shape[heads_axis] != k.shape[heads_axis]:
+        raise ValueError(f"{vn}: expected {k.shape[heads_axis]} heads (those of {kn}), got {v.shape[heads_axis]}")
+    heads_q, heads_k = q.shape[heads_axis], k.shape[heads_axis]
+    if heads_k == 0 and heads_q > 0:
+        raise ValueError(f"{kn}: expected at least one head, got 0")
+    if heads_k > 0 and heads_q % heads_k != 0:
+        raise ValueError(f"{qn}: expected a number of heads that is a multiple of {kn}'s {heads_k}, got {heads_q}")
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"{kn}: expected head dim {head_dim} (that of {qn}), got {k.shape[-1]}")
+    for name, d in ((qn, head_dim), (vn, head_dim_v)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}: expected a head dim in 1..{MAX_HEAD_DIM}, got {d}")
+    return batch, q.shape[seq_dim], k.shape[seq_dim], heads_q, heads_k, head_dim, head_dim_v
+
+
+def mask_mode(causal: bool, window: tuple[int, int], diagonal: str) -> tuple[int, int, int]:
+    """(MASK, left, right): causal is a window with right = 0 on the chosen diagonal."""
+    left, right = window
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return MASK_NONE, -1, -1
+    return (MASK_BOTTOM_RIGHT if diagonal == "bottom_right" else MASK_TOP_LEFT), left, right
+
+
+def check_flash(q: object, k: object, v: object, *, dropout_p: object, softmax_scale: object,
+                causal: object, window_size: object, diagonal: object) -> Problem:
+    """Checks of :func:`aotattn.flash_attn_func` (``q (B, Sq, Hq, D)``)."""
+    names = ("q", "k", "v")
+    check_tensors(names, q, k, v, "(batch, seqlen, heads, head_dim)")
+    dims = check_shapes(names, q, k, v, batch_dim=0, seq_dim=1, heads_axis=2)
+    check_dropout("dropout_p", dropout_p)
+    causal = check_bool("causal", causal)
+    window = check_window(window_size)
+    if diagonal not in DIAGONALS:
+        raise ValueError(f"diagonal: expected one of {DIAGONALS}, got {diagonal!r}")
+    scale = check_scale("softmax_scale", softmax_scale, dims[5])
+    mask, left, right = mask_mode(causal, window, diagonal)
+    return Problem(*dims, dtype=q.dtype, softmax_scale=scale, mask=mask, window_left=left, window_right=right)
+
+
+def check_sdpa(query: object, key: object, value: object, *, attn_mask: object, dropout_p: object,
+               is_causal: object, scale: object, enable_gqa: object) -> Problem:
+    """Checks of :func:`aotattn.scaled_dot_product_attention` (``query (B, H, S, D)``)."""
+    names = ("query", "key", "value")
+    check_tensors(names, query, key, value, "(batch, heads, seqlen, head_dim)")
+    enable_gqa = check_bool("enable_gqa", enable_gqa)
+    dims = check_shapes(names, query, key, value, batch_dim=0, seq_dim=2, heads_axis=1)
+    if not enable_gqa and dims[3] != dims[4]:
+        raise ValueError(f"key: expected {dims[3]} heads (those of query) unless enable_gqa=True, got {dims[4]}")
+    if attn_mask is not None:
+        raise NotImplementedError("attn_mask: masks and biases are not implemented yet")
+    check_dropout("dropout_p", dropout_p)
+    causal = check_bool("is_causal", is_causal)
+    softmax_scale = check_scale("scale", scale, dims[5])
+    mask, left, right = mask_mode(causal, (-1, -1), "top_left")
+    return Problem(*dims, dtype=query.dtype, softmax_scale=softmax_scale, mask=mask,
+                   window_left=left, window_right=right)

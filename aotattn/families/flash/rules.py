@@ -1,0 +1,97 @@
+"""Declarative description of the flash-attention kernels.
+
+The build, the runtime, the tuner and the tests read these specs; nothing else repeats
+the argument lists, the compile-time axes or the tuning space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from aotattn.spec import Arg, Config, Functional, KernelSpec
+
+FAMILY = "flash"
+KERNELS_MODULE = "aotattn.families.flash.kernels"
+
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
+MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+
+# MASK axis: which diagonal a window (causal included) is aligned to.
+MASK_NONE, MASK_TOP_LEFT, MASK_BOTTOM_RIGHT = 0, 1, 2
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """The compiled head-dim bucket holding ``head_dim`` (next power of two, at least 16)."""
+    for bucket in HEAD_DIM_BUCKETS:
+        if head_dim <= bucket:
+            return bucket
+    raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
+
+
+def _derive(functional: Mapping[str, Any]) -> dict[str, Any]:
+    # fp32 inputs are computed in full fp32 ("ieee"), never tf32
+    return {"PRECISION": "ieee" if functional["dtype"] == "fp32" else "tf32"}
+
+
+def _strides(*names: str) -> tuple[Arg, ...]:
+    return tuple(Arg(name, "i64") for name in names)
+
+
+ATTN_FWD = KernelSpec(
+    family=FAMILY,
+    name="attn_fwd",
+    module=KERNELS_MODULE,
+    function="attn_fwd",
+    arguments=(
+        Arg("Q", "*{dtype}"), Arg("K", "*{dtype}"), Arg("V", "*{dtype}"),
+        Arg("Out", "*{dtype}"), Arg("Lse", "*fp32"),
+        *_strides("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn",
+                  "stride_vz", "stride_vh", "stride_vn", "stride_oz", "stride_oh", "stride_om",
+                  "stride_lz", "stride_lh"),
+        Arg("seqlen_q", "i32"), Arg("seqlen_k", "i32"), Arg("group_size", "i32"), Arg("head_dim", "i32"), Arg("head_dim_v", "i32"),
+        Arg("qk_scale", "fp32"), Arg("window_left", "i32"), Arg("window_right", "i32"),
+    ),
+    functionals=(
+        ("dtype", ("fp16", "bf16", "fp32")),
+        ("BLOCK_D", HEAD_DIM_BUCKETS),
+        ("BLOCK_DV", HEAD_DIM_BUCKETS),
+        ("PAD_HEAD", (False, True)),
+        ("MASK", (MASK_NONE, MASK_TOP_LEFT, MASK_BOTTOM_RIGHT)),
+    ),
+    tuning_space=(
+        ("BLOCK_M", (16, 32, 64, 128)),
+        ("BLOCK_N", (16, 32, 64, 128)),
+        ("num_warps", (1, 2, 4, 8)),
+        ("num_stages", (1, 2, 3, 4)),
+    ),
+    derive=_derive,
+)
+
+KERNELS = {spec.name: spec for spec in (ATTN_FWD,)}
+
+# The interpreter runs one program at a time on numpy: small tiles keep every code path
+# (several key blocks, masked and unmasked runs) exercised at test sizes.
+INTERPRETER_CONFIG = Config.of(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+
+
+def default_config(kernel: KernelSpec, functional: Functional, device: torch.device) -> Config:
+    """Hand-picked configurations, until the tuning database decides."""
+    if device.type == "cpu":
+        return INTERPRETER_CONFIG
+    f = functional.as_dict()
+    widest = max(f["BLOCK_D"], f["BLOCK_DV"])
+    if f["dtype"] == "fp32":
+        if widest <= 64:
+            return Config.of(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+        if widest <= 128:
+            return Config.of(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+        return Config.of(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    if widest <= 64:
+        return Config.of(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    if widest <= 128:
+        return Config.of(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return Config.of(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)

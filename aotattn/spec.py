@@ -1,0 +1,178 @@
+"""Declarative descriptions of kernels, shared by every layer.
+
+A family's rules module describes each of its kernels with a :class:`KernelSpec`: where
+the Triton source lives, the runtime arguments in the order the compiled kernel takes
+them, the compile-time axes (*functionals*) and the tuning space. The operators build a
+:class:`LaunchPlan` from a spec; the launcher, the build and the tuner read the same spec.
+Nothing here names a family.
+"""
+
+from __future__ import annotations
+
+import itertools
+import string
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Keys of a configuration that are launch options rather than constexpr arguments.
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+def _frozen(mapping: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(mapping.items()))
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One runtime argument of a kernel.
+
+    ``type`` is a Triton signature type; ``{name}`` placeholders are filled from the
+    functional (``"*{dtype}"`` becomes ``"*bf16"``).
+    """
+
+    name: str
+    type: str
+
+    def signature(self, functional: Mapping[str, Any]) -> str:
+        return self.type.format(**functional)
+
+
+@dataclass(frozen=True)
+class Functional:
+    """A full assignment of a kernel's compile-time axes, hashable and ordered."""
+
+    items: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, Any]) -> "Functional":
+        return cls(_frozen(mapping))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.items)
+
+    def __getitem__(self, key: str) -> Any:
+        for k, v in self.items:
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.items)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One tuned configuration: constexpr knobs (block sizes, ...) plus launch options."""
+
+    items: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, int] | None = None, **kwargs: int) -> "Config":
+        merged = dict(mapping or {}, **kwargs)
+        return cls(_frozen(merged))
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.items)
+
+    def __getitem__(self, key: str) -> int:
+        return self.as_dict()[key]
+
+    @property
+    def constexprs(self) -> dict[str, int]:
+        return {k: v for k, v in self.items if k not in LAUNCH_OPTIONS}
+
+    @property
+    def num_warps(self) -> int:
+        return self.as_dict().get("num_warps", 4)
+
+    @property
+    def num_stages(self) -> int:
+        return self.as_dict().get("num_stages", 2)
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.items)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Everything the build, the runtime and the tuner need to know about one kernel.
+
+    Attributes:
+        family: the kernel family (a directory under ``aotattn/families``).
+        name: the kernel's name inside its family.
+        module: dotted path of the module holding the ``@triton.jit`` function.
+        function: the function's name in that module.
+        arguments: runtime (non-constexpr) arguments, in order.
+        functionals: compile-time axes and their choices, in order.
+        tuning_space: tuning knobs (constexprs, ``num_warps``, ``num_stages``) and choices.
+        derive: constexprs computed from a functional (for example the dot precision
+            from the dtype); they are passed to the kernel but are not axes.
+        disabled: a predicate on a functional that is never built (an impossible or
+            unsupported combination).
+    """
+
+    family: str
+    name: str
+    module: str
+    function: str
+    arguments: tuple[Arg, ...]
+    functionals: tuple[tuple[str, tuple[Any, ...]], ...]
+    tuning_space: tuple[tuple[str, tuple[int, ...]], ...]
+    derive: Callable[[Mapping[str, Any]], dict[str, Any]] | None = field(default=None, compare=False)
+    disabled: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.family}.{self.name}"
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.functionals)
+
+    def check_functional(self, functional: Mapping[str, Any]) -> None:
+        choices = dict(self.functionals)
+        if set(functional) != set(choices):
+            raise ValueError(f"{self.qualname}: functional axes {sorted(functional)} != {sorted(choices)}")
+        for axis, value in functional.items():
+            if value not in choices[axis]:
+                raise ValueError(f"{self.qualname}: {axis}={value!r} is not one of {choices[axis]}")
+        if self.disabled is not None and self.disabled(functional):
+            raise ValueError(f"{self.qualname}: functional {dict(functional)} is disabled")
+
+    def enumerate_functionals(self) -> Iterator[Functional]:
+        names = self.axes
+        for values in itertools.product(*(choices for _, choices in self.functionals)):
+            f = dict(zip(names, values))
+            if self.disabled is None or not self.disabled(f):
+                yield Functional.of(f)
+
+    @property
+    def type_axes(self) -> frozenset[str]:
+        """Axes that only fill argument types (``dtype`` in ``*{dtype}``), not constexprs."""
+        return frozenset(field for arg in self.arguments
+                         for _, field, _, _ in string.Formatter().parse(arg.type) if field)
+
+    def signature(self, functional: Functional) -> dict[str, str]:
+        """Triton signature of the runtime arguments, in order."""
+        values = functional.as_dict()
+        return {arg.name: arg.signature(values) for arg in self.arguments}
+
+    def constexprs(self, functional: Functional, config: Config) -> dict[str, Any]:
+        """All constexpr arguments of one compiled variant."""
+        values = {k: v for k, v in functional.items if k not in self.type_axes}
+        if self.derive is not None:
+            values.update(self.derive(functional.as_dict()))
+        values.update(config.constexprs)
+        return values
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A kernel launch decided down to the last constexpr: what the launcher executes."""
+
+    kernel: KernelSpec
+    functional: Functional
+    config: Config
+    grid: tuple[int, int, int]
+    args: tuple[Any, ...]

@@ -1,0 +1,45 @@
+"""Inputs and comparisons shared by the flash-attention tests."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from aotattn import reference
+from tests.conftest import TOLERANCE, rel_err
+
+
+def seed_from(name: str) -> None:
+    """Fresh inputs per test, reproducible from the test's id."""
+    torch.manual_seed(zlib.crc32(name.encode()))
+
+
+def make_qkv(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, heads_k: int, head_dim: int,
+             head_dim_v: int, dtype: torch.dtype, device: str, requires_grad: bool = False):
+    q = torch.randn(batch, seqlen_q, heads_q, head_dim, dtype=dtype, device=device)
+    k = torch.randn(batch, seqlen_k, heads_k, head_dim, dtype=dtype, device=device)
+    v = torch.randn(batch, seqlen_k, heads_k, head_dim_v, dtype=dtype, device=device)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def assert_lse_close(lse: torch.Tensor, ref_lse: torch.Tensor) -> None:
+    """Same +inf rows; finite rows within fp32 rounding of the score computation."""
+    lse = lse.detach().to(torch.float64)
+    assert not torch.isnan(lse).any(), "NaN in log-sum-exp"
+    inf = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), inf), "rows with +inf log-sum-exp differ from the reference"
+    assert (lse[inf] > 0).all()
+    torch.testing.assert_close(lse[~inf], ref_lse[~inf], rtol=1e-5, atol=2e-4)
+
+
+def assert_forward_matches(out: torch.Tensor, lse: torch.Tensor | None, q, k, v, **mask) -> None:
+    # the reference runs in float64 on the inputs' device
+    ref_out, ref_lse = reference.attention(q.detach(), k.detach(), v.detach(), **mask)
+    assert out.shape == ref_out.shape and out.dtype == q.dtype
+    err = rel_err(out.detach(), ref_out)
+    assert err < TOLERANCE[q.dtype], f"relative error {err:.3e} >= {TOLERANCE[q.dtype]:.0e}"
+    empty_rows = torch.isinf(ref_lse).transpose(1, 2)  # (B, Sq, Hq)
+    assert (out.detach()[empty_rows] == 0).all(), "a fully masked row is not exactly 0"
+    if lse is not None:
+        assert_lse_close(lse, ref_lse)

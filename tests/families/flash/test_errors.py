@@ -1,0 +1,96 @@
+"""Bad input gets a clear error naming the argument, never a wrong answer or a crash."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aotattn
+
+
+def _qkv(dtype=torch.float16, b=1, sq=8, sk=8, hq=2, hk=2, d=16, dv=16):
+    return (torch.randn(b, sq, hq, d, dtype=dtype), torch.randn(b, sk, hk, d, dtype=dtype),
+            torch.randn(b, sk, hk, dv, dtype=dtype))
+
+
+def _call(**changes):
+    q, k, v = _qkv()
+    args = dict(q=q, k=k, v=v)
+    args.update(changes)
+    return aotattn.flash_attn_func(**args)
+
+
+FLASH_CASES = [
+    ("q not a tensor", lambda: _call(q=[1.0]), TypeError, "q: expected a torch.Tensor"),
+    ("q 3-D", lambda: _call(q=torch.randn(8, 2, 16, dtype=torch.float16)), ValueError, "q: expected a 4-D"),
+    ("float64", lambda: aotattn.flash_attn_func(*_qkv(torch.float64)), TypeError, "q: expected dtype"),
+    ("int", lambda: aotattn.flash_attn_func(*(t.to(torch.int32) for t in _qkv())), TypeError, "q: expected dtype"),
+    ("k dtype", lambda: _call(k=_qkv()[1].float()), TypeError, "k: expected dtype torch.float16"),
+    ("v dtype", lambda: _call(v=_qkv()[2].bfloat16()), TypeError, "v: expected dtype torch.float16"),
+    ("k device", lambda: _call(k=torch.empty(1, 8, 2, 16, dtype=torch.float16, device="meta")), ValueError,
+     "k: expected device cpu"),
+    ("meta device", lambda: aotattn.flash_attn_func(*(t.to("meta") for t in _qkv())), ValueError,
+     "q: expected a CUDA or CPU tensor"),
+    ("batch", lambda: _call(k=_qkv(b=2)[1]), ValueError, "k: expected batch size 1"),
+    ("kv lengths", lambda: _call(v=_qkv(sk=9)[2]), ValueError, "v: expected sequence length 8"),
+    ("kv heads", lambda: _call(v=_qkv(hk=1)[2]), ValueError, "v: expected 2 heads"),
+    ("gqa ratio", lambda: aotattn.flash_attn_func(*_qkv(hq=3, hk=2)), ValueError,
+     "q: expected a number of heads that is a multiple of k's 2"),
+    ("k head dim", lambda: _call(k=_qkv(d=32)[1]), ValueError, "k: expected head dim 16"),
+    ("head dim > 256", lambda: aotattn.flash_attn_func(*_qkv(d=257)), ValueError, "q: expected a head dim in 1..256"),
+    ("dv > 256", lambda: aotattn.flash_attn_func(*_qkv(dv=300)), ValueError, "v: expected a head dim in 1..256"),
+    ("last stride", lambda: _call(q=torch.randn(1, 8, 16, 2, dtype=torch.float16).transpose(2, 3)), ValueError,
+     "q: expected a unit stride in the last dimension"),
+    ("v last stride", lambda: _call(v=torch.randn(1, 8, 16, 2, dtype=torch.float16).transpose(2, 3)), ValueError,
+     "v: expected a unit stride"),
+    ("window type", lambda: _call(window_size=3), TypeError, "window_size: expected a pair of ints"),
+    ("window floats", lambda: _call(window_size=(1.0, 2)), TypeError, "window_size: expected a pair of ints"),
+    ("window < -1", lambda: _call(window_size=(-2, 0)), ValueError, "window_size: expected sizes >= 0"),
+    ("diagonal", lambda: _call(diagonal="middle"), ValueError, "diagonal: expected one of"),
+    ("scale nan", lambda: _call(softmax_scale=float("nan")), ValueError, "softmax_scale: expected a finite"),
+    ("scale inf", lambda: _call(softmax_scale=float("inf")), ValueError, "softmax_scale: expected a finite"),
+    ("scale str", lambda: _call(softmax_scale="1"), TypeError, "softmax_scale: expected a real number"),
+    ("causal str", lambda: _call(causal="yes"), TypeError, "causal: expected a bool"),
+    ("dropout range", lambda: _call(dropout_p=1.0), ValueError, "dropout_p: expected a float in [0, 1)"),
+    ("dropout negative", lambda: _call(dropout_p=-0.1), ValueError, "dropout_p: expected a float in [0, 1)"),
+    ("return_lse", lambda: _call(return_lse=1), TypeError, "return_lse: expected a bool"),
+]
+
+
+@pytest.mark.parametrize("case", FLASH_CASES, ids=[c[0] for c in FLASH_CASES])
+def test_flash_attn_func_rejects(case):
+    _, call, exc, message = case
+    with pytest.raises(exc) as info:
+        call()
+    assert message in str(info.value)
+
+
+def _sdpa(**changes):
+    q, k, v = (t.transpose(1, 2) for t in _qkv(hq=4, hk=2))
+    args = dict(query=q, key=k, value=v, enable_gqa=True)
+    args.update(changes)
+    return aotattn.scaled_dot_product_attention(**args)
+
+
+SDPA_CASES = [
+    ("gqa off", lambda: _sdpa(enable_gqa=False), ValueError, "key: expected 4 heads (those of query) unless enable_gqa"),
+    ("query 5-D", lambda: _sdpa(query=torch.randn(1, 1, 4, 8, 16)), ValueError, "query: expected a 4-D"),
+    ("scale nan", lambda: _sdpa(scale=float("nan")), ValueError, "scale: expected a finite"),
+    ("is_causal", lambda: _sdpa(is_causal=None), TypeError, "is_causal: expected a bool"),
+    ("value dtype", lambda: _sdpa(value=torch.randn(1, 2, 8, 16)), TypeError, "value: expected dtype torch.float16"),
+]
+
+
+@pytest.mark.parametrize("case", SDPA_CASES, ids=[c[0] for c in SDPA_CASES])
+def test_sdpa_rejects(case):
+    _, call, exc, message = case
+    with pytest.raises(exc) as info:
+        call()
+    assert message in str(info.value)
+
+
+def test_not_yet_implemented_features_say_so():
+    with pytest.raises(NotImplementedError, match="dropout"):
+        _call(dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        _sdpa(attn_mask=torch.zeros(8, 8))
