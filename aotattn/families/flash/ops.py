@@ -28,13 +28,12 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def forward_functional(p: Problem) -> Functional:
-    block_d = rules.head_dim_bucket(p.head_dim)
-    block_dv = rules.head_dim_bucket(p.head_dim_v)
+    bucket = rules.head_dim_bucket(max(p.head_dim, p.head_dim_v))  # see rules._unequal_head_buckets
     return Functional.of({
         "dtype": rules.DTYPES[p.dtype],
-        "BLOCK_D": block_d,
-        "BLOCK_DV": block_dv,
-        "PAD_HEAD": p.head_dim != block_d or p.head_dim_v != block_dv,
+        "BLOCK_D": bucket,
+        "BLOCK_DV": bucket,
+        "PAD_HEAD": p.head_dim != bucket or p.head_dim_v != bucket,
         "MASK": p.mask,
     })
 

@@ -32,6 +32,18 @@ def head_dim_bucket(head_dim: int) -> int:
     raise ValueError(f"head dim {head_dim} exceeds {MAX_HEAD_DIM}")
 
 
+def _unequal_head_buckets(functional: Mapping[str, Any]) -> bool:
+    """Q/K and V head dims share one bucket.
+
+    Triton 3.6 miscompiles the ``p @ v`` wgmma when the V bucket is narrower than the
+    Q/K one: with BLOCK_D=64, BLOCK_DV=32 on an H200, compute-sanitizer reports
+    ``HGMMA.64x32x16 ... tnspB`` reading shared memory out of bounds (wrong results or
+    an illegal address, depending on the configuration). Padding both to the bucket of
+    max(D, Dv) avoids it and keeps every built variant one the GPU tests cover.
+    """
+    return functional["BLOCK_D"] != functional["BLOCK_DV"]
+
+
 def _derive(functional: Mapping[str, Any]) -> dict[str, Any]:
     # fp32 inputs are computed in full fp32 ("ieee"), never tf32
     return {"PRECISION": "ieee" if functional["dtype"] == "fp32" else "tf32"}
@@ -69,6 +81,7 @@ ATTN_FWD = KernelSpec(
         ("num_stages", (1, 2, 3, 4)),
     ),
     derive=_derive,
+    disabled=_unequal_head_buckets,
 )
 
 KERNELS = {spec.name: spec for spec in (ATTN_FWD,)}
@@ -90,8 +103,9 @@ def default_config(kernel: KernelSpec, functional: Functional, device: torch.dev
         if widest <= 128:
             return Config.of(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
         return Config.of(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    # bf16/fp16, from the H200 sweep of 2026-11-29 (benchmarks/RESULTS.md)
     if widest <= 64:
-        return Config.of(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
-    if widest <= 128:
         return Config.of(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    return Config.of(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+    if widest <= 128:
+        return Config.of(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    return Config.of(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
