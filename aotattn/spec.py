@@ -106,8 +106,8 @@ class KernelSpec:
         arguments: runtime (non-constexpr) arguments, in order.
         functionals: compile-time axes and their choices, in order.
         tuning_space: tuning knobs (constexprs, ``num_warps``, ``num_stages``) and choices.
-        derive: constexprs computed from a functional (for example the dot precision
-            from the dtype); they are passed to the kernel but are not axes.
+        derive: values computed from a functional (the dot precision from the dtype, an
+            argument's element type); constexprs unless an argument type names them.
         disabled: a predicate on a functional that is never built (an impossible or
             unsupported combination).
     """
@@ -149,21 +149,26 @@ class KernelSpec:
 
     @property
     def type_axes(self) -> frozenset[str]:
-        """Axes that only fill argument types (``dtype`` in ``*{dtype}``), not constexprs."""
+        """Values that only fill argument types (``dtype`` in ``*{dtype}``), not constexprs."""
         return frozenset(field for arg in self.arguments
                          for _, field, _, _ in string.Formatter().parse(arg.type) if field)
 
+    def _values(self, functional: Functional) -> dict[str, Any]:
+        values = functional.as_dict()
+        if self.derive is not None:
+            values.update(self.derive(values))
+        return values
+
     def signature(self, functional: Functional) -> dict[str, str]:
         """Triton signature of the runtime arguments, in order."""
-        values = functional.as_dict()
+        values = self._values(functional)
         return {arg.name: arg.signature(values) for arg in self.arguments}
 
     def constexprs(self, functional: Functional, config: Config) -> dict[str, Any]:
         """All constexpr arguments of one compiled variant."""
-        values = {k: v for k, v in functional.items if k not in self.type_axes}
-        if self.derive is not None:
-            values.update(self.derive(functional.as_dict()))
-        values.update(config.constexprs)
+        values = {k: v for k, v in self._values(functional).items() if k not in self.type_axes}
+        knobs = {name for name, _ in self.tuning_space}
+        values.update({k: v for k, v in config.constexprs.items() if k in knobs})
         return values
 
 

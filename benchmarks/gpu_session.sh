@@ -20,7 +20,7 @@ for step in $steps; do
   case $step in
     tests) python -m pytest -m gpu -q -n 8 -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
            rc=$?; line=$(tail -n 1 "$OUT/tests.log") ;;
-    sweep) python benchmarks/sweep_forward.py > "$OUT/sweep.log" 2>&1
+    sweep) python benchmarks/sweep_configs.py > "$OUT/sweep.log" 2>&1
            rc=$?; line="see sweep.log" ;;
     bench) python benchmarks/bench_attention.py --passes "${BENCH_PASSES:-fwd}" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
            rc=$?; line="see bench.log" ;;

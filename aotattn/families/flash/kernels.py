@@ -34,6 +34,7 @@ from triton.language.standard import _elementwise_max, _sum_combine
 _INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -67,10 +68,12 @@ def _diagonal(seqlen_q, seqlen_k, MASK: tl.constexpr):
 @triton.jit
 def _key_blocks(row_lo, row_hi, seqlen_k, diag, window_left, window_right,
                 MASK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key ranges for query rows [row_lo, row_hi): (lo, a, b, hi).
+    """Column ranges seen by rows [row_lo, row_hi): (lo, a, b, hi).
 
     Blocks start at lo, a, b and step by BLOCK_N: [lo, a) and [b, hi) need masks,
-    [a, b) is seen by every row in full. All are empty when no key is visible.
+    [a, b) is seen by every row in full. All are empty when no column is visible.
+    Written for query rows and key columns; the backward's key-major loops call it
+    transposed (rows = keys, columns = queries, diag -> -diag, left <-> right).
     """
     if MASK != 0:
         lo = tl.maximum(row_lo + diag - window_left, 0)
@@ -91,7 +94,7 @@ def _key_blocks(row_lo, row_hi, seqlen_k, diag, window_left, window_right,
 
 @triton.jit
 def _visible(offs_m, offs_n, seqlen_k, diag, window_left, window_right, MASK: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] mask of the (row, column) pairs that attend."""
+    """[rows, columns] mask of the pairs that attend (columns past seqlen_k never do)."""
     keep = offs_n[None, :] < seqlen_k
     if MASK != 0:
         rel = offs_n[None, :] - (offs_m[:, None] + diag)
@@ -221,3 +224,316 @@ def attn_fwd(
     else:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None])
     tl.store(Lse + off_z * stride_lz + off_h * stride_lh + offs_m, lse, mask=m_in)
+
+
+# ---------------------------------------------------------------------------------------
+# Backward. With p = exp(s - lse) recomputed from the saved lse and
+# delta_i = sum_d dO[i, d] * O[i, d] = sum_j p_ij dp_ij:
+#     dv_j = sum_i p_ij dO_i          dp_ij = dO_i . v_j
+#     ds_ij = p_ij (dp_ij - delta_i)
+#     dq_i = scale sum_j ds_ij k_j    dk_j = scale sum_i ds_ij q_i
+# Key-major programs (dK, dV) hold a key block and loop over the query blocks that see
+# it, for every query head of the GQA group; query-major programs (dQ) hold a query
+# block and loop over its keys. Fully masked rows have lse = +inf, so p = 0 and every
+# gradient they touch is exactly 0.
+
+
+@triton.jit
+def attn_bwd_preprocess(
+    Out, DO, Delta,
+    stride_oz, stride_oh, stride_om,
+    stride_doz, stride_doh, stride_dom,
+    stride_lz, stride_lh,
+    seqlen_q, head_dim_v,
+    BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(dO * O) in fp32; grid (m blocks, Hq, B)."""
+    off_h = tl.program_id(1).to(tl.int64)
+    off_z = tl.program_id(2).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = (offs_m < seqlen_q)[:, None]
+    if PAD_HEAD:
+        mask = mask & (offs_dv < head_dim_v)[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    o = tl.load(Out + off_z * stride_oz + off_h * stride_oh + rows * stride_om + offs_dv[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + off_z * stride_doz + off_h * stride_doh + rows * stride_dom + offs_dv[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    tl.store(Delta + off_z * stride_lz + off_h * stride_lh + offs_m, _row_sum(o * do), mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _load_rows(ptrs, row_off, stride, rows_in, cols_in, MASKED: tl.constexpr, PAD_HEAD: tl.constexpr):
+    """A [rows, cols] tile at ptrs + row_off * stride, zero outside the tensor."""
+    if MASKED:
+        if PAD_HEAD:
+            return tl.load(ptrs + row_off * stride, mask=rows_in[:, None] & cols_in[None, :], other=0.0)
+        else:
+            return tl.load(ptrs + row_off * stride, mask=rows_in[:, None], other=0.0)
+    else:
+        if PAD_HEAD:
+            return tl.load(ptrs + row_off * stride, mask=cols_in[None, :], other=0.0)
+        else:
+            return tl.load(ptrs + row_off * stride)
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, dq_ptrs,
+                 stride_qm, stride_dom, stride_dqm, start, end,
+                 offs_n, offs_m, seqlen_q, diag, window_left, window_right, qk_scale, sm_scale,
+                 d_mask, dv_mask,
+                 MASKED: tl.constexpr, MASK: tl.constexpr, PAD_HEAD: tl.constexpr,
+                 ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    for start_m in range(start, end, BLOCK_M):
+        m_off = tl.cast(start_m, tl.int64)
+        rows = start_m + offs_m
+        m_in = rows < seqlen_q
+        q = _load_rows(q_ptrs, m_off, stride_qm, m_in, d_mask, MASKED, PAD_HEAD)  # [BLOCK_M, BLOCK_D]
+        do = _load_rows(do_ptrs, m_off, stride_dom, m_in, dv_mask, MASKED, PAD_HEAD)  # [BLOCK_M, BLOCK_DV]
+        if MASKED:
+            lse = tl.load(lse_ptr + rows, mask=m_in, other=float("inf"))
+            delta = tl.load(delta_ptr + rows, mask=m_in, other=0.0)
+        else:
+            lse = tl.load(lse_ptr + rows)
+            delta = tl.load(delta_ptr + rows)
+        # [BLOCK_N, BLOCK_M]: keys down, queries across
+        s_t = _mma(k, tl.trans(q), tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32), PRECISION) * qk_scale
+        p_t = tl.exp2(s_t - (lse * LOG2E)[None, :])
+        if MASKED:
+            keep = _visible(offs_n, rows, seqlen_q, -diag, window_right, window_left, MASK)
+            p_t = tl.where(keep, p_t, 0.0)
+        dv = _mma(p_t.to(do.dtype), do, dv, PRECISION)
+        dp_t = _mma(v, tl.trans(do), tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32), PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = _mma(ds_t.to(q.dtype), q, dk, PRECISION)
+        if ATOMIC_DQ:
+            dq = _mma(tl.trans(ds_t.to(k.dtype)), k, tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32), PRECISION)
+            tl.atomic_add(dq_ptrs + m_off * stride_dqm, dq * sm_scale,
+                          mask=m_in[:, None] & d_mask[None, :], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_program(
+    pid_n, off_hk, off_z,
+    Q, K, V, DO, DK, DV, Lse, Delta, DQ,
+    stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+    stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+    stride_lz, stride_lh, stride_dqz, stride_dqh, stride_dqm,
+    seqlen_q, seqlen_k, group_size, head_dim, head_dim_v, sm_scale, qk_scale, window_left, window_right,
+    MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
+    PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK, dV of BLOCK_N keys of one key/value head, summed over its query heads."""
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_mask = offs_d < head_dim
+    dv_mask = offs_dv < head_dim_v
+    n_in = offs_n < seqlen_k
+    keys = offs_n[:, None].to(tl.int64)
+    k = _load_rows(K + off_z * stride_kz + off_hk * stride_kh + keys * stride_kn + offs_d[None, :],
+                   0, 0, n_in, d_mask, True, PAD_HEAD)
+    v = _load_rows(V + off_z * stride_vz + off_hk * stride_vh + keys * stride_vn + offs_dv[None, :],
+                   0, 0, n_in, dv_mask, True, PAD_HEAD)
+    dk = tl.full((BLOCK_N, BLOCK_D), 0.0, tl.float32)
+    dv = tl.full((BLOCK_N, BLOCK_DV), 0.0, tl.float32)
+
+    diag = _diagonal(seqlen_q, seqlen_k, MASK)
+    # the queries that see these keys: the window transposed
+    lo, a, b, hi = _key_blocks(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k), seqlen_q, -diag,
+                               window_right, window_left, MASK, BLOCK_M)
+    for g in range(0, group_size):
+        off_h = (off_hk * group_size + g).to(tl.int64)
+        q_ptrs = Q + off_z * stride_qz + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+        do_ptrs = DO + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :]
+        dq_ptrs = DQ + off_z * stride_dqz + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
+        lse_ptr = Lse + off_z * stride_lz + off_h * stride_lh
+        delta_ptr = Delta + off_z * stride_lz + off_h * stride_lh
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, dq_ptrs,
+                              stride_qm, stride_dom, stride_dqm, lo, a,
+                              offs_n, offs_m, seqlen_q, diag, window_left, window_right, qk_scale, sm_scale,
+                              d_mask, dv_mask, True, MASK, PAD_HEAD, ATOMIC_DQ, BLOCK_M, BLOCK_N, BLOCK_D,
+                              PRECISION)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, dq_ptrs,
+                              stride_qm, stride_dom, stride_dqm, a, b,
+                              offs_n, offs_m, seqlen_q, diag, window_left, window_right, qk_scale, sm_scale,
+                              d_mask, dv_mask, False, MASK, PAD_HEAD, ATOMIC_DQ, BLOCK_M, BLOCK_N, BLOCK_D,
+                              PRECISION)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, dq_ptrs,
+                              stride_qm, stride_dom, stride_dqm, b, hi,
+                              offs_n, offs_m, seqlen_q, diag, window_left, window_right, qk_scale, sm_scale,
+                              d_mask, dv_mask, True, MASK, PAD_HEAD, ATOMIC_DQ, BLOCK_M, BLOCK_N, BLOCK_D,
+                              PRECISION)
+    dk = dk * sm_scale
+    tl.store(DK + off_z * stride_dkz + off_hk * stride_dkh + keys * stride_dkn + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=n_in[:, None] & d_mask[None, :])
+    tl.store(DV + off_z * stride_dvz + off_hk * stride_dvh + keys * stride_dvn + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=n_in[:, None] & dv_mask[None, :])
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, start, end,
+               offs_m, offs_n, seqlen_k, diag, window_left, window_right, qk_scale,
+               d_mask, dv_mask,
+               MASKED: tl.constexpr, MASK: tl.constexpr, PAD_HEAD: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    for start_n in range(start, end, BLOCK_N):
+        n_off = tl.cast(start_n, tl.int64)
+        n_in = (start_n + offs_n) < seqlen_k
+        k = _load_rows(k_ptrs, n_off, stride_kn, n_in, d_mask, MASKED, PAD_HEAD)  # [BLOCK_N, BLOCK_D]
+        v = _load_rows(v_ptrs, n_off, stride_vn, n_in, dv_mask, MASKED, PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
+        s = _mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION) * qk_scale
+        p = tl.exp2(s - lse2[:, None])
+        if MASKED:
+            keep = _visible(offs_m, start_n + offs_n, seqlen_k, diag, window_left, window_right, MASK)
+            p = tl.where(keep, p, 0.0)
+        dp = _mma(do, tl.trans(v), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = _mma(ds.to(k.dtype), k, dq, PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_program(
+    pid_m, off_h, off_z,
+    Q, K, V, DO, DQ, Lse, Delta,
+    stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+    stride_lz, stride_lh, stride_dqz, stride_dqh, stride_dqm,
+    seqlen_q, seqlen_k, group_size, head_dim, head_dim_v, sm_scale, qk_scale, window_left, window_right,
+    MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ of BLOCK_M query rows of one query head."""
+    off_hk = (off_h // group_size).to(tl.int64)
+    off_h = off_h.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_mask = offs_d < head_dim
+    dv_mask = offs_dv < head_dim_v
+    m_in = offs_m < seqlen_q
+    rows = offs_m[:, None].to(tl.int64)
+    q = _load_rows(Q + off_z * stride_qz + off_h * stride_qh + rows * stride_qm + offs_d[None, :],
+                   0, 0, m_in, d_mask, True, PAD_HEAD)
+    do = _load_rows(DO + off_z * stride_doz + off_h * stride_doh + rows * stride_dom + offs_dv[None, :],
+                    0, 0, m_in, dv_mask, True, PAD_HEAD)
+    lse2 = tl.load(Lse + off_z * stride_lz + off_h * stride_lh + offs_m, mask=m_in, other=float("inf")) * LOG2E
+    delta = tl.load(Delta + off_z * stride_lz + off_h * stride_lh + offs_m, mask=m_in, other=0.0)
+    k_ptrs = K + off_z * stride_kz + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + off_z * stride_vz + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :]
+    dq = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
+
+    diag = _diagonal(seqlen_q, seqlen_k, MASK)
+    lo, a, b, hi = _key_blocks(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q), seqlen_k, diag,
+                               window_left, window_right, MASK, BLOCK_N)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, lo, a,
+                    offs_m, offs_n, seqlen_k, diag, window_left, window_right, qk_scale, d_mask, dv_mask,
+                    True, MASK, PAD_HEAD, BLOCK_M, BLOCK_N, PRECISION)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, a, b,
+                    offs_m, offs_n, seqlen_k, diag, window_left, window_right, qk_scale, d_mask, dv_mask,
+                    False, MASK, PAD_HEAD, BLOCK_M, BLOCK_N, PRECISION)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, b, hi,
+                    offs_m, offs_n, seqlen_k, diag, window_left, window_right, qk_scale, d_mask, dv_mask,
+                    True, MASK, PAD_HEAD, BLOCK_M, BLOCK_N, PRECISION)
+    dq = dq * sm_scale
+    tl.store(DQ + off_z * stride_dqz + off_h * stride_dqh + rows * stride_dqm + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=m_in[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def attn_bwd_dkdv(
+    Q, K, V, DO, DK, DV, Lse, Delta,
+    stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+    stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+    stride_lz, stride_lh,
+    seqlen_q, seqlen_k, group_size, head_dim, head_dim_v, sm_scale, qk_scale, window_left, window_right,
+    MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Split backend, first kernel: dK and dV; grid (n blocks, Hk, B)."""
+    _dkdv_program(tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
+                  Q, K, V, DO, DK, DV, Lse, Delta, DK,
+                  stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                  stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+                  stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                  stride_lz, stride_lh, 0, 0, 0,
+                  seqlen_q, seqlen_k, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
+                  window_left, window_right,
+                  MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, PRECISION, False, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def attn_bwd_dq(
+    Q, K, V, DO, DQ, Lse, Delta,
+    stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+    stride_dqz, stride_dqh, stride_dqm, stride_lz, stride_lh,
+    seqlen_q, seqlen_k, group_size, head_dim, head_dim_v, sm_scale, qk_scale, window_left, window_right,
+    MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Split backend, second kernel: dQ; grid (m blocks, Hq, B)."""
+    _dq_program(tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64),
+                Q, K, V, DO, DQ, Lse, Delta,
+                stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+                stride_lz, stride_lh, stride_dqz, stride_dqh, stride_dqm,
+                seqlen_q, seqlen_k, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
+                window_left, window_right,
+                MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, PRECISION, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def attn_bwd_fused(
+    Q, K, V, DO, DQ, DK, DV, Lse, Delta,
+    stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+    stride_dqz, stride_dqh, stride_dqm,
+    stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+    stride_lz, stride_lh,
+    seqlen_q, seqlen_k, group_size, head_dim, head_dim_v, sm_scale, qk_scale, window_left, window_right,
+    MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
+    PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Fused backend: dK, dV and dQ in one launch; grid (programs, Hk, B).
+
+    ATOMIC_DQ: key-major programs only, each adding its dQ share into a zeroed fp32 DQ
+    with atomics (fast, not bitwise reproducible). Otherwise the first n-block programs
+    are key-major and the rest query-major (group_size of them per key/value head), so
+    nothing is accumulated across programs and the result is deterministic.
+    """
+    pid = tl.program_id(0)
+    off_hk = tl.program_id(1).to(tl.int64)
+    off_z = tl.program_id(2).to(tl.int64)
+    num_n_blocks = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+    if ATOMIC_DQ or pid < num_n_blocks:
+        _dkdv_program(pid, off_hk, off_z,
+                      Q, K, V, DO, DK, DV, Lse, Delta, DQ,
+                      stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                      stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+                      stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+                      stride_lz, stride_lh, stride_dqz, stride_dqh, stride_dqm,
+                      seqlen_q, seqlen_k, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
+                      window_left, window_right,
+                      MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, PRECISION, ATOMIC_DQ, BLOCK_M, BLOCK_N)
+    else:
+        num_m_blocks = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+        rest = pid - num_n_blocks
+        _dq_program(rest % num_m_blocks, off_hk * group_size + rest // num_m_blocks, off_z,
+                    Q, K, V, DO, DQ, Lse, Delta,
+                    stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+                    stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+                    stride_lz, stride_lh, stride_dqz, stride_dqh, stride_dqm,
+                    seqlen_q, seqlen_k, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
+                    window_left, window_right,
+                    MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, PRECISION, BLOCK_M, BLOCK_N)

@@ -66,11 +66,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     keep = visible(seqlen_q, seqlen_k, causal=causal, window_size=window_size,
                    diagonal=diagonal, device=q.device)
     scores = scores.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    empty = torch.isneginf(lse)
-    probs = torch.exp(scores - torch.where(empty, 0.0, lse)[..., None])
+    # rows that see no key (all -inf) get a finite stand-in so autograd stays NaN-free
+    empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
+    safe = scores.masked_fill(empty, 0.0)
+    lse = torch.logsumexp(safe, dim=-1, keepdim=True)
+    probs = torch.exp(safe - lse).masked_fill(empty, 0.0)
     if dropout_mask is not None:
         probs = probs * dropout_mask.to(torch.float64) / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
-    lse = torch.where(empty, float("inf"), lse)
+    lse = torch.where(empty, float("inf"), lse).squeeze(-1)
     return out, lse

@@ -84,7 +84,97 @@ ATTN_FWD = KernelSpec(
     disabled=_unequal_head_buckets,
 )
 
-KERNELS = {spec.name: spec for spec in (ATTN_FWD,)}
+def _derive_fused(functional: Mapping[str, Any]) -> dict[str, Any]:
+    # atomics accumulate dQ in a zeroed fp32 buffer; otherwise dQ is written in place
+    return {**_derive(functional), "dq_type": "fp32" if functional["ATOMIC_DQ"] else functional["dtype"]}
+
+
+_ATTN_AXES = ATTN_FWD.functionals
+_SCALARS = (Arg("seqlen_q", "i32"), Arg("seqlen_k", "i32"), Arg("group_size", "i32"), Arg("head_dim", "i32"),
+            Arg("head_dim_v", "i32"), Arg("sm_scale", "fp32"), Arg("qk_scale", "fp32"),
+            Arg("window_left", "i32"), Arg("window_right", "i32"))
+_QKV_DO_STRIDES = _strides("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn",
+                           "stride_vz", "stride_vh", "stride_vn", "stride_doz", "stride_doh", "stride_dom")
+_DKDV_STRIDES = _strides("stride_dkz", "stride_dkh", "stride_dkn", "stride_dvz", "stride_dvh", "stride_dvn")
+_DQ_STRIDES = _strides("stride_dqz", "stride_dqh", "stride_dqm")
+_LSE_STRIDES = _strides("stride_lz", "stride_lh")
+_BWD_TUNING = (
+    ("BLOCK_M", (16, 32, 64, 128)),
+    ("BLOCK_N", (16, 32, 64, 128)),
+    ("num_warps", (1, 2, 4, 8)),
+    ("num_stages", (1, 2, 3, 4)),
+)
+
+ATTN_BWD_PREPROCESS = KernelSpec(
+    family=FAMILY,
+    name="attn_bwd_preprocess",
+    module=KERNELS_MODULE,
+    function="attn_bwd_preprocess",
+    arguments=(
+        Arg("Out", "*{dtype}"), Arg("DO", "*{dtype}"), Arg("Delta", "*fp32"),
+        *_strides("stride_oz", "stride_oh", "stride_om", "stride_doz", "stride_doh", "stride_dom"),
+        *_LSE_STRIDES, Arg("seqlen_q", "i32"), Arg("head_dim_v", "i32"),
+    ),
+    functionals=(
+        ("dtype", ("fp16", "bf16", "fp32")),
+        ("BLOCK_DV", HEAD_DIM_BUCKETS),
+        ("PAD_HEAD", (False, True)),
+    ),
+    tuning_space=(("BLOCK_M", (16, 32, 64, 128)), ("num_warps", (1, 2, 4, 8)), ("num_stages", (1,))),
+)
+
+ATTN_BWD_DKDV = KernelSpec(
+    family=FAMILY,
+    name="attn_bwd_dkdv",
+    module=KERNELS_MODULE,
+    function="attn_bwd_dkdv",
+    arguments=(
+        Arg("Q", "*{dtype}"), Arg("K", "*{dtype}"), Arg("V", "*{dtype}"), Arg("DO", "*{dtype}"),
+        Arg("DK", "*{dtype}"), Arg("DV", "*{dtype}"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"),
+        *_QKV_DO_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_SCALARS,
+    ),
+    functionals=_ATTN_AXES,
+    tuning_space=_BWD_TUNING,
+    derive=_derive,
+    disabled=_unequal_head_buckets,
+)
+
+ATTN_BWD_DQ = KernelSpec(
+    family=FAMILY,
+    name="attn_bwd_dq",
+    module=KERNELS_MODULE,
+    function="attn_bwd_dq",
+    arguments=(
+        Arg("Q", "*{dtype}"), Arg("K", "*{dtype}"), Arg("V", "*{dtype}"), Arg("DO", "*{dtype}"),
+        Arg("DQ", "*{dtype}"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"),
+        *_QKV_DO_STRIDES, *_DQ_STRIDES, *_LSE_STRIDES, *_SCALARS,
+    ),
+    functionals=_ATTN_AXES,
+    tuning_space=_BWD_TUNING,
+    derive=_derive,
+    disabled=_unequal_head_buckets,
+)
+
+ATTN_BWD_FUSED = KernelSpec(
+    family=FAMILY,
+    name="attn_bwd_fused",
+    module=KERNELS_MODULE,
+    function="attn_bwd_fused",
+    arguments=(
+        Arg("Q", "*{dtype}"), Arg("K", "*{dtype}"), Arg("V", "*{dtype}"), Arg("DO", "*{dtype}"),
+        Arg("DQ", "*{dq_type}"), Arg("DK", "*{dtype}"), Arg("DV", "*{dtype}"),
+        Arg("Lse", "*fp32"), Arg("Delta", "*fp32"),
+        *_QKV_DO_STRIDES, *_DQ_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_SCALARS,
+    ),
+    functionals=_ATTN_AXES + (("ATOMIC_DQ", (False, True)),),
+    tuning_space=_BWD_TUNING,
+    derive=_derive_fused,
+    disabled=_unequal_head_buckets,
+)
+
+KERNELS = {spec.name: spec for spec in (ATTN_FWD, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ, ATTN_BWD_FUSED)}
+
+BACKENDS = ("split", "fused")
 
 # The interpreter runs one program at a time on numpy: small tiles keep every code path
 # (several key blocks, masked and unmasked runs) exercised at test sizes.
@@ -96,16 +186,36 @@ def default_config(kernel: KernelSpec, functional: Functional, device: torch.dev
     if device.type == "cpu":
         return INTERPRETER_CONFIG
     f = functional.as_dict()
-    widest = max(f["BLOCK_D"], f["BLOCK_DV"])
-    if f["dtype"] == "fp32":
+    widest = f["BLOCK_DV"] if kernel is ATTN_BWD_PREPROCESS else max(f["BLOCK_D"], f["BLOCK_DV"])
+    fp32 = f["dtype"] == "fp32"
+    if kernel is ATTN_BWD_PREPROCESS:
+        return Config.of(BLOCK_M=64 if widest <= 128 else 32, num_warps=4, num_stages=1)
+    if kernel is ATTN_FWD:
+        if fp32:
+            if widest <= 64:
+                return Config.of(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+            if widest <= 128:
+                return Config.of(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
+            return Config.of(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+        # bf16/fp16, from the H200 sweep of 2026-11-29 (benchmarks/RESULTS.md)
         if widest <= 64:
-            return Config.of(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+            return Config.of(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
         if widest <= 128:
-            return Config.of(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
-        return Config.of(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
-    # bf16/fp16, from the H200 sweep of 2026-11-29 (benchmarks/RESULTS.md)
+            return Config.of(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+        return Config.of(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
+    # backward kernels; BLOCK_M are query rows, BLOCK_N keys
+    if fp32:
+        if widest <= 64:
+            return Config.of(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+        return Config.of(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    # bf16/fp16: spill-free by ptxas at sm_90 (8 warps; dK/dV hold two fp32 accumulators)
+    if kernel is ATTN_BWD_DQ:
+        if widest <= 128:
+            return Config.of(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+        return Config.of(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+    atomic = kernel is ATTN_BWD_FUSED and f["ATOMIC_DQ"]
     if widest <= 64:
-        return Config.of(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+        return Config.of(BLOCK_M=32 if atomic else 64, BLOCK_N=128, num_warps=8, num_stages=2)
     if widest <= 128:
-        return Config.of(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
-    return Config.of(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
+        return Config.of(BLOCK_M=16 if atomic else 32, BLOCK_N=128, num_warps=8, num_stages=2)
+    return Config.of(BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2)

@@ -1,0 +1,146 @@
+"""Gradients of both backward backends against the float64 reference, CPU and GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aotattn
+from aotattn import reference
+from tests.conftest import DEVICES, TOLERANCE, rel_err
+from tests.families.flash.helpers import make_qkv, seed_from
+
+# backend, deterministic: fused without determinism accumulates dQ with atomics
+VARIANTS = [
+    pytest.param(("split", False), id="split"),
+    pytest.param(("fused", False), id="fused-atomic"),
+    pytest.param(("fused", True), id="fused-deterministic"),
+]
+LENGTHS = {"cpu": [(37, 53), (48, 48), (70, 21)], "cuda": [(300, 777), (1024, 1024), (1000, 333)]}
+MASKS = [
+    pytest.param({}, id="full"),
+    pytest.param({"causal": True}, id="causal-br"),
+    pytest.param({"causal": True, "diagonal": "top_left"}, id="causal-tl"),
+    pytest.param({"window_size": (9, 4)}, id="window-br"),
+    pytest.param({"window_size": (5, -1), "diagonal": "top_left"}, id="left-tl"),
+]
+
+
+def check_gradients(q, k, v, variant, **mask):
+    """Run forward + backward with a random upstream gradient; compare dq, dk, dv."""
+    backend, deterministic = variant
+    out = aotattn.flash_attn_func(q, k, v, backend=backend, deterministic=deterministic, **mask)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_inputs = [t.detach().to(torch.float64).requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference.attention(*ref_inputs, **mask)
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, dout.to(torch.float64))
+    for name, g, r, t in zip(("dq", "dk", "dv"), grads, ref_grads, (q, k, v)):
+        assert g.shape == t.shape and g.dtype == t.dtype, name
+        err = rel_err(g, r)
+        assert err < TOLERANCE[q.dtype], f"{name}: relative error {err:.3e} >= {TOLERANCE[q.dtype]:.0e}"
+    return grads, ref_grads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("length", [0, 1, 2], ids=["sq<sk", "sq=sk", "sq>sk"])
+def test_gradients_masks(request, device, variant, dtype, mask, length):
+    seed_from(request.node.nodeid)
+    seqlen_q, seqlen_k = LENGTHS[device][length]
+    head_dim = 40 if device == "cpu" else 128
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, head_dim, head_dim, dtype, device, requires_grad=True)
+    check_gradients(q, k, v, variant, **mask)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("head_dims", [(7, 13), (40, 24), (64, 64), (96, 96), (200, 72), (256, 256)],
+                         ids=lambda d: f"d{d[0]}-dv{d[1]}")
+def test_gradients_head_dims(request, device, variant, head_dims):
+    seed_from(request.node.nodeid)
+    seqlen_q, seqlen_k = (30, 41) if device == "cpu" else (513, 1029)
+    q, k, v = make_qkv(1, seqlen_q, seqlen_k, 2, 1, *head_dims, torch.float16, device, requires_grad=True)
+    check_gradients(q, k, v, variant, causal=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("heads", [(6, 1), (6, 3)], ids=lambda h: f"hq{h[0]}-hk{h[1]}")
+@pytest.mark.parametrize("scale", [None, 0.0, -0.7])
+def test_gradients_gqa_and_scale(request, device, variant, heads, scale):
+    seed_from(request.node.nodeid)
+    seqlen = 33 if device == "cpu" else 900
+    q, k, v = make_qkv(2, seqlen, seqlen + 7, *heads, 32, 32, torch.bfloat16, device, requires_grad=True)
+    check_gradients(q, k, v, variant, softmax_scale=scale, window_size=(11, 2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", [
+    pytest.param((50, 20, {"causal": True}), id="causal-br-sq>sk"),
+    pytest.param((30, 10, {"window_size": (2, 0), "diagonal": "top_left"}), id="window-tl"),
+    pytest.param((20, 0, {}), id="no-keys"),
+])
+def test_fully_masked_rows_have_zero_gradient(request, device, variant, case):
+    seed_from(request.node.nodeid)
+    seqlen_q, seqlen_k, mask = case
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 2, 1, 24, 24, torch.float32, device, requires_grad=True)
+    (dq, dk, dv), _ = check_gradients(q, k, v, variant, **mask)
+    _, ref_lse = reference.attention(q.detach(), k.detach(), v.detach(), **mask)
+    empty = torch.isinf(ref_lse).transpose(1, 2)  # (B, Sq, Hq)
+    assert empty.any()
+    for g in (dq, dk, dv):
+        assert not torch.isnan(g).any()
+    assert (dq[empty] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["split", "fused"])
+def test_deterministic_gradients_are_bitwise_identical(request, device, backend):
+    seed_from(request.node.nodeid)
+    seqlen = 40 if device == "cpu" else 2048
+    q, k, v = make_qkv(2, seqlen, seqlen, 8, 2, 64, 64, torch.bfloat16, device, requires_grad=True)
+    out = aotattn.flash_attn_func(q, k, v, causal=True, deterministic=True, backend=backend)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for _ in range(3):
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sdpa_gradients_match_torch(request, device):
+    seed_from(request.node.nodeid)
+    seqlen = 29 if device == "cpu" else 700
+    q, k, v = (t.transpose(1, 2).detach().requires_grad_()
+               for t in make_qkv(2, seqlen, seqlen + 5, 4, 4, 32, 32, torch.float32, device))
+    out = aotattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grads = torch.autograd.grad(out.sum() * 0.5 + (out * out).sum(), (q, k, v))
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_inputs, is_causal=True)
+    ref_grads = torch.autograd.grad(ref.sum() * 0.5 + (ref * ref).sum(), ref_inputs)
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < TOLERANCE[torch.float32]
+
+
+def test_gradcheck_fp32():
+    """Finite differences agree with the analytic backward (fp32, small, both backends)."""
+    torch.manual_seed(7)
+    q, k, v = make_qkv(1, 6, 9, 2, 1, 5, 3, torch.float32, "cpu", requires_grad=True)
+    for backend in ("split", "fused"):
+        def fn(q, k, v, backend=backend):
+            return aotattn.flash_attn_func(q, k, v, window_size=(3, 1), backend=backend)
+
+        assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-3, atol=2e-3, rtol=2e-2, fast_mode=True)
+
+
+def test_backend_argument_is_checked():
+    q, k, v = make_qkv(1, 8, 8, 1, 1, 16, 16, torch.float16, "cpu")
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        aotattn.flash_attn_func(q, k, v, backend="triton")
+    with pytest.raises(TypeError, match="deterministic: expected a bool"):
+        aotattn.flash_attn_func(q, k, v, deterministic=None)
