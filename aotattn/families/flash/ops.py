@@ -126,8 +126,13 @@ def backward_plans(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def choose_backend(p: Problem, deterministic: bool) -> str:
-    """The backend when the caller names none (until the tuning database decides)."""
-    return "fused"
+    """The backend when the caller names none (until the tuning database decides).
+
+    On the H200 the split backend beat fused-with-atomics at every benchmark shape
+    (benchmarks/RESULTS.md, 2026-11-29): fp32 atomics on dQ cost more than the two
+    extra matrix products the split dQ kernel recomputes.
+    """
+    return "split"
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -208,14 +208,14 @@ def default_config(kernel: KernelSpec, functional: Functional, device: torch.dev
         if widest <= 64:
             return Config.of(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
         return Config.of(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    # bf16/fp16: spill-free by ptxas at sm_90 (8 warps; dK/dV hold two fp32 accumulators)
+    # bf16/fp16, from the H200 sweep of 2026-11-29 (benchmarks/RESULTS.md)
     if kernel is ATTN_BWD_DQ:
+        if widest <= 64:
+            return Config.of(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
         if widest <= 128:
-            return Config.of(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+            return Config.of(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
         return Config.of(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     atomic = kernel is ATTN_BWD_FUSED and f["ATOMIC_DQ"]
-    if widest <= 64:
-        return Config.of(BLOCK_M=32 if atomic else 64, BLOCK_N=128, num_warps=8, num_stages=2)
     if widest <= 128:
-        return Config.of(BLOCK_M=16 if atomic else 32, BLOCK_N=128, num_warps=8, num_stages=2)
+        return Config.of(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=1 if atomic else 2)
     return Config.of(BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2)
