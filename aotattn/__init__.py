@@ -5,9 +5,11 @@ Public operators follow flash-attn's (``flash_attn_func``) and PyTorch's
 reference they are tested against. Importing aotattn touches no GPU driver.
 """
 
-from aotattn.families.flash import flash_attn_func, scaled_dot_product_attention
+from aotattn.families.flash import (dropout_mask, flash_attn_func, flash_attn_varlen_func,
+                                    scaled_dot_product_attention)
 from aotattn import reference
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attn_func", "scaled_dot_product_attention", "reference", "__version__"]
+__all__ = ["dropout_mask", "flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention",
+           "reference", "__version__"]

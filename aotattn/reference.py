@@ -1,5 +1,5 @@
 """The float64 reference of the attention contract (see docs/semantics.md)."""
 
-from aotattn.families.flash.reference import attention, visible
+from aotattn.families.flash.reference import attention, attention_varlen, visible
 
-__all__ = ["attention", "visible"]
+__all__ = ["attention", "attention_varlen", "visible"]

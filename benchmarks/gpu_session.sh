@@ -2,12 +2,12 @@
 # Everything the GPU machine is for, in one call: the GPU test suite, then benchmarks.
 # Logs go under $OUT (at most 8 files come back); a short summary is printed last.
 #
-#   bash benchmarks/gpu_session.sh [tests] [sweep] [bench]      (default: all three)
+#   bash benchmarks/gpu_session.sh [tests] [sweep] [bench] [features]   (default: all four)
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-steps=${*:-tests sweep bench}
+steps=${*:-tests sweep bench features}
 summary=()
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,utilization.gpu,memory.used \
@@ -22,8 +22,11 @@ for step in $steps; do
            rc=$?; line=$(tail -n 1 "$OUT/tests.log") ;;
     sweep) python benchmarks/sweep_configs.py > "$OUT/sweep.log" 2>&1
            rc=$?; line="see sweep.log" ;;
-    bench) python benchmarks/bench_attention.py --passes "${BENCH_PASSES:-fwd}" --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+    bench) python benchmarks/bench_attention.py --passes "${BENCH_PASSES:-fwd}" ${BENCH_SHAPES:+--shapes "$BENCH_SHAPES"} \
+             --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
            rc=$?; line="see bench.log" ;;
+    features) python benchmarks/bench_features.py > "$OUT/features.log" 2>&1
+           rc=$?; line="see features.log" ;;
     *) echo "unknown step $step"; continue ;;
   esac
   summary+=("$(printf '%-6s rc=%-3s %4ss  %s' "$step" "$rc" "$(( $(date +%s) - start ))" "$line")")
@@ -34,6 +37,7 @@ for step in $steps; do
     tests) grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 20 ;;
     sweep) sed -n '/^best per shape/,$p' "$OUT/sweep.log" ;;
     bench) sed -n '/TFLOP\/s (ms)/,$p' "$OUT/bench.log" ;;
+    features) tail -n 12 "$OUT/features.log" ;;
   esac
 done
 printf '%s\n' "${summary[@]}"

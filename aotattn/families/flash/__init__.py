@@ -1,5 +1,6 @@
 """Flash attention: forward and backward, masks, GQA, varlen, dropout, bias."""
 
-from aotattn.families.flash.ops import flash_attn_func, scaled_dot_product_attention
+from aotattn.families.flash.ops import (dropout_mask, flash_attn_func, flash_attn_varlen_func,
+                                        scaled_dot_product_attention)
 
-__all__ = ["flash_attn_func", "scaled_dot_product_attention"]
+__all__ = ["dropout_mask", "flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention"]

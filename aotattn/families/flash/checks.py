@@ -34,6 +34,8 @@ class Problem:
     mask: int  # MASK_NONE, MASK_TOP_LEFT or MASK_BOTTOM_RIGHT
     window_left: int  # -1: unbounded
     window_right: int  # -1: unbounded
+    dropout_p: float = 0.0
+    varlen: bool = False  # batch = number of sequences, seqlen_q/k = the longest
 
     @property
     def group_size(self) -> int:
@@ -84,13 +86,38 @@ def check_scale(name: str, scale: object, head_dim: int) -> float:
     return float(scale)
 
 
-def check_dropout(name: str, dropout_p: object) -> None:
+def check_dropout(name: str, dropout_p: object) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{name}: expected a float in [0, 1), got {type(dropout_p).__name__}")
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"{name}: expected a float in [0, 1), got {dropout_p}")
-    if dropout_p > 0.0:
-        raise NotImplementedError(f"{name} > 0: dropout is not implemented yet")
+    return float(dropout_p)
+
+
+def check_bias(name: str, bias: object, p: Problem, like: torch.Tensor, sdpa_mask: bool = False) -> torch.Tensor | None:
+    """An additive bias as a (B, Hq, Sq, Sk) view in q's dtype (broadcast dimensions stride 0).
+
+    ``sdpa_mask``: PyTorch's ``attn_mask`` convention, where a boolean mask keeps True.
+    """
+    if bias is None:
+        return None
+    bias = _tensor(name, bias)
+    if bias.device != like.device:
+        raise ValueError(f"{name}: expected device {like.device} (the device of the inputs), got {bias.device}")
+    if bias.dtype == torch.bool and sdpa_mask:
+        bias = torch.zeros(bias.shape, dtype=like.dtype, device=like.device).masked_fill_(~bias, float("-inf"))
+    elif not bias.dtype.is_floating_point or bias.dtype == torch.float64:
+        allowed = "float16, bfloat16, float32" + (" or bool" if sdpa_mask else "")
+        raise TypeError(f"{name}: expected dtype {allowed}, got {bias.dtype}")
+    full = (p.batch, p.heads_q, p.seqlen_q, p.seqlen_k)
+    try:
+        shape = torch.broadcast_shapes(bias.shape, full)
+    except RuntimeError:
+        shape = None
+    if bias.dim() > 4 or shape != full:
+        raise ValueError(f"{name}: expected a shape broadcastable to (B, Hq, Sq, Sk) = {full}, "
+                         f"got {tuple(bias.shape)}")
+    return bias.to(like.dtype).expand(full)
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -151,17 +178,71 @@ def check_flash(q: object, k: object, v: object, *, dropout_p: object, softmax_s
     names = ("q", "k", "v")
     check_tensors(names, q, k, v, "(batch, seqlen, heads, head_dim)")
     dims = check_shapes(names, q, k, v, batch_dim=0, seq_dim=1, heads_axis=2)
-    check_dropout("dropout_p", dropout_p)
+    dropout_p = check_dropout("dropout_p", dropout_p)
     causal = check_bool("causal", causal)
     window = check_window(window_size)
     if diagonal not in DIAGONALS:
         raise ValueError(f"diagonal: expected one of {DIAGONALS}, got {diagonal!r}")
     scale = check_scale("softmax_scale", softmax_scale, dims[5])
     mask, left, right = mask_mode(causal, window, diagonal)
-    return Problem(*dims, dtype=q.dtype, softmax_scale=scale, mask=mask, window_left=left, window_right=right)
+    return Problem(*dims, dtype=q.dtype, softmax_scale=scale, mask=mask, window_left=left, window_right=right,
+                   dropout_p=dropout_p)
 
 
-def check_sdpa(query: object, key: object, value: object, *, attn_mask: object, dropout_p: object,
+def _check_cu_seqlens(name: str, cu: object, device: torch.device, total: int) -> list[int]:
+    cu = _tensor(name, cu)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype torch.int32, got {cu.dtype}")
+    if cu.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of q), got {cu.device}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name}: expected a 1-D tensor of batch + 1 offsets, got shape {tuple(cu.shape)}")
+    offsets = cu.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"{name}: expected the first offset to be 0, got {offsets[0]}")
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"{name}: expected non-decreasing offsets, got {offsets}")
+    if offsets[-1] != total:
+        raise ValueError(f"{name}: expected the last offset to equal the number of tokens {total}, got {offsets[-1]}")
+    return offsets
+
+
+def check_varlen(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqlens_k: object,
+                 max_seqlen_q: object, max_seqlen_k: object, *, dropout_p: object, softmax_scale: object,
+                 causal: object, window_size: object, diagonal: object) -> Problem:
+    """Checks of :func:`aotattn.flash_attn_varlen_func` (``q (total_q, Hq, D)``)."""
+    names = ("q", "k", "v")
+    tensors = [_tensor(n, t) for n, t in zip(names, (q, k, v))]
+    for name, t in zip(names, tensors):
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-D tensor (total_tokens, heads, head_dim), got shape {tuple(t.shape)}")
+    check_tensors(names, *(t.unsqueeze(0) for t in tensors), "(total_tokens, heads, head_dim)")
+    _, _, _, heads_q, heads_k, head_dim, head_dim_v = check_shapes(
+        names, *(t.unsqueeze(0) for t in tensors), batch_dim=0, seq_dim=1, heads_axis=2)
+    offsets_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tensors[0].device, tensors[0].shape[0])
+    offsets_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tensors[0].device, tensors[1].shape[0])
+    if len(offsets_q) != len(offsets_k):
+        raise ValueError(f"cu_seqlens_k: expected {len(offsets_q)} offsets (those of cu_seqlens_q), "
+                         f"got {len(offsets_k)}")
+    for name, value, offsets in (("max_seqlen_q", max_seqlen_q, offsets_q), ("max_seqlen_k", max_seqlen_k, offsets_k)):
+        longest = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        if value < longest:
+            raise ValueError(f"{name}: expected at least the longest sequence, {longest}, got {value}")
+    dropout_p = check_dropout("dropout_p", dropout_p)
+    causal = check_bool("causal", causal)
+    window = check_window(window_size)
+    if diagonal not in DIAGONALS:
+        raise ValueError(f"diagonal: expected one of {DIAGONALS}, got {diagonal!r}")
+    scale = check_scale("softmax_scale", softmax_scale, head_dim)
+    mask, left, right = mask_mode(causal, window, diagonal)
+    return Problem(len(offsets_q) - 1, int(max_seqlen_q), int(max_seqlen_k), heads_q, heads_k, head_dim,
+                   head_dim_v, dtype=tensors[0].dtype, softmax_scale=scale, mask=mask, window_left=left,
+                   window_right=right, dropout_p=dropout_p, varlen=True)
+
+
+def check_sdpa(query: object, key: object, value: object, *, dropout_p: object,
                is_causal: object, scale: object, enable_gqa: object) -> Problem:
     """Checks of :func:`aotattn.scaled_dot_product_attention` (``query (B, H, S, D)``)."""
     names = ("query", "key", "value")
@@ -170,11 +251,9 @@ def check_sdpa(query: object, key: object, value: object, *, attn_mask: object, 
     dims = check_shapes(names, query, key, value, batch_dim=0, seq_dim=2, heads_axis=1)
     if not enable_gqa and dims[3] != dims[4]:
         raise ValueError(f"key: expected {dims[3]} heads (those of query) unless enable_gqa=True, got {dims[4]}")
-    if attn_mask is not None:
-        raise NotImplementedError("attn_mask: masks and biases are not implemented yet")
-    check_dropout("dropout_p", dropout_p)
+    dropout_p = check_dropout("dropout_p", dropout_p)
     causal = check_bool("is_causal", is_causal)
     softmax_scale = check_scale("scale", scale, dims[5])
     mask, left, right = mask_mode(causal, (-1, -1), "top_left")
     return Problem(*dims, dtype=query.dtype, softmax_scale=softmax_scale, mask=mask,
-                   window_left=left, window_right=right)
+                   window_left=left, window_right=right, dropout_p=dropout_p)

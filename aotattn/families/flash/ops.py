@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from aotattn.families.flash import rules
-from aotattn.families.flash.checks import Problem, check_bool, check_flash, check_sdpa
+from aotattn.families.flash.checks import (Problem, check_bias, check_bool, check_flash, check_sdpa,
+                                           check_varlen)
 from aotattn.runtime import launch
 from aotattn.spec import Config, Functional, KernelSpec, LaunchPlan
 
@@ -28,98 +30,160 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _bshd_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    """(batch, head, row) strides of a (B, S, H, D) view."""
-    return t.stride(0), t.stride(2), t.stride(1)
+def philox_state(dropout_p: float) -> tuple[int, int]:
+    """(seed, offset) of one dropout call, drawn from torch's default generator.
+
+    ``torch.manual_seed`` therefore reproduces every mask; :func:`dropout_mask` draws
+    the same way, so with the generator in the same state it returns the call's mask.
+    """
+    if dropout_p == 0.0:
+        return 0, 0
+    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()
+    return seed, offset
 
 
-def attention_functional(p: Problem) -> Functional:
-    """The compile-time choices shared by the forward and backward attention kernels."""
-    bucket = rules.head_dim_bucket(max(p.head_dim, p.head_dim_v))  # see rules._unequal_head_buckets
-    return Functional.of({
-        "dtype": rules.DTYPES[p.dtype],
-        "BLOCK_D": bucket,
-        "BLOCK_DV": bucket,
-        "PAD_HEAD": p.head_dim != bucket or p.head_dim_v != bucket,
-        "MASK": p.mask,
-    })
+@dataclass(frozen=True)
+class Call:
+    """One attention call, validated: the problem plus its optional tensors and RNG state."""
+
+    p: Problem
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # (B, Hq, Sq, Sk) view in q's dtype
+    bias_grad: bool = False
+    seed: int = 0
+    offset: int = 0
+
+    def functional(self, backward: bool = False) -> dict:
+        """The compile-time choices shared by the attention kernels."""
+        p = self.p
+        bucket = rules.head_dim_bucket(max(p.head_dim, p.head_dim_v))  # see rules._unequal_head_buckets
+        bias = 0 if self.bias is None else (2 if backward and self.bias_grad else 1)
+        return {
+            "dtype": rules.DTYPES[p.dtype],
+            "BLOCK_D": bucket,
+            "BLOCK_DV": bucket,
+            "PAD_HEAD": p.head_dim != bucket or p.head_dim_v != bucket,
+            "MASK": p.mask,
+            "VARLEN": p.varlen,
+            "DROPOUT": p.dropout_p > 0.0,
+            "BIAS": bias,
+        }
+
+    def rows(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """(batch, head, row) strides of q/k/v-like tensors: (B, S, H, D), or (T, H, D) under varlen."""
+        if self.p.varlen:
+            return 0, t.stride(1), t.stride(0)
+        return t.stride(0), t.stride(2), t.stride(1)
+
+    def sequences(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.p.varlen:
+            return self.cu_seqlens_q, self.cu_seqlens_k
+        unused = torch.empty(0, dtype=torch.int32, device=device)
+        return unused, unused
+
+    def bias_args(self, like: torch.Tensor) -> tuple:
+        if self.bias is None:
+            return (like, 0, 0, 0, 0)
+        return (self.bias, *self.bias.stride())
+
+    def window(self) -> tuple[int, int]:
+        return self.p.kernel_window()
+
+    def dropout(self) -> tuple[int, float, int, int]:
+        """(threshold, scale, seed, offset): keep an element when its Philox word >= threshold."""
+        p = self.p.dropout_p
+        return min(int(p * 2.0**32), 2**32), 1.0 / (1.0 - p), self.seed, self.offset
+
+    def sizes(self) -> tuple[int, ...]:
+        p = self.p
+        return p.seqlen_q, p.seqlen_k, p.heads_q, p.group_size, p.head_dim, p.head_dim_v
 
 
-def _plan(kernel: KernelSpec, functional: Functional, device: torch.device, config: Config | None,
+def _plan(kernel: KernelSpec, functional: Mapping, device: torch.device, config: Config | None,
           grid: Callable[[Config], tuple[int, int, int]], args: tuple) -> LaunchPlan:
+    functional = Functional.of(functional)
     if config is None:
         config = rules.default_config(kernel, functional, device)
     return LaunchPlan(kernel, functional, config, grid(config), args)
 
 
-def _scalars(p: Problem) -> tuple:
-    left, right = p.kernel_window()
-    return (p.seqlen_q, p.seqlen_k, p.group_size, p.head_dim, p.head_dim_v,
-            p.softmax_scale, p.softmax_scale * LOG2E, left, right)
+def forward_plan(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, config: Config | None = None) -> LaunchPlan:
+    """Plan of the forward kernel; ``lse`` is ``(B, Hq, Sq)``, or ``(Hq, total_q)`` under varlen."""
+    p = c.p
+    lse_strides = (0, lse.stride(0)) if p.varlen else (lse.stride(0), lse.stride(1))
+    left, right = c.window()
+    threshold, scale, seed, offset = c.dropout()
+    args = (q, k, v, out, lse, *c.sequences(q.device), c.bias_args(q)[0],
+            *c.rows(q), *c.rows(k), *c.rows(v), *c.rows(out), *lse_strides, *c.bias_args(q)[1:],
+            *c.sizes(), p.softmax_scale * LOG2E, left, right, threshold, scale, seed, offset)
+    return _plan(rules.ATTN_FWD, c.functional(), q.device, config,
+                 lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch), args)
 
 
-def forward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, p: Problem, config: Config | None = None) -> LaunchPlan:
-    """Plan of the forward kernel on ``(B, S, H, D)`` views; ``lse`` is ``(B, Hq, Sq)``."""
-    left, right = p.kernel_window()
-    args = (q, k, v, out, lse, *_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v),
-            *_bshd_strides(out), lse.stride(0), lse.stride(1),
-            p.seqlen_q, p.seqlen_k, p.group_size, p.head_dim, p.head_dim_v,
-            p.softmax_scale * LOG2E, left, right)
-    return _plan(rules.ATTN_FWD, attention_functional(p), q.device, config,
-                 lambda c: (_cdiv(p.seqlen_q, c["BLOCK_M"]), p.heads_q, p.batch), args)
+def _lse_shape(p: Problem, q: torch.Tensor) -> tuple[int, ...]:
+    return (p.heads_q, q.shape[0]) if p.varlen else (p.batch, p.heads_q, p.seqlen_q)
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      p: Problem, config: Config | None = None) -> torch.Tensor:
-    """Run the forward pass into ``out`` (a ``(B, Sq, Hq, Dv)`` view); returns the LSE."""
-    lse = _empty((p.batch, p.heads_q, p.seqlen_q), torch.float32, q.device)
-    launch(forward_plan(q, k, v, out, lse, p, config))
+def attention_forward(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      config: Config | None = None) -> torch.Tensor:
+    """Run the forward pass into ``out``; returns the log-sum-exp."""
+    lse = _empty(_lse_shape(c.p, q), torch.float32, q.device)
+    launch(forward_plan(c, q, k, v, out, lse, config))
     return lse
 
 
-def backward_plans(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor,
-                   dk: torch.Tensor, dv: torch.Tensor, p: Problem, backend: str, deterministic: bool,
-                   configs: Mapping[str, Config] | None = None) -> list[LaunchPlan]:
+                   dk: torch.Tensor, dv: torch.Tensor, dbias: torch.Tensor | None, backend: str,
+                   deterministic: bool, configs: Mapping[str, Config] | None = None) -> list[LaunchPlan]:
     """The launches of one backward pass, in order: preprocess, then the backend's kernels.
 
     With ``backend="fused"`` and not ``deterministic``, ``dq`` must be a zeroed fp32
     buffer that the kernel accumulates into with atomics.
     """
     configs = configs or {}
-    f = attention_functional(p)
+    p = c.p
+    f = c.functional(backward=True)
     dev = q.device
-    lse_strides = (lse.stride(0), lse.stride(1))
-    pre_f = Functional.of({"dtype": f["dtype"], "BLOCK_DV": f["BLOCK_DV"],
-                           "PAD_HEAD": p.head_dim_v != f["BLOCK_DV"]})
+    lse_strides = (0, lse.stride(0)) if p.varlen else (lse.stride(0), lse.stride(1))
+    cu_q, cu_k = c.sequences(dev)
+    pre_f = {"dtype": f["dtype"], "BLOCK_DV": f["BLOCK_DV"], "PAD_HEAD": p.head_dim_v != f["BLOCK_DV"],
+             "VARLEN": p.varlen}
     plans = [_plan(rules.ATTN_BWD_PREPROCESS, pre_f, dev, configs.get("attn_bwd_preprocess"),
-                   lambda c: (_cdiv(p.seqlen_q, c["BLOCK_M"]), p.heads_q, p.batch),
-                   (out, dout, delta, *_bshd_strides(out), *_bshd_strides(dout), *lse_strides,
-                    p.seqlen_q, p.head_dim_v))]
-    inputs = (*_bshd_strides(q), *_bshd_strides(k), *_bshd_strides(v), *_bshd_strides(dout))
-    dkdv_strides = (*_bshd_strides(dk), *_bshd_strides(dv))
+                   lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch),
+                   (out, dout, delta, cu_q, *c.rows(out), *c.rows(dout), *lse_strides, p.seqlen_q, p.head_dim_v))]
+    bias, *bias_strides = c.bias_args(q)
+    if dbias is None:
+        dbias_args, dbias_strides = delta, (0, 0, 0)
+    else:
+        dbias_args, dbias_strides = dbias, dbias.stride()[:3]
+    left, right = c.window()
+    scalars = (*c.sizes(), p.softmax_scale, p.softmax_scale * LOG2E, left, right, *c.dropout())
+    inputs = (*c.rows(q), *c.rows(k), *c.rows(v), *c.rows(dout))
+    dkdv_strides = (*c.rows(dk), *c.rows(dv))
     if backend == "split":
         plans.append(_plan(rules.ATTN_BWD_DKDV, f, dev, configs.get("attn_bwd_dkdv"),
-                           lambda c: (_cdiv(p.seqlen_k, c["BLOCK_N"]), p.heads_k, p.batch),
-                           (q, k, v, dout, dk, dv, lse, delta, *inputs, *dkdv_strides, *lse_strides,
-                            *_scalars(p))))
+                           lambda cfg: (_cdiv(p.seqlen_k, cfg["BLOCK_N"]), p.heads_k, p.batch),
+                           (q, k, v, dout, dk, dv, lse, delta, cu_q, cu_k, bias, *inputs, *dkdv_strides,
+                            *lse_strides, *bias_strides, *scalars)))
         plans.append(_plan(rules.ATTN_BWD_DQ, f, dev, configs.get("attn_bwd_dq"),
-                           lambda c: (_cdiv(p.seqlen_q, c["BLOCK_M"]), p.heads_q, p.batch),
-                           (q, k, v, dout, dq, lse, delta, *inputs, *_bshd_strides(dq), *lse_strides,
-                            *_scalars(p))))
+                           lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch),
+                           (q, k, v, dout, dq, lse, delta, cu_q, cu_k, bias, dbias_args, *inputs, *c.rows(dq),
+                            *lse_strides, *bias_strides, *dbias_strides, *scalars)))
     elif backend == "fused":
-        fused_f = Functional.of({**f.as_dict(), "ATOMIC_DQ": not deterministic})
+        fused_f = {**f, "ATOMIC_DQ": not deterministic}
 
-        def grid(c: Config) -> tuple[int, int, int]:
-            programs = _cdiv(p.seqlen_k, c["BLOCK_N"])
+        def grid(cfg: Config) -> tuple[int, int, int]:
+            programs = _cdiv(p.seqlen_k, cfg["BLOCK_N"])
             if deterministic:
-                programs += p.group_size * _cdiv(p.seqlen_q, c["BLOCK_M"])
+                programs += p.group_size * _cdiv(p.seqlen_q, cfg["BLOCK_M"])
             return programs, p.heads_k, p.batch
 
         plans.append(_plan(rules.ATTN_BWD_FUSED, fused_f, dev, configs.get("attn_bwd_fused"), grid,
-                           (q, k, v, dout, dq, dk, dv, lse, delta, *inputs, *_bshd_strides(dq),
-                            *dkdv_strides, *lse_strides, *_scalars(p))))
+                           (q, k, v, dout, dq, dk, dv, lse, delta, cu_q, cu_k, bias, dbias_args, *inputs,
+                            *c.rows(dq), *dkdv_strides, *lse_strides, *bias_strides, *dbias_strides, *scalars)))
     else:
         raise ValueError(f"backend: expected one of {rules.BACKENDS} or None, got {backend!r}")
     return plans
@@ -135,40 +199,48 @@ def choose_backend(p: Problem, deterministic: bool) -> str:
     return "split"
 
 
-def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, p: Problem, backend: str | None,
-                       deterministic: bool, configs: Mapping[str, Config] | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV (``(B, S, H, D)``, contiguous) from the upstream gradient ``dout``."""
+def attention_backward(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, backend: str | None, deterministic: bool,
+                       configs: Mapping[str, Config] | None = None):
+    """dQ, dK, dV (contiguous, shaped like q, k, v) and dBias (``(B, Hq, Sq, Sk)`` or None)."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    p = c.p
     backend = backend or choose_backend(p, deterministic)
     dev = q.device
     dk = _empty(tuple(k.shape), k.dtype, dev)
     dv = _empty(tuple(v.shape), v.dtype, dev)
-    delta = _empty((p.batch, p.heads_q, p.seqlen_q), torch.float32, dev)
+    delta = _empty(_lse_shape(p, q), torch.float32, dev)
     atomic = backend == "fused" and not deterministic
     dq = (torch.zeros(tuple(q.shape), dtype=torch.float32, device=dev) if atomic
           else _empty(tuple(q.shape), q.dtype, dev))
-    for plan in backward_plans(dout, q, k, v, out, lse, delta, dq, dk, dv, p, backend, deterministic, configs):
+    dbias = None
+    if c.bias_grad:
+        # tiles outside the mask are skipped, never written: their gradient is exactly 0
+        dbias = torch.zeros((p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), dtype=torch.float32, device=dev)
+    for plan in backward_plans(c, dout, q, k, v, out, lse, delta, dq, dk, dv, dbias, backend, deterministic,
+                               configs):
         launch(plan)
-    return (dq.to(q.dtype) if atomic else dq), dk, dv
+    return (dq.to(q.dtype) if atomic else dq), dk, dv, dbias
 
 
-def new_output(p: Problem, like: torch.Tensor, heads_major: bool) -> torch.Tensor:
-    """The output as a ``(B, Sq, Hq, Dv)`` view; ``heads_major`` stores it as ``(B, Hq, Sq, Dv)``."""
+def new_output(p: Problem, q: torch.Tensor, heads_major: bool) -> torch.Tensor:
+    """The output, laid out like q: ``(B, Sq, Hq, Dv)`` (stored ``(B, Hq, Sq, Dv)`` when
+    ``heads_major``), or ``(total_q, Hq, Dv)`` under varlen."""
+    if p.varlen:
+        return _empty((q.shape[0], p.heads_q, p.head_dim_v), q.dtype, q.device)
     if heads_major:
-        return _empty((p.batch, p.heads_q, p.seqlen_q, p.head_dim_v), like.dtype, like.device).transpose(1, 2)
-    return _empty((p.batch, p.seqlen_q, p.heads_q, p.head_dim_v), like.dtype, like.device)
+        return _empty((p.batch, p.heads_q, p.seqlen_q, p.head_dim_v), q.dtype, q.device).transpose(1, 2)
+    return _empty((p.batch, p.seqlen_q, p.heads_q, p.head_dim_v), q.dtype, q.device)
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, p, heads_major, backend, deterministic):
-        out = new_output(p, q, heads_major)
-        lse = attention_forward(q, k, v, out, p)
+    def forward(ctx, q, k, v, bias, c, heads_major, backend, deterministic):
+        out = new_output(c.p, q, heads_major)
+        lse = attention_forward(c, q, k, v, out)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.problem = p
+        ctx.call = c
         ctx.backend = backend
         ctx.deterministic = deterministic
         ctx.mark_non_differentiable(lse)
@@ -177,8 +249,8 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.problem, ctx.backend, ctx.deterministic)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv, dbias = attention_backward(ctx.call, dout, q, k, v, out, lse, ctx.backend, ctx.deterministic)
+        return dq, dk, dv, (None if dbias is None else dbias.to(ctx.call.bias.dtype)), None, None, None, None
 
 
 def _check_backend(backend: object) -> str | None:
@@ -187,18 +259,29 @@ def _check_backend(backend: object) -> str | None:
     return backend
 
 
-def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Problem, heads_major: bool,
+def _run(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_major: bool,
          backend: str | None, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _FlashAttention.apply(q, k, v, p, heads_major, backend, deterministic)
-    out = new_output(p, q, heads_major)
-    return out, attention_forward(q, k, v, out, p)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, c.bias)):
+        return _FlashAttention.apply(q, k, v, c.bias, c, heads_major, backend, deterministic)
+    out = new_output(c.p, q, heads_major)
+    return out, attention_forward(c, q, k, v, out)
+
+
+def _new_call(p: Problem, bias: torch.Tensor | None = None, cu_q=None, cu_k=None) -> Call:
+    seed, offset = philox_state(p.dropout_p)
+    return Call(p, cu_q, cu_k, bias, bias is not None and bias.requires_grad and torch.is_grad_enabled(),
+                seed, offset)
+
+
+def _deterministic(value: object) -> bool:
+    return check_bool("deterministic", value) or torch.are_deterministic_algorithms_enabled()
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                     softmax_scale: float | None = None, causal: bool = False,
                     window_size: tuple[int, int] = (-1, -1), diagonal: str = "bottom_right",
-                    deterministic: bool = False, return_lse: bool = False, *, backend: str | None = None):
+                    deterministic: bool = False, return_lse: bool = False, *,
+                    bias: torch.Tensor | None = None, backend: str | None = None):
     """Attention on flash-attn layouts.
 
     Query row i sees key column j iff ``i + d - left <= j <= i + d + right``, where
@@ -220,7 +303,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         k: ``(B, Sk, Hk, D)``, Hq a multiple of Hk (GQA/MQA).
         v: ``(B, Sk, Hk, Dv)``. D and Dv are any of 1..256. Any strides with a unit
             last-dim stride are used without a copy.
-        dropout_p: must be 0.0 for now.
+        dropout_p: probability of dropping an attention weight (Philox, drawn from torch's
+            default generator; :func:`aotattn.dropout_mask` returns the mask a call used).
         softmax_scale: multiplies ``q . k`` before the softmax; default ``1/sqrt(D)``.
             Any finite value, zero and negative included.
         causal: ``right = 0`` on the chosen diagonal.
@@ -229,6 +313,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         deterministic: bitwise reproducible gradients (no atomics in the backward pass).
             Also on when ``torch.use_deterministic_algorithms(True)`` is in effect.
         return_lse: also return the log-sum-exp (natural log, fp32, ``(B, Hq, Sq)``).
+        bias: additive, broadcastable to ``(B, Hq, Sq, Sk)``, added to the scaled scores;
+            differentiable (its gradient materialises a ``(B, Hq, Sq, Sk)`` fp32 buffer).
         backend: the backward pass: ``"split"`` (a dK/dV kernel, then a dQ kernel),
             ``"fused"`` (one launch) or None to let aotattn choose. For tests and
             measurement; both compute the same gradients.
@@ -239,8 +325,40 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     p = check_flash(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                     window_size=window_size, diagonal=diagonal)
     return_lse = check_bool("return_lse", return_lse)
-    deterministic = check_bool("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
-    out, lse = _run(q, k, v, p, False, _check_backend(backend), deterministic)
+    c = _new_call(p, check_bias("bias", bias, p, q))
+    out, lse = _run(c, q, k, v, False, _check_backend(backend), _deterministic(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), diagonal: str = "bottom_right",
+                           deterministic: bool = False, return_lse: bool = False, *,
+                           backend: str | None = None):
+    """Attention over a batch of sequences of different lengths, packed (flash-attn layout).
+
+    Sequence b holds rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k and v; it attends only within itself.
+    The mask is :func:`flash_attn_func`'s applied per sequence: on the bottom-right
+    diagonal each sequence uses its own ``d = seqlen_k - seqlen_q``. Empty sequences
+    are allowed.
+
+    Args:
+        q: ``(total_q, Hq, D)``; k: ``(total_k, Hk, D)``; v: ``(total_k, Hk, Dv)``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, starting at 0, non-decreasing,
+            ending at total_q / total_k, on q's device.
+        max_seqlen_q, max_seqlen_k: at least the longest sequence.
+        Other arguments: as in :func:`flash_attn_func`.
+
+    Returns:
+        ``out (total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)`` fp32.
+    """
+    p = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
+                     softmax_scale=softmax_scale, causal=causal, window_size=window_size, diagonal=diagonal)
+    return_lse = check_bool("return_lse", return_lse)
+    c = _new_call(p, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
+    out, lse = _run(c, q, k, v, False, _check_backend(backend), _deterministic(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -252,13 +370,14 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """Drop-in for :func:`torch.nn.functional.scaled_dot_product_attention`.
 
     PyTorch semantics: ``is_causal`` keeps key j for query i iff ``j <= i`` (top-left
-    diagonal), whatever the lengths; rows that see no key give 0.
+    diagonal), whatever the lengths; a float ``attn_mask`` is added to the scaled scores,
+    a boolean one keeps positions where it is True. Rows that see no key give 0.
 
     Args:
         query: ``(B, Hq, Sq, D)``; key: ``(B, Hk, Sk, D)``; value: ``(B, Hk, Sk, Dv)``.
             Hk must equal Hq unless ``enable_gqa``.
-        attn_mask: must be None for now.
-        dropout_p: must be 0.0 for now.
+        attn_mask: bool or float, broadcastable to ``(B, Hq, Sq, Sk)``.
+        dropout_p: as in :func:`flash_attn_func`.
         is_causal: top-left causal mask.
         scale: default ``1/sqrt(D)``.
         enable_gqa: allow Hq to be a multiple of Hk.
@@ -267,9 +386,34 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     Returns:
         ``(B, Hq, Sq, Dv)`` in query's dtype.
     """
-    p = check_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                   scale=scale, enable_gqa=enable_gqa)
-    deterministic = check_bool("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
+    p = check_sdpa(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                   enable_gqa=enable_gqa)
+    c = _new_call(p, check_bias("attn_mask", attn_mask, p, query, sdpa_mask=True))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out, _ = _run(q, k, v, p, True, _check_backend(backend), deterministic)
+    out, _ = _run(c, q, k, v, True, _check_backend(backend), _deterministic(deterministic))
     return out.transpose(1, 2)
+
+
+def dropout_mask(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """The keep-mask (bool, ``(batch, heads_q, seqlen_q, seqlen_k)``) of a dropout call.
+
+    Draws its Philox state from torch's default generator exactly as an attention call
+    does: put the generator in the state that call saw (``torch.manual_seed(s)`` before
+    both, or ``torch.set_rng_state``) and this returns the very mask the call applied.
+    Element ``[b, h, i, j]`` is True where weight (i, j) of query head h of batch entry b
+    was kept. Under varlen, pass the number of sequences and ``max_seqlen_q/k``; sequence
+    b's mask is ``[b, :, :seqlen_q_b, :seqlen_k_b]``.
+    """
+    device = torch.device(device)
+    dropout_p = float(dropout_p)
+    if not 0.0 < dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a float in (0, 1), got {dropout_p}")
+    seed, offset = philox_state(dropout_p)
+    mask = _empty((batch, heads_q, seqlen_q, seqlen_k), torch.int8, device)
+    kernel = rules.DROPOUT_MASK
+    config = rules.default_config(kernel, Functional.of({}), device)
+    launch(LaunchPlan(kernel, Functional.of({}), config, (_cdiv(seqlen_q, config["BLOCK_M"]), heads_q, batch),
+                      (mask, *mask.stride()[:3], seqlen_q, seqlen_k, heads_q, min(int(dropout_p * 2.0**32), 2**32),
+                       seed, offset)))
+    return mask.bool()

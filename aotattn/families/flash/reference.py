@@ -76,3 +76,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     lse = torch.where(empty, float("inf"), lse).squeeze(-1)
     return out, lse
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, *, dropout_mask: torch.Tensor | None = None,
+                     **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences, computed sequence by sequence with :func:`attention`.
+
+    ``q (total_q, Hq, D)``; returns ``out (total_q, Hq, Dv)`` and ``lse (Hq, total_q)``.
+    ``dropout_mask`` is ``(batch, Hq, max_seqlen_q, max_seqlen_k)``, as
+    :func:`aotattn.dropout_mask` returns it.
+    """
+    outs, lses = [], []
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b, (q0, q1, k0, k1) in enumerate(zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:])):
+        mask = None if dropout_mask is None else dropout_mask[b:b + 1, :, :q1 - q0, :k1 - k0]
+        out, lse = attention(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dropout_mask=mask, **kwargs)
+        outs.append(out[0])
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)

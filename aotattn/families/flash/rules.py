@@ -53,6 +53,53 @@ def _strides(*names: str) -> tuple[Arg, ...]:
     return tuple(Arg(name, "i64") for name in names)
 
 
+def _no_bias_under_varlen(functional: Mapping[str, Any]) -> bool:
+    return bool(functional.get("VARLEN")) and bool(functional.get("BIAS"))
+
+
+def _disabled(functional: Mapping[str, Any]) -> bool:
+    return _unequal_head_buckets(functional) or _no_bias_under_varlen(functional)
+
+
+def _derive_fused(functional: Mapping[str, Any]) -> dict[str, Any]:
+    # atomics accumulate dQ in a zeroed fp32 buffer; otherwise dQ is written in place
+    return {**_derive(functional), "dq_type": "fp32" if functional["ATOMIC_DQ"] else functional["dtype"]}
+
+
+_I32, _I64, _F32 = "i32", "i64", "fp32"
+_SEQUENCES = (Arg("CuSeqlensQ", "*i32"), Arg("CuSeqlensK", "*i32"))
+_QKV_DO_STRIDES = _strides("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn",
+                           "stride_vz", "stride_vh", "stride_vn", "stride_doz", "stride_doh", "stride_dom")
+_DKDV_STRIDES = _strides("stride_dkz", "stride_dkh", "stride_dkn", "stride_dvz", "stride_dvh", "stride_dvn")
+_DQ_STRIDES = _strides("stride_dqz", "stride_dqh", "stride_dqm")
+_LSE_STRIDES = _strides("stride_lz", "stride_lh")
+_BIAS_STRIDES = _strides("stride_bz", "stride_bh", "stride_bm", "stride_bn")
+_DBIAS_STRIDES = _strides("stride_dbz", "stride_dbh", "stride_dbm")
+_SIZES = (Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("num_heads_q", _I32),
+          Arg("group_size", _I32), Arg("head_dim", _I32), Arg("head_dim_v", _I32))
+_DROPOUT = (Arg("dropout_threshold", _I64), Arg("dropout_scale", _F32), Arg("philox_seed", _I64),
+            Arg("philox_offset", _I64))
+_BWD_SCALARS = (*_SIZES, Arg("sm_scale", _F32), Arg("qk_scale", _F32), Arg("window_left", _I32),
+                Arg("window_right", _I32), *_DROPOUT)
+_COMMON_AXES = (
+    ("dtype", ("fp16", "bf16", "fp32")),
+    ("BLOCK_D", HEAD_DIM_BUCKETS),
+    ("BLOCK_DV", HEAD_DIM_BUCKETS),
+    ("PAD_HEAD", (False, True)),
+    ("MASK", (MASK_NONE, MASK_TOP_LEFT, MASK_BOTTOM_RIGHT)),
+    ("VARLEN", (False, True)),
+    ("DROPOUT", (False, True)),
+)
+# BIAS: 0 none, 1 an additive bias, 2 a bias whose gradient is wanted (backward only)
+_FWD_AXES = _COMMON_AXES + (("BIAS", (0, 1)),)
+_BWD_AXES = _COMMON_AXES + (("BIAS", (0, 1, 2)),)
+_TUNING = (
+    ("BLOCK_M", (16, 32, 64, 128)),
+    ("BLOCK_N", (16, 32, 64, 128)),
+    ("num_warps", (1, 2, 4, 8)),
+    ("num_stages", (1, 2, 3, 4)),
+)
+
 ATTN_FWD = KernelSpec(
     family=FAMILY,
     name="attn_fwd",
@@ -60,49 +107,16 @@ ATTN_FWD = KernelSpec(
     function="attn_fwd",
     arguments=(
         Arg("Q", "*{dtype}"), Arg("K", "*{dtype}"), Arg("V", "*{dtype}"),
-        Arg("Out", "*{dtype}"), Arg("Lse", "*fp32"),
+        Arg("Out", "*{dtype}"), Arg("Lse", "*fp32"), *_SEQUENCES, Arg("Bias", "*{dtype}"),
         *_strides("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn",
-                  "stride_vz", "stride_vh", "stride_vn", "stride_oz", "stride_oh", "stride_om",
-                  "stride_lz", "stride_lh"),
-        Arg("seqlen_q", "i32"), Arg("seqlen_k", "i32"), Arg("group_size", "i32"), Arg("head_dim", "i32"), Arg("head_dim_v", "i32"),
-        Arg("qk_scale", "fp32"), Arg("window_left", "i32"), Arg("window_right", "i32"),
+                  "stride_vz", "stride_vh", "stride_vn", "stride_oz", "stride_oh", "stride_om"),
+        *_LSE_STRIDES, *_BIAS_STRIDES, *_SIZES,
+        Arg("qk_scale", _F32), Arg("window_left", _I32), Arg("window_right", _I32), *_DROPOUT,
     ),
-    functionals=(
-        ("dtype", ("fp16", "bf16", "fp32")),
-        ("BLOCK_D", HEAD_DIM_BUCKETS),
-        ("BLOCK_DV", HEAD_DIM_BUCKETS),
-        ("PAD_HEAD", (False, True)),
-        ("MASK", (MASK_NONE, MASK_TOP_LEFT, MASK_BOTTOM_RIGHT)),
-    ),
-    tuning_space=(
-        ("BLOCK_M", (16, 32, 64, 128)),
-        ("BLOCK_N", (16, 32, 64, 128)),
-        ("num_warps", (1, 2, 4, 8)),
-        ("num_stages", (1, 2, 3, 4)),
-    ),
+    functionals=_FWD_AXES,
+    tuning_space=_TUNING,
     derive=_derive,
-    disabled=_unequal_head_buckets,
-)
-
-def _derive_fused(functional: Mapping[str, Any]) -> dict[str, Any]:
-    # atomics accumulate dQ in a zeroed fp32 buffer; otherwise dQ is written in place
-    return {**_derive(functional), "dq_type": "fp32" if functional["ATOMIC_DQ"] else functional["dtype"]}
-
-
-_ATTN_AXES = ATTN_FWD.functionals
-_SCALARS = (Arg("seqlen_q", "i32"), Arg("seqlen_k", "i32"), Arg("group_size", "i32"), Arg("head_dim", "i32"),
-            Arg("head_dim_v", "i32"), Arg("sm_scale", "fp32"), Arg("qk_scale", "fp32"),
-            Arg("window_left", "i32"), Arg("window_right", "i32"))
-_QKV_DO_STRIDES = _strides("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn",
-                           "stride_vz", "stride_vh", "stride_vn", "stride_doz", "stride_doh", "stride_dom")
-_DKDV_STRIDES = _strides("stride_dkz", "stride_dkh", "stride_dkn", "stride_dvz", "stride_dvh", "stride_dvn")
-_DQ_STRIDES = _strides("stride_dqz", "stride_dqh", "stride_dqm")
-_LSE_STRIDES = _strides("stride_lz", "stride_lh")
-_BWD_TUNING = (
-    ("BLOCK_M", (16, 32, 64, 128)),
-    ("BLOCK_N", (16, 32, 64, 128)),
-    ("num_warps", (1, 2, 4, 8)),
-    ("num_stages", (1, 2, 3, 4)),
+    disabled=_disabled,
 )
 
 ATTN_BWD_PREPROCESS = KernelSpec(
@@ -111,14 +125,15 @@ ATTN_BWD_PREPROCESS = KernelSpec(
     module=KERNELS_MODULE,
     function="attn_bwd_preprocess",
     arguments=(
-        Arg("Out", "*{dtype}"), Arg("DO", "*{dtype}"), Arg("Delta", "*fp32"),
+        Arg("Out", "*{dtype}"), Arg("DO", "*{dtype}"), Arg("Delta", "*fp32"), Arg("CuSeqlensQ", "*i32"),
         *_strides("stride_oz", "stride_oh", "stride_om", "stride_doz", "stride_doh", "stride_dom"),
-        *_LSE_STRIDES, Arg("seqlen_q", "i32"), Arg("head_dim_v", "i32"),
+        *_LSE_STRIDES, Arg("max_seqlen_q", _I32), Arg("head_dim_v", _I32),
     ),
     functionals=(
         ("dtype", ("fp16", "bf16", "fp32")),
         ("BLOCK_DV", HEAD_DIM_BUCKETS),
         ("PAD_HEAD", (False, True)),
+        ("VARLEN", (False, True)),
     ),
     tuning_space=(("BLOCK_M", (16, 32, 64, 128)), ("num_warps", (1, 2, 4, 8)), ("num_stages", (1,))),
 )
@@ -131,12 +146,13 @@ ATTN_BWD_DKDV = KernelSpec(
     arguments=(
         Arg("Q", "*{dtype}"), Arg("K", "*{dtype}"), Arg("V", "*{dtype}"), Arg("DO", "*{dtype}"),
         Arg("DK", "*{dtype}"), Arg("DV", "*{dtype}"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"),
-        *_QKV_DO_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_SCALARS,
+        *_SEQUENCES, Arg("Bias", "*{dtype}"),
+        *_QKV_DO_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_BWD_SCALARS,
     ),
-    functionals=_ATTN_AXES,
-    tuning_space=_BWD_TUNING,
+    functionals=_BWD_AXES,
+    tuning_space=_TUNING,
     derive=_derive,
-    disabled=_unequal_head_buckets,
+    disabled=_disabled,
 )
 
 ATTN_BWD_DQ = KernelSpec(
@@ -146,13 +162,14 @@ ATTN_BWD_DQ = KernelSpec(
     function="attn_bwd_dq",
     arguments=(
         Arg("Q", "*{dtype}"), Arg("K", "*{dtype}"), Arg("V", "*{dtype}"), Arg("DO", "*{dtype}"),
-        Arg("DQ", "*{dtype}"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"),
-        *_QKV_DO_STRIDES, *_DQ_STRIDES, *_LSE_STRIDES, *_SCALARS,
+        Arg("DQ", "*{dtype}"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"), *_SEQUENCES,
+        Arg("Bias", "*{dtype}"), Arg("DBias", "*fp32"),
+        *_QKV_DO_STRIDES, *_DQ_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES, *_BWD_SCALARS,
     ),
-    functionals=_ATTN_AXES,
-    tuning_space=_BWD_TUNING,
+    functionals=_BWD_AXES,
+    tuning_space=_TUNING,
     derive=_derive,
-    disabled=_unequal_head_buckets,
+    disabled=_disabled,
 )
 
 ATTN_BWD_FUSED = KernelSpec(
@@ -163,16 +180,43 @@ ATTN_BWD_FUSED = KernelSpec(
     arguments=(
         Arg("Q", "*{dtype}"), Arg("K", "*{dtype}"), Arg("V", "*{dtype}"), Arg("DO", "*{dtype}"),
         Arg("DQ", "*{dq_type}"), Arg("DK", "*{dtype}"), Arg("DV", "*{dtype}"),
-        Arg("Lse", "*fp32"), Arg("Delta", "*fp32"),
-        *_QKV_DO_STRIDES, *_DQ_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_SCALARS,
+        Arg("Lse", "*fp32"), Arg("Delta", "*fp32"), *_SEQUENCES, Arg("Bias", "*{dtype}"), Arg("DBias", "*fp32"),
+        *_QKV_DO_STRIDES, *_DQ_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES,
+        *_BWD_SCALARS,
     ),
-    functionals=_ATTN_AXES + (("ATOMIC_DQ", (False, True)),),
-    tuning_space=_BWD_TUNING,
+    functionals=_BWD_AXES + (("ATOMIC_DQ", (False, True)),),
+    tuning_space=_TUNING,
     derive=_derive_fused,
-    disabled=_unequal_head_buckets,
+    disabled=_disabled,
 )
 
-KERNELS = {spec.name: spec for spec in (ATTN_FWD, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ, ATTN_BWD_FUSED)}
+DROPOUT_MASK = KernelSpec(
+    family=FAMILY,
+    name="dropout_mask",
+    module=KERNELS_MODULE,
+    function="dropout_mask_kernel",
+    arguments=(
+        Arg("Mask", "*i8"), *_strides("stride_mz", "stride_mh", "stride_mm"),
+        Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("num_heads_q", _I32),
+        Arg("dropout_threshold", _I64), Arg("philox_seed", _I64), Arg("philox_offset", _I64),
+    ),
+    functionals=(),
+    tuning_space=(("BLOCK_M", (16, 32, 64)), ("BLOCK_N", (16, 32, 64, 128)), ("num_warps", (4,)),
+                  ("num_stages", (1,))),
+)
+
+PHILOX_WORDS = KernelSpec(
+    family=FAMILY,
+    name="philox_words",
+    module=KERNELS_MODULE,
+    function="philox_words",
+    arguments=(Arg("Out", "*i64"), Arg("seed", _I64), Arg("offset", _I64), Arg("base", _I64), Arg("n", _I32)),
+    functionals=(),
+    tuning_space=(("BLOCK", (128,)), ("num_warps", (4,)), ("num_stages", (1,))),
+)
+
+KERNELS = {spec.name: spec for spec in (ATTN_FWD, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ,
+                                        ATTN_BWD_FUSED, DROPOUT_MASK, PHILOX_WORDS)}
 
 BACKENDS = ("split", "fused")
 
@@ -183,6 +227,8 @@ INTERPRETER_CONFIG = Config.of(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1
 
 def default_config(kernel: KernelSpec, functional: Functional, device: torch.device) -> Config:
     """Hand-picked configurations, until the tuning database decides."""
+    if kernel is DROPOUT_MASK:
+        return Config.of(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
     if device.type == "cpu":
         return INTERPRETER_CONFIG
     f = functional.as_dict()

@@ -87,10 +87,3 @@ def test_sdpa_rejects(case):
     with pytest.raises(exc) as info:
         call()
     assert message in str(info.value)
-
-
-def test_not_yet_implemented_features_say_so():
-    with pytest.raises(NotImplementedError, match="dropout"):
-        _call(dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        _sdpa(attn_mask=torch.zeros(8, 8))

@@ -1,0 +1,94 @@
+"""Additive bias (broadcast dimensions, gradient) and SDPA's attn_mask."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aotattn
+from aotattn import reference
+from tests.conftest import DEVICES, TOLERANCE, rel_err
+from tests.families.flash.helpers import make_qkv, seed_from
+
+SHAPES = [  # bias shape as a function of (B, H, Sq, Sk)
+    pytest.param(lambda b, h, sq, sk: (b, h, sq, sk), id="full"),
+    pytest.param(lambda b, h, sq, sk: (1, h, sq, sk), id="batch-broadcast"),
+    pytest.param(lambda b, h, sq, sk: (b, 1, sq, sk), id="head-broadcast"),
+    pytest.param(lambda b, h, sq, sk: (sq, sk), id="2d"),
+    pytest.param(lambda b, h, sq, sk: (b, h, 1, sk), id="row-broadcast"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("variant", [("split", False), ("fused", False), ("fused", True)],
+                         ids=["split", "fused-atomic", "fused-deterministic"])
+def test_bias_forward_and_gradients(request, device, shape, variant):
+    seed_from(request.node.nodeid)
+    b, h, sq, sk = (2, 4, 37, 45) if device == "cpu" else (2, 8, 600, 1000)
+    q, k, v = make_qkv(b, sq, sk, h, 2, 32, 32, torch.float32, device, requires_grad=True)
+    bias = torch.randn(shape(b, h, sq, sk), device=device, requires_grad=True)
+    out = aotattn.flash_attn_func(q, k, v, bias=bias, causal=True, backend=variant[0], deterministic=variant[1])
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    ref_out, _ = reference.attention(*ref_in[:3], bias=ref_in[3], causal=True)
+    assert rel_err(out, ref_out) < TOLERANCE[torch.float32]
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, bias), dout)
+    ref_grads = torch.autograd.grad(ref_out, ref_in, dout.double())
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
+        assert g.shape == r.shape, name
+        assert rel_err(g, r) < TOLERANCE[torch.float32], name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bias_without_grad_and_in_bf16(request, device):
+    seed_from(request.node.nodeid)
+    q, k, v = make_qkv(2, 33, 40, 4, 4, 64, 64, torch.bfloat16, device, requires_grad=True)
+    bias = torch.randn(1, 4, 33, 40, device=device, dtype=torch.float32)
+    out = aotattn.flash_attn_func(q, k, v, bias=bias, window_size=(5, 5))
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference.attention(*ref_in, bias=bias.to(torch.bfloat16).double(), window_size=(5, 5))
+    assert rel_err(out, ref_out) < TOLERANCE[torch.bfloat16]
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for g, r in zip(grads, torch.autograd.grad(ref_out, ref_in, dout.double())):
+        assert rel_err(g, r) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_sdpa_attn_mask_matches_torch(request, device, kind):
+    seed_from(request.node.nodeid)
+    q, k, v = (t.transpose(1, 2) for t in make_qkv(2, 29, 31, 4, 4, 32, 32, torch.float32, device))
+    if kind == "float":
+        mask = torch.randn(2, 1, 29, 31, device=device)
+    else:
+        mask = torch.rand(29, 31, device=device) > 0.3
+        mask[:, 0] = True  # PyTorch gives NaN on fully masked rows; keep one key per row
+    out = aotattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask if kind == "bool" else mask.double())
+    assert rel_err(out, expected) < TOLERANCE[torch.float32]
+
+
+def test_boolean_mask_hiding_a_whole_row_gives_zero():
+    q, k, v = (t.transpose(1, 2) for t in make_qkv(1, 8, 8, 1, 1, 16, 16, torch.float32, "cpu"))
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    mask[3] = False
+    out = aotattn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert (out[0, 0, 3] == 0).all() and not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("bias, exc, message", [
+    (torch.randn(3, 8, 8), ValueError, "bias: expected a shape broadcastable to (B, Hq, Sq, Sk) = (1, 2, 8, 8)"),
+    (torch.randn(1, 1, 1, 2, 8, 8), ValueError, "bias: expected a shape broadcastable"),
+    (torch.zeros(8, 8, dtype=torch.int32), TypeError, "bias: expected dtype float16, bfloat16, float32"),
+    (torch.zeros(8, 8, dtype=torch.bool), TypeError, "bias: expected dtype float16, bfloat16, float32, got"),
+    (torch.zeros(8, 8, dtype=torch.float64), TypeError, "bias: expected dtype"),
+    ("x", TypeError, "bias: expected a torch.Tensor"),
+])
+def test_bias_rejects(bias, exc, message):
+    q, k, v = make_qkv(1, 8, 8, 2, 2, 16, 16, torch.float32, "cpu")
+    with pytest.raises(exc) as info:
+        aotattn.flash_attn_func(q, k, v, bias=bias)
+    assert message in str(info.value)

@@ -1,0 +1,97 @@
+"""Dropout: Philox known answers, keep rate, and forward/backward against the reference
+applied with the exact mask the kernel reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aotattn
+from aotattn import reference
+from aotattn.families.flash import rules
+from aotattn.runtime import launch
+from aotattn.spec import Config, Functional, LaunchPlan
+from tests.conftest import DEVICES, TOLERANCE, rel_err
+from tests.families.flash.helpers import make_qkv, seed_from
+from tests.families.flash.test_varlen import make_varlen
+
+
+def _signed(x: int) -> int:
+    return x - 2**64 if x >= 2**63 else x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("key, counter, expected", [
+    # Random123's known-answer vectors for Philox4x32-10: key (k0, k1), counter (c0..c3), first word
+    ((0, 0), (0, 0, 0, 0), 0x6627E8D5),
+    ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF,) * 4, 0x408F276D),
+    ((0xA4093822, 0x299F31D0), (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), 0xD16CFE09),
+])
+def test_philox_known_answers(device, key, counter, expected):
+    seed = _signed(key[0] | key[1] << 32)
+    idx = _signed(counter[0] | counter[1] << 32)
+    offset = _signed(counter[2] | counter[3] << 32)
+    out = torch.empty(1, dtype=torch.int64, device=device)
+    launch(LaunchPlan(rules.PHILOX_WORDS, Functional.of({}), Config.of(BLOCK=128, num_warps=4, num_stages=1),
+                      (1, 1, 1), (out, seed, offset, idx, 1)))
+    assert out.item() == expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
+def test_keep_rate_and_reproducibility(device, dropout_p):
+    n = (2, 2, 64, 100) if device == "cpu" else (8, 16, 512, 1000)
+    torch.manual_seed(3)
+    mask = aotattn.dropout_mask(*n, dropout_p, device=device)
+    total = mask.numel()
+    assert abs(mask.float().mean().item() - (1 - dropout_p)) < 5 * (dropout_p * (1 - dropout_p) / total) ** 0.5
+    torch.manual_seed(3)
+    assert torch.equal(mask, aotattn.dropout_mask(*n, dropout_p, device=device))
+    assert not torch.equal(mask, aotattn.dropout_mask(*n, dropout_p, device=device))  # state advanced
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", [("split", False), ("fused", False), ("fused", True)],
+                         ids=["split", "fused-atomic", "fused-deterministic"])
+@pytest.mark.parametrize("mask", [{}, {"causal": True}, {"window_size": (7, 3), "diagonal": "top_left"}],
+                         ids=["full", "causal", "window-tl"])
+def test_dropout_forward_and_backward(request, device, variant, mask):
+    seed_from(request.node.nodeid)
+    dropout_p = 0.3
+    seqlen_q, seqlen_k = (37, 45) if device == "cpu" else (700, 1100)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 32, 32, torch.float32, device, requires_grad=True)
+    state = torch.get_rng_state()
+    out = aotattn.flash_attn_func(q, k, v, dropout_p=dropout_p, backend=variant[0], deterministic=variant[1],
+                                  **mask)
+    torch.set_rng_state(state)
+    keep = aotattn.dropout_mask(2, 4, seqlen_q, seqlen_k, dropout_p, device=device)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference.attention(*ref_in, dropout_mask=keep, dropout_p=dropout_p, **mask)
+    assert rel_err(out, ref_out) < TOLERANCE[torch.float32]
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref_out, ref_in, dout.double())
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert rel_err(g, r) < TOLERANCE[torch.float32], name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_varlen(request, device):
+    seed_from(request.node.nodeid)
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(device, torch.float32)
+    state = torch.get_rng_state()
+    out = aotattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.2, causal=True)
+    torch.set_rng_state(state)
+    keep = aotattn.dropout_mask(len(cu_q) - 1, q.shape[1], max_q, max_k, 0.2, device=device)
+    ref_out, _ = reference.attention_varlen(q, k, v, cu_q, cu_k, dropout_mask=keep, dropout_p=0.2, causal=True)
+    assert rel_err(out, ref_out) < TOLERANCE[torch.float32]
+
+
+def test_dropout_changes_with_the_generator():
+    q, k, v = make_qkv(1, 16, 16, 1, 1, 16, 16, torch.float32, "cpu")
+    torch.manual_seed(1)
+    a = aotattn.flash_attn_func(q, k, v, dropout_p=0.5)
+    torch.manual_seed(1)
+    b = aotattn.flash_attn_func(q, k, v, dropout_p=0.5)
+    c = aotattn.flash_attn_func(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
