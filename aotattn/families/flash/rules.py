@@ -247,7 +247,8 @@ def default_config(kernel: KernelSpec, functional: Functional, device: torch.dev
         if widest <= 64:
             return Config.of(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
         if widest <= 128:
-            return Config.of(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+            # a bias tile is pipelined too: 128x128 would pass the 227 KB of shared memory
+            return Config.of(BLOCK_M=128, BLOCK_N=64 if f["BIAS"] else 128, num_warps=8, num_stages=3)
         return Config.of(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
     # backward kernels; BLOCK_M are query rows, BLOCK_N keys
     if fp32:
@@ -259,7 +260,7 @@ def default_config(kernel: KernelSpec, functional: Functional, device: torch.dev
         if widest <= 64:
             return Config.of(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
         if widest <= 128:
-            return Config.of(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
+            return Config.of(BLOCK_M=128, BLOCK_N=64 if f["BIAS"] else 128, num_warps=8, num_stages=2)
         return Config.of(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     atomic = kernel is ATTN_BWD_FUSED and f["ATOMIC_DQ"]
     if widest <= 128:
