@@ -72,6 +72,10 @@ def _row_sum(x):
 @triton.jit
 def _philox_word(seed, offset, idx):
     """First 32-bit word of Philox4x32-10 at counter (idx, offset) under key seed."""
+    # the JIT types small integer arguments as i32, and a 32-bit shift of an i32 is poison
+    idx = tl.cast(idx, tl.int64)
+    offset = tl.cast(offset, tl.int64)
+    seed = tl.cast(seed, tl.int64)
     c0 = idx.to(tl.uint32)
     c1 = (idx >> 32).to(tl.uint32)
     c2 = c0 * 0 + tl.cast(offset, tl.uint32)
