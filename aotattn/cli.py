@@ -17,6 +17,15 @@ app = typer.Typer(
 console = Console()
 
 
+def _register_subcommands() -> None:
+    from aotattn.tuning.cli import app as tuning_app
+
+    app.add_typer(tuning_app, name="tuning")
+
+
+_register_subcommands()
+
+
 @app.command()
 def info() -> None:
     """Print versions and the device aotattn would use."""

@@ -63,20 +63,26 @@ class Functional:
 
 @dataclass(frozen=True)
 class Config:
-    """One tuned configuration: constexpr knobs (block sizes, ...) plus launch options."""
+    """One tuned configuration: constexpr knobs (block sizes, ...) plus launch options.
 
-    items: tuple[tuple[str, int], ...]
+    Operator-level tables hold other choices (``backend=split``) in the same form.
+    """
+
+    items: tuple[tuple[str, Any], ...]
 
     @classmethod
-    def of(cls, mapping: Mapping[str, int] | None = None, **kwargs: int) -> "Config":
+    def of(cls, mapping: Mapping[str, Any] | None = None, **kwargs: Any) -> "Config":
         merged = dict(mapping or {}, **kwargs)
         return cls(_frozen(merged))
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return dict(self.items)
 
-    def __getitem__(self, key: str) -> int:
-        return self.as_dict()[key]
+    def __getitem__(self, key: str) -> Any:
+        for k, v in self.items:
+            if k == key:
+                return v
+        raise KeyError(key)
 
     @property
     def constexprs(self) -> dict[str, int]:
@@ -94,33 +100,13 @@ class Config:
         return ",".join(f"{k}={v}" for k, v in self.items)
 
 
-@dataclass(frozen=True)
-class KernelSpec:
-    """Everything the build, the runtime and the tuner need to know about one kernel.
-
-    Attributes:
-        family: the kernel family (a directory under ``aotattn/families``).
-        name: the kernel's name inside its family.
-        module: dotted path of the module holding the ``@triton.jit`` function.
-        function: the function's name in that module.
-        arguments: runtime (non-constexpr) arguments, in order.
-        functionals: compile-time axes and their choices, in order.
-        tuning_space: tuning knobs (constexprs, ``num_warps``, ``num_stages``) and choices.
-        derive: values computed from a functional (the dot precision from the dtype, an
-            argument's element type); constexprs unless an argument type names them.
-        disabled: a predicate on a functional that is never built (an impossible or
-            unsupported combination).
-    """
+class _Table:
+    """What every spec with a tuning table has: a name, functionals to enumerate and check."""
 
     family: str
     name: str
-    module: str
-    function: str
-    arguments: tuple[Arg, ...]
     functionals: tuple[tuple[str, tuple[Any, ...]], ...]
-    tuning_space: tuple[tuple[str, tuple[int, ...]], ...]
-    derive: Callable[[Mapping[str, Any]], dict[str, Any]] | None = field(default=None, compare=False)
-    disabled: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
+    disabled: Callable[[Mapping[str, Any]], bool] | None
 
     @property
     def qualname(self) -> str:
@@ -147,6 +133,41 @@ class KernelSpec:
             if self.disabled is None or not self.disabled(f):
                 yield Functional.of(f)
 
+
+@dataclass(frozen=True)
+class KernelSpec(_Table):
+    """Everything the build, the runtime and the tuner need to know about one kernel.
+
+    Attributes:
+        family: the kernel family (a directory under ``aotattn/families``).
+        name: the kernel's name inside its family.
+        module: dotted path of the module holding the ``@triton.jit`` function.
+        function: the function's name in that module.
+        arguments: runtime (non-constexpr) arguments, in order.
+        functionals: compile-time axes and their choices, in order.
+        tuning_space: tuning knobs (constexprs, ``num_warps``, ``num_stages``) and choices.
+        derive: values computed from a functional (the dot precision from the dtype, an
+            argument's element type); constexprs unless an argument type names them.
+        disabled: a predicate on a functional that is never built (an impossible or
+            unsupported combination).
+        tuning_keys: the run-time sizes a tuning table is indexed by, with their buckets
+            (at most two: table rows, then columns).
+        fallback: the functional to look up when a table has no block for this one (for
+            example a padded-head functional's unpadded twin), or None.
+    """
+
+    family: str
+    name: str
+    module: str
+    function: str
+    arguments: tuple[Arg, ...]
+    functionals: tuple[tuple[str, tuple[Any, ...]], ...]
+    tuning_space: tuple[tuple[str, tuple[int, ...]], ...]
+    derive: Callable[[Mapping[str, Any]], dict[str, Any]] | None = field(default=None, compare=False)
+    disabled: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
+    tuning_keys: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    fallback: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
+
     @property
     def type_axes(self) -> frozenset[str]:
         """Values that only fill argument types (``dtype`` in ``*{dtype}``), not constexprs."""
@@ -170,6 +191,23 @@ class KernelSpec:
         knobs = {name for name, _ in self.tuning_space}
         values.update({k: v for k, v in config.constexprs.items() if k in knobs})
         return values
+
+
+@dataclass(frozen=True)
+class OperatorSpec(_Table):
+    """An operator-level choice made from a tuning table (e.g. the backward backend).
+
+    It has the table-facing attributes of :class:`KernelSpec` (``family``, ``name``,
+    ``functionals``, ``tuning_space``, ``tuning_keys``, ``fallback``) and no kernel.
+    """
+
+    family: str
+    name: str
+    functionals: tuple[tuple[str, tuple[Any, ...]], ...]
+    tuning_space: tuple[tuple[str, tuple[Any, ...]], ...]
+    tuning_keys: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    fallback: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
+    disabled: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,9 @@ def main() -> None:
         ref = ref.transpose(1, 2)
         p = check_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=causal, window_size=(-1, -1),
                         diagonal="bottom_right")
+        call = ops.Call(p)
         out = torch.empty_like(q)
-        lse = ops.attention_forward(q, k, v, out, p)
+        lse = ops.attention_forward(call, q, k, v, out)
         flops = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
         for kernel, candidates in CANDIDATES.items():
             rows = []
@@ -58,14 +59,14 @@ def main() -> None:
                 delta = torch.empty(batch, heads, seqlen, device="cuda")
                 if kernel == "attn_fwd":
                     o2 = torch.empty_like(q)
-                    plan = ops.forward_plan(q, k, v, o2, torch.empty_like(lse), p, config)
+                    plan = ops.forward_plan(call, q, k, v, o2, torch.empty_like(lse), config)
                     check = lambda: [_rel(o2, ref)]  # noqa: E731
                 else:
                     backend, det = ("fused", False) if kernel == "attn_bwd_fused" else ("split", True)
                     if kernel != "attn_bwd_fused":
                         dq = torch.empty_like(q)
-                    plans = ops.backward_plans(dout, q, k, v, out, lse, delta, dq, dk, dv, p, backend, det,
-                                               {kernel: config})
+                    plans = ops.backward_plans(call, dout, q, k, v, out, lse, delta, dq, dk, dv, None, backend,
+                                               det, {kernel: config})
                     launch(plans[0])  # delta
                     plan = next(pl for pl in plans if pl.kernel.name == kernel)
                     others = [pl for pl in plans[1:] if pl is not plan]

@@ -100,11 +100,11 @@ class Call:
         return p.seqlen_q, p.seqlen_k, p.heads_q, p.group_size, p.head_dim, p.head_dim_v
 
 
-def _plan(kernel: KernelSpec, functional: Mapping, device: torch.device, config: Config | None,
+def _plan(kernel: KernelSpec, functional: Mapping, p: Problem, device: torch.device, config: Config | None,
           grid: Callable[[Config], tuple[int, int, int]], args: tuple) -> LaunchPlan:
     functional = Functional.of(functional)
     if config is None:
-        config = rules.default_config(kernel, functional, device)
+        config = rules.config_for(kernel, functional, device, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k)
     return LaunchPlan(kernel, functional, config, grid(config), args)
 
 
@@ -118,7 +118,7 @@ def forward_plan(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
     args = (q, k, v, out, lse, *c.sequences(q.device), c.bias_args(q)[0],
             *c.rows(q), *c.rows(k), *c.rows(v), *c.rows(out), *lse_strides, *c.bias_args(q)[1:],
             *c.sizes(), p.softmax_scale * LOG2E, left, right, threshold, scale, seed, offset)
-    return _plan(rules.ATTN_FWD, c.functional(), q.device, config,
+    return _plan(rules.ATTN_FWD, c.functional(), p, q.device, config,
                  lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch), args)
 
 
@@ -151,7 +151,7 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     cu_q, cu_k = c.sequences(dev)
     pre_f = {"dtype": f["dtype"], "BLOCK_DV": f["BLOCK_DV"], "PAD_HEAD": p.head_dim_v != f["BLOCK_DV"],
              "VARLEN": p.varlen}
-    plans = [_plan(rules.ATTN_BWD_PREPROCESS, pre_f, dev, configs.get("attn_bwd_preprocess"),
+    plans = [_plan(rules.ATTN_BWD_PREPROCESS, pre_f, p, dev, configs.get("attn_bwd_preprocess"),
                    lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch),
                    (out, dout, delta, cu_q, *c.rows(out), *c.rows(dout), *lse_strides, p.seqlen_q, p.head_dim_v))]
     bias, *bias_strides = c.bias_args(q)
@@ -164,11 +164,11 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     inputs = (*c.rows(q), *c.rows(k), *c.rows(v), *c.rows(dout))
     dkdv_strides = (*c.rows(dk), *c.rows(dv))
     if backend == "split":
-        plans.append(_plan(rules.ATTN_BWD_DKDV, f, dev, configs.get("attn_bwd_dkdv"),
+        plans.append(_plan(rules.ATTN_BWD_DKDV, f, p, dev, configs.get("attn_bwd_dkdv"),
                            lambda cfg: (_cdiv(p.seqlen_k, cfg["BLOCK_N"]), p.heads_k, p.batch),
                            (q, k, v, dout, dk, dv, lse, delta, cu_q, cu_k, bias, *inputs, *dkdv_strides,
                             *lse_strides, *bias_strides, *scalars)))
-        plans.append(_plan(rules.ATTN_BWD_DQ, f, dev, configs.get("attn_bwd_dq"),
+        plans.append(_plan(rules.ATTN_BWD_DQ, f, p, dev, configs.get("attn_bwd_dq"),
                            lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch),
                            (q, k, v, dout, dq, lse, delta, cu_q, cu_k, bias, dbias_args, *inputs, *c.rows(dq),
                             *lse_strides, *bias_strides, *dbias_strides, *scalars)))
@@ -181,7 +181,7 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 programs += p.group_size * _cdiv(p.seqlen_q, cfg["BLOCK_M"])
             return programs, p.heads_k, p.batch
 
-        plans.append(_plan(rules.ATTN_BWD_FUSED, fused_f, dev, configs.get("attn_bwd_fused"), grid,
+        plans.append(_plan(rules.ATTN_BWD_FUSED, fused_f, p, dev, configs.get("attn_bwd_fused"), grid,
                            (q, k, v, dout, dq, dk, dv, lse, delta, cu_q, cu_k, bias, dbias_args, *inputs,
                             *c.rows(dq), *dkdv_strides, *lse_strides, *bias_strides, *dbias_strides, *scalars)))
     else:
@@ -189,14 +189,15 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     return plans
 
 
-def choose_backend(p: Problem, deterministic: bool) -> str:
-    """The backend when the caller names none (until the tuning database decides).
-
-    On the H200 the split backend beat fused-with-atomics at every benchmark shape
-    (benchmarks/RESULTS.md, 2026-11-29): fp32 atomics on dQ cost more than the two
-    extra matrix products the split dQ kernel recomputes.
-    """
-    return "split"
+def choose_backend(c: Call, deterministic: bool, device: torch.device) -> str:
+    """The backend when the caller names none: the ``flash.backward`` table's choice on GPUs."""
+    if device.type == "cpu":
+        return "split"
+    f = c.functional()
+    functional = Functional.of({"dtype": f["dtype"], "BLOCK_D": f["BLOCK_D"], "MASK": f["MASK"],
+                                "DETERMINISTIC": deterministic})
+    config = rules.config_for(rules.BACKWARD, functional, device, seqlen_q=c.p.seqlen_q, seqlen_k=c.p.seqlen_k)
+    return config["backend"]
 
 
 def attention_backward(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -206,7 +207,7 @@ def attention_backward(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     p = c.p
-    backend = backend or choose_backend(p, deterministic)
+    backend = backend or choose_backend(c, deterministic, q.device)
     dev = q.device
     dk = _empty(tuple(k.shape), k.dtype, dev)
     dv = _empty(tuple(v.shape), v.dtype, dev)
@@ -412,7 +413,7 @@ def dropout_mask(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, dropout
     seed, offset = philox_state(dropout_p)
     mask = _empty((batch, heads_q, seqlen_q, seqlen_k), torch.int8, device)
     kernel = rules.DROPOUT_MASK
-    config = rules.default_config(kernel, Functional.of({}), device)
+    config = rules.config_for(kernel, Functional.of({}), device)
     launch(LaunchPlan(kernel, Functional.of({}), config, (_cdiv(seqlen_q, config["BLOCK_M"]), heads_q, batch),
                       (mask, *mask.stride()[:3], seqlen_q, seqlen_k, heads_q, min(int(dropout_p * 2.0**32), 2**32),
                        seed, offset)))

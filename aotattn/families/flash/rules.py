@@ -11,9 +11,12 @@ from typing import Any
 
 import torch
 
-from aotattn.spec import Arg, Config, Functional, KernelSpec
+from aotattn import tuning
+from aotattn.runtime.device import arch_of
+from aotattn.spec import Arg, Config, Functional, KernelSpec, OperatorSpec
 
 FAMILY = "flash"
+BACKENDS = ("split", "fused")
 KERNELS_MODULE = "aotattn.families.flash.kernels"
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -59,6 +62,19 @@ def _no_bias_under_varlen(functional: Mapping[str, Any]) -> bool:
 
 def _disabled(functional: Mapping[str, Any]) -> bool:
     return _unequal_head_buckets(functional) or _no_bias_under_varlen(functional)
+
+
+SEQLEN_BUCKETS = tuple(2**i for i in range(4, 15))  # 16 .. 16384
+_SEQ_KEYS = (("seqlen_q", SEQLEN_BUCKETS), ("seqlen_k", SEQLEN_BUCKETS))
+
+
+def _fallback(functional: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The simpler twin a table falls back to when it has no block for a functional."""
+    f = dict(functional)
+    for axis, plain in (("PAD_HEAD", False), ("DROPOUT", False), ("VARLEN", False), ("MASK", MASK_BOTTOM_RIGHT)):
+        if axis in f and f[axis] != plain and not (axis == "MASK" and f[axis] == MASK_NONE):
+            return {**f, axis: plain}
+    return None
 
 
 def _derive_fused(functional: Mapping[str, Any]) -> dict[str, Any]:
@@ -117,6 +133,8 @@ ATTN_FWD = KernelSpec(
     tuning_space=_TUNING,
     derive=_derive,
     disabled=_disabled,
+    tuning_keys=_SEQ_KEYS,
+    fallback=_fallback,
 )
 
 ATTN_BWD_PREPROCESS = KernelSpec(
@@ -136,6 +154,8 @@ ATTN_BWD_PREPROCESS = KernelSpec(
         ("VARLEN", (False, True)),
     ),
     tuning_space=(("BLOCK_M", (16, 32, 64, 128)), ("num_warps", (1, 2, 4, 8)), ("num_stages", (1,))),
+    tuning_keys=(_SEQ_KEYS[0],),
+    fallback=_fallback,
 )
 
 ATTN_BWD_DKDV = KernelSpec(
@@ -153,6 +173,8 @@ ATTN_BWD_DKDV = KernelSpec(
     tuning_space=_TUNING,
     derive=_derive,
     disabled=_disabled,
+    tuning_keys=_SEQ_KEYS,
+    fallback=_fallback,
 )
 
 ATTN_BWD_DQ = KernelSpec(
@@ -170,6 +192,8 @@ ATTN_BWD_DQ = KernelSpec(
     tuning_space=_TUNING,
     derive=_derive,
     disabled=_disabled,
+    tuning_keys=_SEQ_KEYS,
+    fallback=_fallback,
 )
 
 ATTN_BWD_FUSED = KernelSpec(
@@ -188,6 +212,8 @@ ATTN_BWD_FUSED = KernelSpec(
     tuning_space=_TUNING,
     derive=_derive_fused,
     disabled=_disabled,
+    tuning_keys=_SEQ_KEYS,
+    fallback=_fallback,
 )
 
 DROPOUT_MASK = KernelSpec(
@@ -215,54 +241,38 @@ PHILOX_WORDS = KernelSpec(
     tuning_space=(("BLOCK", (128,)), ("num_warps", (4,)), ("num_stages", (1,))),
 )
 
+# Operator level: which backward backend runs, per cell (deterministic calls have their own rows).
+BACKWARD = OperatorSpec(
+    family=FAMILY,
+    name="backward",
+    functionals=(
+        ("dtype", ("fp16", "bf16", "fp32")),
+        ("BLOCK_D", HEAD_DIM_BUCKETS),
+        ("MASK", (MASK_NONE, MASK_TOP_LEFT, MASK_BOTTOM_RIGHT)),
+        ("DETERMINISTIC", (False, True)),
+    ),
+    tuning_space=(("backend", BACKENDS),),
+    tuning_keys=_SEQ_KEYS,
+    fallback=_fallback,
+)
+
 KERNELS = {spec.name: spec for spec in (ATTN_FWD, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ,
                                         ATTN_BWD_FUSED, DROPOUT_MASK, PHILOX_WORDS)}
+TABLES = (*KERNELS.values(), BACKWARD)
 
-BACKENDS = ("split", "fused")
 
 # The interpreter runs one program at a time on numpy: small tiles keep every code path
-# (several key blocks, masked and unmasked runs) exercised at test sizes.
+# (several key blocks, masked and unmasked runs) exercised at test sizes. It is not an
+# architecture of the tuning database.
+INTERPRETER_CONFIGS = {
+    DROPOUT_MASK.name: Config.of(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1),
+    PHILOX_WORDS.name: Config.of(BLOCK=128, num_warps=4, num_stages=1),
+}
 INTERPRETER_CONFIG = Config.of(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
 
-def default_config(kernel: KernelSpec, functional: Functional, device: torch.device) -> Config:
-    """Hand-picked configurations, until the tuning database decides."""
-    if kernel is DROPOUT_MASK:
-        return Config.of(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
+def config_for(kernel: KernelSpec, functional: Functional, device: torch.device, **sizes: int) -> Config:
+    """The configuration a launch uses: the tuning database's on GPUs, fixed in the interpreter."""
     if device.type == "cpu":
-        return INTERPRETER_CONFIG
-    f = functional.as_dict()
-    widest = f["BLOCK_DV"] if kernel is ATTN_BWD_PREPROCESS else max(f["BLOCK_D"], f["BLOCK_DV"])
-    fp32 = f["dtype"] == "fp32"
-    if kernel is ATTN_BWD_PREPROCESS:
-        return Config.of(BLOCK_M=64 if widest <= 128 else 32, num_warps=4, num_stages=1)
-    if kernel is ATTN_FWD:
-        if fp32:
-            if widest <= 64:
-                return Config.of(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-            if widest <= 128:
-                return Config.of(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=2)
-            return Config.of(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
-        # bf16/fp16, from the H200 sweep of 2026-11-29 (benchmarks/RESULTS.md)
-        if widest <= 64:
-            return Config.of(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-        if widest <= 128:
-            # a bias tile is pipelined too: 128x128 would pass the 227 KB of shared memory
-            return Config.of(BLOCK_M=128, BLOCK_N=64 if f["BIAS"] else 128, num_warps=8, num_stages=3)
-        return Config.of(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
-    # backward kernels; BLOCK_M are query rows, BLOCK_N keys
-    if fp32:
-        if widest <= 64:
-            return Config.of(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
-        return Config.of(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    # bf16/fp16, from the H200 sweep of 2026-11-29 (benchmarks/RESULTS.md)
-    if kernel is ATTN_BWD_DQ:
-        if widest <= 64:
-            return Config.of(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-        if widest <= 128:
-            return Config.of(BLOCK_M=128, BLOCK_N=64 if f["BIAS"] else 128, num_warps=8, num_stages=2)
-        return Config.of(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
-    atomic = kernel is ATTN_BWD_FUSED and f["ATOMIC_DQ"]
-    if widest <= 128:
-        return Config.of(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=1 if atomic else 2)
-    return Config.of(BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2)
+        return INTERPRETER_CONFIGS.get(kernel.name, INTERPRETER_CONFIG)
+    return tuning.database().lookup(arch_of(device), kernel, functional, sizes)

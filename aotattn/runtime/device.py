@@ -1,0 +1,22 @@
+"""What the current GPU is, in the names the tuning database and the images use."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+
+@cache
+def _arch_of_index(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    gcn = getattr(props, "gcnArchName", "")
+    if torch.version.hip and gcn:
+        return gcn.split(":")[0]
+    return f"sm_{props.major}{props.minor}"
+
+
+def arch_of(device: torch.device) -> str:
+    """``sm_90`` for an H100/H200, ``gfx942`` for an MI300X, ..."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _arch_of_index(index)

@@ -1,0 +1,11 @@
+"""The human-readable tuning database (docs/tuning-database-format.md).
+
+Family-agnostic: tables are validated against the specs the families declare.
+"""
+
+from aotattn.tuning.database import ENV_VAR, Database, database, diff
+from aotattn.tuning.format import (Patch, Table, TuningError, apply_patch, bucket_index, parse_patch, parse_table,
+                                   write_patch, write_table)
+
+__all__ = ["ENV_VAR", "Database", "Patch", "Table", "TuningError", "apply_patch", "bucket_index", "database", "diff",
+           "parse_patch", "parse_table", "write_patch", "write_table"]

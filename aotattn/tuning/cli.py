@@ -1,0 +1,151 @@
+"""``aotattn tuning``: show, diff, lint and squash the tuning database."""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table as RichTable
+
+from aotattn.tuning.database import Database, default_root, diff
+from aotattn.tuning.format import NO_ENTRY, TuningError, format_config, format_functional, write_table
+
+app = typer.Typer(help="Inspect and maintain the tuning database (docs/tuning-database-format.md).",
+                  no_args_is_help=True)
+console = Console()
+
+TUNING_DB = typer.Option(None, "--tuning-db", help="database root (default: $AOTATTN_TUNING_DB or tuning/)")
+
+
+def _db(root: Path | None) -> Database:
+    return Database(root or default_root())
+
+
+def _matches(functional, where: str | None) -> bool:
+    if not where:
+        return True
+    values = {k: str(v) for k, v in functional.items}
+    return all(values.get(k) == v for k, _, v in (t.partition("=") for t in where.split()))
+
+
+@app.command()
+def show(
+    arch: str = typer.Option("sm_90", help="architecture, e.g. sm_90"),
+    table: str = typer.Option("flash.attn_fwd", help="family.kernel, e.g. flash.attn_bwd_dq"),
+    where: str = typer.Option(None, help='only functionals matching, e.g. "dtype=bf16 BLOCK_D=128 MASK=0"'),
+    limit: int = typer.Option(4, help="at most this many functionals"),
+    tuning_db: Path = TUNING_DB,
+) -> None:
+    """Print the effective table (after bases and patches) as grids of configuration names."""
+    db = _db(tuning_db)
+    try:
+        spec = db.spec(table)
+        effective = db.effective(arch, table)
+    except TuningError as exc:
+        console.print(escape(str(exc)), style="red")
+        raise typer.Exit(1) from exc
+    chosen = [f for f in effective.blocks if _matches(f, where)]
+    console.print(f"{arch} / {table}: {len(effective.blocks)} functionals, {len(chosen)} match; "
+                  f"base {effective.base or '-'}; patches: "
+                  f"{', '.join(p.name for p in db.patch_paths(arch, table)) or '-'}")
+    for functional in chosen[:limit]:
+        grid = effective.blocks[functional]
+        names = sorted({name for row in grid for name in row} - {NO_ENTRY})
+        letter = {name: chr(ord("a") + i) if i < 26 else str(i) for i, name in enumerate(names)}
+        letter[NO_ENTRY] = NO_ENTRY
+        rich = RichTable(title=escape(format_functional(spec, functional)), title_justify="left")
+        keys = spec.tuning_keys
+        rich.add_column(f"{keys[0][0]} \\ {keys[1][0]}" if len(keys) > 1 else (keys[0][0] if keys else ""))
+        for col in (keys[1][1] if len(keys) > 1 else ("",)):
+            rich.add_column(_short(col), justify="center")
+        for row_label, row in zip(keys[0][1] if keys else ("*",), grid):
+            rich.add_row(_short(row_label), *(letter[name] for name in row))
+        console.print(rich)
+        for name in names:
+            console.print(f"  {letter[name]}: {name} = {format_config(effective.configs[name], spec)}")
+    if len(chosen) > limit:
+        console.print(f"... {len(chosen) - limit} more (narrow with --where, or raise --limit)")
+
+
+def _short(bucket) -> str:
+    if isinstance(bucket, int) and bucket >= 1024 and bucket % 1024 == 0:
+        return f"{bucket // 1024}k"
+    return str(bucket)
+
+
+@app.command("diff")
+def diff_command(
+    arch: str = typer.Option("sm_90", help="architecture A"),
+    table: str = typer.Option("flash.attn_fwd", help="family.kernel"),
+    against: str = typer.Option(None, help="architecture B (default: A)"),
+    rev: str = typer.Option(None, help="compare with the database at this git revision (tag, branch, commit)"),
+    without_patches: bool = typer.Option(False, "--without-patches",
+                                         help="compare the table before its patches with after them"),
+    tuning_db: Path = TUNING_DB,
+) -> None:
+    """Cell-by-cell differences: two archs, two revisions, or before and after the patches."""
+    db = _db(tuning_db)
+    spec = db.spec(table)
+    try:
+        if without_patches:
+            a, b = db.effective(arch, table, patches=0), db.effective(arch, table)
+        elif rev:
+            with tempfile.TemporaryDirectory() as tmp:
+                root = db.root.resolve()
+                top = Path(subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], check=True,
+                                          capture_output=True, text=True).stdout.strip())
+                rel = root.relative_to(top)
+                archive = subprocess.run(["git", "-C", str(top), "archive", rev, str(rel)], check=True,
+                                         capture_output=True).stdout
+                subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+                a = Database(Path(tmp) / rel).effective(against or arch, table)
+            b = db.effective(arch, table)
+        else:
+            a, b = db.effective(arch, table), db.effective(against or arch, table)
+    except (TuningError, subprocess.CalledProcessError) as exc:
+        console.print(escape(str(exc)), style="red")
+        raise typer.Exit(1) from exc
+    lines = diff(spec, a, b)
+    for line in lines:
+        console.print(line, markup=False)
+    console.print(f"{len(lines)} difference(s)")
+
+
+@app.command()
+def lint(tuning_db: Path = TUNING_DB,
+         fix: bool = typer.Option(False, help="rewrite valid tables in canonical form")) -> None:
+    """Validate every table and patch (line-numbered errors); exit 1 on any problem."""
+    db = _db(tuning_db)
+    if fix:
+        for arch in db.archs():
+            for path in sorted(db.arch_dir(arch).glob("*.txt")):
+                try:
+                    table = db.own_table(arch, path.stem)
+                    path.write_text(write_table(db.spec(path.stem), table))
+                except TuningError:
+                    pass
+        db = _db(tuning_db)
+    problems = db.lint()
+    for problem in problems:
+        console.print(escape(str(problem)), style="red", highlight=False)
+    console.print(f"{len(problems)} problem(s) in {db.root}")
+    if problems:
+        raise typer.Exit(1)
+
+
+@app.command()
+def squash(arch: str = typer.Option(..., help="architecture"),
+           table: str = typer.Option(..., help="family.kernel"),
+           tuning_db: Path = TUNING_DB) -> None:
+    """Fold a table's patches into its file and delete them (for a release)."""
+    db = _db(tuning_db)
+    try:
+        removed = db.squash(arch, table)
+    except TuningError as exc:
+        console.print(escape(str(exc)), style="red")
+        raise typer.Exit(1) from exc
+    console.print(f"folded {len(removed)} patch(es) into {db.table_path(arch, table)}")

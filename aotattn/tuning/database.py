@@ -1,0 +1,247 @@
+"""A tuning database on disk: table files per architecture, bases, patches, lookup.
+
+Layout: ``<root>/<vendor>/<arch>/<family>.<name>.txt`` and, beside it, patches
+``<family>.<name>.<NNNN>-<what>.dbpatch`` applied in numeric order. The root is the
+project's ``tuning/`` directory unless ``AOTATTN_TUNING_DB`` (or ``--tuning-db``) names
+another, so a tuning can be tried without touching the installed one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from aotattn.spec import Config, Functional
+from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, bucket_index, parse_patch,
+                                   parse_table, write_table)
+
+ENV_VAR = "AOTATTN_TUNING_DB"
+PROJECT_ROOT = Path(__file__).resolve().parents[2] / "tuning"
+_PATCH_NAME = re.compile(r"^(?P<table>[A-Za-z0-9_]+\.[A-Za-z0-9_]+)\.(?P<number>\d{4})-(?P<what>[A-Za-z0-9_.-]+)\.dbpatch$")
+
+
+def default_root() -> Path:
+    return Path(os.environ.get(ENV_VAR) or PROJECT_ROOT)
+
+
+class Database:
+    """Tables under one root, resolved and cached."""
+
+    def __init__(self, root: Path | str | None = None, specs: Mapping[str, Any] | None = None):
+        self.root = Path(root) if root is not None else default_root()
+        if specs is None:
+            from aotattn import families
+            specs = families.tables()
+        self.specs = dict(specs)
+        self._effective: dict[tuple[str, str, int | None], Table] = {}
+        self._lookups: dict[tuple, Config] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ files
+    def archs(self) -> dict[str, str]:
+        """arch -> vendor, for every ``<vendor>/<arch>`` directory under the root."""
+        if not self.root.is_dir():
+            return {}
+        return {arch.name: vendor.name for vendor in sorted(self.root.iterdir()) if vendor.is_dir()
+                for arch in sorted(vendor.iterdir()) if arch.is_dir()}
+
+    def arch_dir(self, arch: str) -> Path:
+        vendor = self.archs().get(arch)
+        if vendor is None:
+            raise TuningError(f"no architecture {arch!r} in the tuning database {self.root} "
+                              f"(have: {', '.join(self.archs()) or 'none'})")
+        return self.root / vendor / arch
+
+    def spec(self, table: str) -> Any:
+        if table not in self.specs:
+            raise TuningError(f"no table {table!r} is declared by any family (have: {', '.join(self.specs)})")
+        return self.specs[table]
+
+    def table_path(self, arch: str, table: str) -> Path:
+        return self.arch_dir(arch) / f"{table}.txt"
+
+    def patch_paths(self, arch: str, table: str) -> list[Path]:
+        found = []
+        for path in self.arch_dir(arch).glob(f"{table}.*.dbpatch"):
+            match = _PATCH_NAME.match(path.name)
+            if not match or match["table"] != table:
+                raise TuningError(f"a patch is named <family>.<name>.<NNNN>-<what>.dbpatch, got {path.name!r}",
+                                  str(path))
+            found.append((int(match["number"]), path))
+        numbers = [n for n, _ in found]
+        if len(set(numbers)) != len(numbers):
+            raise TuningError(f"two patches of {table} share a number: {sorted(p.name for _, p in found)}",
+                              str(self.arch_dir(arch)))
+        return [path for _, path in sorted(found)]
+
+    # ------------------------------------------------------------------ resolution
+    def own_table(self, arch: str, table: str) -> Table:
+        path = self.table_path(arch, table)
+        if not path.is_file():
+            raise TuningError(f"no table file for {arch} / {table}: expected {path}")
+        return parse_table(self.spec(table), path.read_text(), str(path))
+
+    def effective(self, arch: str, table: str, patches: int | None = None, _stack: tuple[str, ...] = ()) -> Table:
+        """The table after its base chain and its first ``patches`` patches (all when None)."""
+        key = (arch, table, patches)
+        with self._lock:
+            cached = self._effective.get(key)
+        if cached is not None:
+            return cached
+        own = self.own_table(arch, table)
+        path = self.table_path(arch, table)
+        if own.base:
+            where = f"{path}:{_directive_line(path, 'base')}"
+            if own.base in _stack + (arch,):
+                raise TuningError(f"#! base cycle: {' -> '.join(_stack + (arch, own.base))}", where)
+            if own.base not in self.archs():
+                raise TuningError(f"#! base {own.base}: no such architecture in {self.root}", where)
+            base = self.effective(own.base, table, None, _stack + (arch,))
+            merged = base.copy()
+            merged.arch, merged.base, merged.comments = arch, own.base, own.comments
+            merged.configs.update(own.configs)
+            merged.blocks.update(own.blocks)
+        else:
+            merged = own
+        spec = self.spec(table)
+        for patch_path in self.patch_paths(arch, table)[:patches]:
+            patch = parse_patch(spec, patch_path.read_text(), str(patch_path))
+            merged = apply_patch(merged, patch, str(patch_path))
+        with self._lock:
+            self._effective[key] = merged
+        return merged
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, arch: str, spec: Any, functional: Functional, sizes: Mapping[str, int]) -> Config:
+        """The configuration for one call; a missing block or cell is an error, never a default."""
+        cell_index = tuple(bucket_index(buckets, sizes[name]) for name, buckets in spec.tuning_keys)
+        key = (arch, spec.qualname, functional, cell_index)
+        found = self._lookups.get(key)
+        if found is not None:
+            return found
+        table = self.effective(arch, spec.qualname)
+        tried = [functional]
+        while tried[-1] not in table.blocks:
+            twin = spec.fallback(tried[-1].as_dict()) if spec.fallback is not None else None
+            if twin is None:
+                raise TuningError(f"{arch} / {spec.qualname}: no block for functional [{tried[0]}]"
+                                  + (f" nor its fallbacks [{'], ['.join(map(str, tried[1:]))}]" if len(tried) > 1 else "")
+                                  + f" in {self.table_path(arch, spec.qualname)}")
+            tried.append(Functional.of(twin))
+        grid = table.blocks[tried[-1]]
+        name = grid[cell_index[0] if cell_index else 0][cell_index[1] if len(cell_index) > 1 else 0]
+        if name == NO_ENTRY:
+            where = " ".join(f"{k}={buckets[i]}" for (k, buckets), i in zip(spec.tuning_keys, cell_index))
+            raise TuningError(f"{arch} / {spec.qualname} / [{tried[-1]}]: cell {where} has no entry ('.')")
+        config = table.configs[name]
+        self._lookups[key] = config
+        return config
+
+    # ------------------------------------------------------------------ maintenance
+    def lint(self) -> list[TuningError]:
+        """Every problem in the database (each table resolved with its bases and patches)."""
+        problems: list[TuningError] = []
+        for arch in self.archs():
+            directory = self.arch_dir(arch)
+            for path in sorted(directory.iterdir()):
+                name = path.name
+                if name.endswith(".txt"):
+                    table = name[:-4]
+                elif name.endswith(".dbpatch"):
+                    match = _PATCH_NAME.match(name)
+                    if not match:
+                        problems.append(TuningError("a patch is named <family>.<name>.<NNNN>-<what>.dbpatch", str(path)))
+                    elif not (directory / f"{match['table']}.txt").is_file():
+                        problems.append(TuningError(f"a patch of {match['table']}, which has no table here", str(path)))
+                    continue
+                else:
+                    problems.append(TuningError("not a table (.txt) or a patch (.dbpatch)", str(path)))
+                    continue
+                try:
+                    resolved = self.effective(arch, table)
+                    text = path.read_text()
+                    if write_table(self.spec(table), self.own_table(arch, table)) != text:
+                        problems.append(TuningError("not in canonical form (aotattn tuning lint --fix rewrites it)",
+                                                    str(path)))
+                    del resolved
+                except TuningError as exc:
+                    problems.append(exc)
+        return problems
+
+    def squash(self, arch: str, table: str) -> list[Path]:
+        """Fold the patches into the table file; returns the patch files, now deleted."""
+        spec = self.spec(table)
+        own = self.own_table(arch, table)
+        before = self.effective(arch, table, patches=0)
+        after = self.effective(arch, table)
+        out = own.copy()
+        out.configs = dict(after.configs)
+        for functional, grid in after.blocks.items():
+            if functional in own.blocks or before.blocks.get(functional) != grid:
+                out.blocks[functional] = [list(row) for row in grid]
+        used = {name for grid in out.blocks.values() for row in grid for name in row}
+        out.configs = {n: c for n, c in out.configs.items() if n in used or n in own.configs}
+        path = self.table_path(arch, table)
+        _write_atomically(path, write_table(spec, out))
+        patches = self.patch_paths(arch, table)
+        for patch in patches:
+            patch.unlink()
+        self._effective.clear()
+        self._lookups.clear()
+        return patches
+
+
+def diff(spec: Any, a: Table, b: Table) -> list[str]:
+    """Cell-by-cell differences of two effective tables, compared by configuration values.
+
+    One line per functional and change (``X -> Y``), with the cells it covers.
+    """
+    lines = []
+    rows = spec.tuning_keys[0][1] if spec.tuning_keys else ("*",)
+    cols = spec.tuning_keys[1][1] if len(spec.tuning_keys) > 1 else ("*",)
+    for functional in sorted(set(a.blocks) | set(b.blocks), key=str):
+        if functional not in a.blocks or functional not in b.blocks:
+            lines.append(f"[{functional}]: only in {'B' if functional not in a.blocks else 'A'}")
+            continue
+        changes: dict[tuple[str, str], list[str]] = {}
+        for r, row in enumerate(rows):
+            for c, col in enumerate(cols):
+                ca, cb = a.blocks[functional][r][c], b.blocks[functional][r][c]
+                va = a.configs.get(ca) if ca != NO_ENTRY else None
+                vb = b.configs.get(cb) if cb != NO_ENTRY else None
+                if va != vb:
+                    where = " ".join(f"{k}={v}" for (k, _), v in zip(spec.tuning_keys, (row, col)))
+                    changes.setdefault((f"{ca} ({va})", f"{cb} ({vb})"), []).append(where)
+        for (before, after), cells in changes.items():
+            listed = "every cell" if len(cells) == len(rows) * len(cols) else (
+                ", ".join(cells) if len(cells) <= 4 else f"{len(cells)} cells")
+            lines.append(f"[{functional}] {listed}: {before} -> {after}")
+    return lines
+
+
+def _directive_line(path: Path, directive: str) -> int:
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.startswith(f"#! {directive}"):
+            return number
+    return 1
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+@lru_cache(maxsize=8)
+def _database_for(root: str) -> Database:
+    return Database(root)
+
+
+def database() -> Database:
+    """The database the operators use: ``AOTATTN_TUNING_DB`` or the project's ``tuning/``."""
+    return _database_for(str(default_root()))

@@ -1,0 +1,430 @@
+"""Text format of tuning tables and patches: parser and canonical writer.
+
+docs/tuning-database-format.md specifies it. In short, a table file::
+
+    # free comments (kept)
+    #! aotattn-tuning 1
+    #! table flash.attn_fwd
+    #! arch sm_90
+    #! base sm_80                                  (optional)
+    #! keys seqlen_q=16,32,...,16384 seqlen_k=16,32,...,16384
+
+    [configs]
+    m128_n64_w8_s3 = BLOCK_M=128 BLOCK_N=64 num_warps=8 num_stages=3
+
+    [dtype=bf16 BLOCK_D=128 ... BIAS=0]
+    seqlen_q=16..512: m128_n64_w8_s3*11
+    seqlen_q=1024: m128_n64_w8_s3*5 m128_n128_w8_s3*6
+
+A row names its bucket (or a run of identical rows ``lo..hi``) and lists one cell per
+column bucket, runs of equal cells written ``name*count``; ``.`` is a cell with no
+entry. A patch file holds a ``[configs]`` section and single-config edits::
+
+    #! aotattn-patch 1
+    #! table flash.attn_fwd
+    [dtype=bf16 ...]
+    seqlen_q=4096 seqlen_k=1024..16384: m128_n128_w8_s3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aotattn.spec import Config, Functional
+
+FORMAT_VERSION = 1
+NO_ENTRY = "."
+
+
+class TuningError(ValueError):
+    """A tuning file that cannot be used; ``where`` is ``path:line`` when known."""
+
+    def __init__(self, message: str, where: str | None = None):
+        self.where = where
+        super().__init__(f"{where}: {message}" if where else message)
+
+
+@dataclass
+class Table:
+    """One table file, or an effective table after bases and patches."""
+
+    table: str  # "family.kernel"
+    arch: str
+    keys: tuple[tuple[str, tuple[int, ...]], ...]
+    base: str | None = None
+    configs: dict[str, Config] = field(default_factory=dict)
+    blocks: dict[Functional, list[list[str]]] = field(default_factory=dict)
+    comments: list[str] = field(default_factory=list)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows = len(self.keys[0][1]) if self.keys else 1
+        cols = len(self.keys[1][1]) if len(self.keys) > 1 else 1
+        return rows, cols
+
+    def copy(self) -> "Table":
+        return Table(self.table, self.arch, self.keys, self.base, dict(self.configs),
+                     {f: [list(r) for r in rows] for f, rows in self.blocks.items()}, list(self.comments))
+
+
+@dataclass
+class Edit:
+    functional: Functional
+    selection: tuple[tuple[int, ...], ...]  # per key, the buckets the edit covers
+    config: str
+    line: int
+
+
+@dataclass
+class Patch:
+    table: str
+    configs: dict[str, Config] = field(default_factory=dict)
+    edits: list[Edit] = field(default_factory=list)
+    comments: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- values
+
+
+def format_value(value: Any) -> str:
+    return str(value)
+
+
+def parse_value(token: str, choices: Sequence[Any], what: str, where: str) -> Any:
+    for choice in choices:
+        if format_value(choice) == token:
+            return choice
+    raise TuningError(f"{what}: {token!r} is not one of {', '.join(map(format_value, choices))}", where)
+
+
+def format_functional(spec: Any, functional: Functional) -> str:
+    values = functional.as_dict()
+    return "[" + " ".join(f"{axis}={format_value(values[axis])}" for axis in spec.axes) + "]"
+
+
+def parse_functional(spec: Any, text: str, where: str) -> Functional:
+    choices = dict(spec.functionals)
+    values: dict[str, Any] = {}
+    for token in text.split():
+        axis, eq, raw = token.partition("=")
+        if not eq:
+            raise TuningError(f"expected axis=value in the functional, got {token!r}", where)
+        if axis not in choices:
+            raise TuningError(f"{spec.qualname} has no axis {axis!r} (axes: {', '.join(spec.axes)})", where)
+        if axis in values:
+            raise TuningError(f"axis {axis} given twice", where)
+        values[axis] = parse_value(raw, choices[axis], axis, where)
+    missing = [a for a in spec.axes if a not in values]
+    if missing:
+        raise TuningError(f"the functional lacks axes {', '.join(missing)}", where)
+    if spec.disabled is not None and spec.disabled(values):
+        raise TuningError(f"functional {text.strip()} is disabled for {spec.qualname}", where)
+    return Functional.of(values)
+
+
+def format_config(config: Config, spec: Any) -> str:
+    values = config.as_dict()
+    return " ".join(f"{knob}={format_value(values[knob])}" for knob, _ in spec.tuning_space if knob in values)
+
+
+def parse_config(spec: Any, text: str, where: str) -> Config:
+    space = dict(spec.tuning_space)
+    values: dict[str, Any] = {}
+    for token in text.split():
+        knob, eq, raw = token.partition("=")
+        if not eq or knob not in space:
+            raise TuningError(f"unknown tuning knob {knob!r} for {spec.qualname} "
+                              f"(knobs: {', '.join(space)})", where)
+        values[knob] = parse_value(raw, space[knob], knob, where)
+    missing = [k for k in space if k not in values]
+    if missing:
+        raise TuningError(f"the configuration lacks knobs {', '.join(missing)}", where)
+    return Config.of(values)
+
+
+def _keys_line(keys: Sequence[tuple[str, Sequence[int]]]) -> str:
+    return " ".join(f"{name}={','.join(map(str, buckets))}" for name, buckets in keys)
+
+
+def _is_name(token: str) -> bool:
+    return token.replace("_", "").replace("-", "").isalnum() and not token[0].isdigit()
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _lines(text: str, path: str):
+    for number, line in enumerate(text.splitlines(), start=1):
+        yield number, line.rstrip(), f"{path}:{number}"
+
+
+def _selection(spec: Any, text: str, where: str, allow_ranges: bool) -> tuple[tuple[int, ...], ...]:
+    """The buckets each key covers in ``seqlen_q=16..64 seqlen_k=*`` (``*`` alone: no keys)."""
+    keys = spec.tuning_keys
+    tokens = text.split()
+    if not keys:
+        if tokens != ["*"]:
+            raise TuningError(f"{spec.qualname} has no tuning keys: a row is written '*:'", where)
+        return ()
+    if len(tokens) != (len(keys) if allow_ranges else 1):
+        expected = " ".join(f"{k}=..." for k, _ in (keys if allow_ranges else keys[:1]))
+        raise TuningError(f"expected '{expected}:', got {text.strip()!r}", where)
+    selection = []
+    for token, (name, buckets) in zip(tokens, keys):
+        key, eq, raw = token.partition("=")
+        if key != name or not eq:
+            raise TuningError(f"expected key {name}=, got {token!r}", where)
+        if raw == "*" and allow_ranges:
+            selection.append(tuple(buckets))
+            continue
+        lo, dots, hi = raw.partition("..")
+        try:
+            lo_v, hi_v = int(lo), int(hi) if dots else int(lo)
+        except ValueError:
+            raise TuningError(f"{name}: expected a bucket or lo..hi, got {raw!r}", where) from None
+        for v in (lo_v, hi_v):
+            if v not in buckets:
+                raise TuningError(f"{name}={v} is not a bucket of {spec.qualname} "
+                                  f"({', '.join(map(str, buckets))})", where)
+        if hi_v < lo_v:
+            raise TuningError(f"{name}: empty range {raw}", where)
+        selection.append(tuple(b for b in buckets if lo_v <= b <= hi_v))
+    return tuple(selection)
+
+
+def _header(spec: Any, text: str, path: str, kind: str) -> tuple[dict[str, str], list[str], list]:
+    """Directives (``#! key value``), leading comments, and the remaining numbered lines."""
+    directives: dict[str, str] = {}
+    comments: list[str] = []
+    rest = []
+    in_header = True
+    for number, line, where in _lines(text, path):
+        if in_header and line.startswith("#!"):
+            key, _, value = line[2:].strip().partition(" ")
+            if key in directives:
+                raise TuningError(f"directive #! {key} given twice", where)
+            directives[key] = value.strip()
+            continue
+        if in_header and line.startswith("#"):
+            comments.append(line)
+            continue
+        if in_header and not line:
+            continue
+        in_header = False
+        rest.append((number, line, where))
+    magic = f"aotattn-{kind}"
+    if directives.get(magic) != str(FORMAT_VERSION):
+        raise TuningError(f"expected '#! {magic} {FORMAT_VERSION}' in the header", f"{path}:1")
+    if directives.get("table") != spec.qualname:
+        raise TuningError(f"expected '#! table {spec.qualname}', got {directives.get('table')!r}", f"{path}:1")
+    return directives, comments, rest
+
+
+def _sections(rest, spec: Any, path: str):
+    """Yield (header, header_where, [(number, line, where), ...]) per ``[...]`` section."""
+    current = None
+    for number, line, where in rest:
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            if not line.endswith("]"):
+                raise TuningError(f"unclosed section header {line!r}", where)
+            if current is not None:
+                yield current
+            current = (line[1:-1], where, [])
+            continue
+        if current is None:
+            raise TuningError(f"expected a [section] before {line!r}", where)
+        current[2].append((number, line, where))
+    if current is not None:
+        yield current
+
+
+def _parse_configs(spec: Any, body, configs: dict[str, Config]) -> None:
+    for _, line, where in body:
+        name, eq, values = line.partition("=")
+        name = name.strip()
+        if not eq or not name or not _is_name(name) or name == NO_ENTRY:
+            raise TuningError(f"expected 'name = knob=value ...', got {line!r}", where)
+        if name in configs:
+            raise TuningError(f"configuration {name!r} defined twice", where)
+        configs[name] = parse_config(spec, values, where)
+
+
+def parse_table(spec: Any, text: str, path: str = "<table>") -> Table:
+    directives, comments, rest = _header(spec, text, path, "tuning")
+    arch = directives.get("arch")
+    if not arch:
+        raise TuningError("expected '#! arch <arch>' in the header", f"{path}:1")
+    keys_text = directives.get("keys", "")
+    if keys_text != _keys_line(spec.tuning_keys):
+        raise TuningError(f"expected '#! keys {_keys_line(spec.tuning_keys)}' (the keys {spec.qualname} declares), "
+                          f"got {keys_text!r}", f"{path}:1")
+    table = Table(spec.qualname, arch, spec.tuning_keys, directives.get("base") or None, comments=comments)
+    rows_n, cols_n = table.shape
+    row_buckets = spec.tuning_keys[0][1] if spec.tuning_keys else (None,)
+    for header, where, body in _sections(rest, spec, path):
+        if header == "configs":
+            _parse_configs(spec, body, table.configs)
+            continue
+        functional = parse_functional(spec, header, where)
+        if functional in table.blocks:
+            raise TuningError(f"functional [{header}] appears twice", where)
+        grid: list[list[str] | None] = [None] * rows_n
+        for _, line, lwhere in body:
+            selector, colon, cells_text = line.partition(":")
+            if not colon:
+                raise TuningError(f"expected 'row: cells', got {line!r}", lwhere)
+            rows = _selection(spec, selector, lwhere, allow_ranges=False)
+            cells: list[str] = []
+            for token in cells_text.split():
+                name, star, count = token.partition("*")
+                try:
+                    n = int(count) if star else 1
+                except ValueError:
+                    raise TuningError(f"expected name*count, got {token!r}", lwhere) from None
+                if n < 1:
+                    raise TuningError(f"a run must repeat at least once, got {token!r}", lwhere)
+                cells += [name] * n
+            for name in cells:
+                if name != NO_ENTRY and name not in table.configs:
+                    raise TuningError(f"unknown configuration {name!r} (not defined in [configs] above)", lwhere)
+            if len(cells) != cols_n:
+                raise TuningError(f"expected {cols_n} cells (one per "
+                                  f"{spec.tuning_keys[1][0] if len(spec.tuning_keys) > 1 else 'row'}), "
+                                  f"got {len(cells)}", lwhere)
+            for bucket in (rows[0] if rows else (None,)):
+                index = row_buckets.index(bucket)
+                if grid[index] is not None:
+                    raise TuningError(f"row {spec.tuning_keys[0][0]}={bucket} given twice", lwhere)
+                grid[index] = list(cells)
+        missing = [str(row_buckets[i]) for i, row in enumerate(grid) if row is None]
+        if missing:
+            raise TuningError(f"functional [{header}] has no rows for {spec.tuning_keys[0][0] if spec.tuning_keys else '*'}"
+                              f"={', '.join(missing)}", where)
+        table.blocks[functional] = grid  # type: ignore[assignment]
+    return table
+
+
+def parse_patch(spec: Any, text: str, path: str = "<patch>") -> Patch:
+    _, comments, rest = _header(spec, text, path, "patch")
+    patch = Patch(spec.qualname, comments=comments)
+    for header, where, body in _sections(rest, spec, path):
+        if header == "configs":
+            _parse_configs(spec, body, patch.configs)
+            continue
+        functional = parse_functional(spec, header, where)
+        for number, line, lwhere in body:
+            selector, colon, name = line.partition(":")
+            name = name.strip()
+            if not colon or not name or " " in name:
+                raise TuningError(f"expected 'selection: config', got {line!r}", lwhere)
+            selection = _selection(spec, selector, lwhere, allow_ranges=True)
+            patch.edits.append(Edit(functional, selection, name, number))
+    return patch
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _runs(cells: Sequence[str]) -> str:
+    out = []
+    i = 0
+    while i < len(cells):
+        j = i
+        while j < len(cells) and cells[j] == cells[i]:
+            j += 1
+        out.append(cells[i] if j - i == 1 else f"{cells[i]}*{j - i}")
+        i = j
+    return " ".join(out)
+
+
+def write_table(spec: Any, table: Table) -> str:
+    """The canonical text of a table: parse(write(t)) == t, write(parse(text)) == text."""
+    lines = list(table.comments)
+    lines += [f"#! aotattn-tuning {FORMAT_VERSION}", f"#! table {table.table}", f"#! arch {table.arch}"]
+    if table.base:
+        lines.append(f"#! base {table.base}")
+    lines.append(f"#! keys {_keys_line(table.keys)}")
+    if table.configs:
+        lines += ["", "[configs]"]
+        lines += [f"{name} = {format_config(config, spec)}" for name, config in table.configs.items()]
+    order = {f: i for i, f in enumerate(spec.enumerate_functionals())}
+    for functional in sorted(table.blocks, key=lambda f: order.get(f, len(order))):
+        lines += ["", format_functional(spec, functional)]
+        grid = table.blocks[functional]
+        if not table.keys:
+            lines.append(f"*: {_runs(grid[0])}")
+            continue
+        name, buckets = table.keys[0]
+        i = 0
+        while i < len(grid):
+            j = i
+            while j + 1 < len(grid) and grid[j + 1] == grid[i]:
+                j += 1
+            label = str(buckets[i]) if i == j else f"{buckets[i]}..{buckets[j]}"
+            lines.append(f"{name}={label}: {_runs(grid[i])}")
+            i = j + 1
+    return "\n".join(lines) + "\n"
+
+
+def write_patch(spec: Any, patch: Patch) -> str:
+    lines = list(patch.comments) + [f"#! aotattn-patch {FORMAT_VERSION}", f"#! table {patch.table}"]
+    if patch.configs:
+        lines += ["", "[configs]"] + [f"{n} = {format_config(c, spec)}" for n, c in patch.configs.items()]
+    current = None
+    for edit in patch.edits:
+        if edit.functional != current:
+            lines += ["", format_functional(spec, edit.functional)]
+            current = edit.functional
+        if not spec.tuning_keys:
+            lines.append(f"*: {edit.config}")
+            continue
+        parts = []
+        for (name, buckets), chosen in zip(spec.tuning_keys, edit.selection):
+            if tuple(chosen) == tuple(buckets):
+                parts.append(f"{name}=*")
+            elif len(chosen) == 1:
+                parts.append(f"{name}={chosen[0]}")
+            else:
+                parts.append(f"{name}={chosen[0]}..{chosen[-1]}")
+        lines.append(f"{' '.join(parts)}: {edit.config}")
+    return "\n".join(lines) + "\n"
+
+
+def apply_patch(table: Table, patch: Patch, path: str = "<patch>") -> Table:
+    """A copy of ``table`` with the patch's configurations added and its cells set."""
+    out = table.copy()
+    out.configs.update(patch.configs)
+    index = [{b: i for i, b in enumerate(buckets)} for _, buckets in table.keys]
+    for edit in patch.edits:
+        where = f"{path}:{edit.line}"
+        if edit.functional not in out.blocks:
+            raise TuningError(f"the patch edits a functional the table does not have: {dict(edit.functional.items)}",
+                              where)
+        if edit.config != NO_ENTRY and edit.config not in out.configs:
+            raise TuningError(f"unknown configuration {edit.config!r}", where)
+        grid = out.blocks[edit.functional]
+        rows = [index[0][b] for b in edit.selection[0]] if table.keys else [0]
+        cols = [index[1][b] for b in edit.selection[1]] if len(table.keys) > 1 else [0]
+        for r in rows:
+            for c in cols:
+                grid[r][c] = edit.config
+    return out
+
+
+def bucket_index(buckets: Sequence[int], value: int) -> int:
+    """Smallest bucket at least ``value``, clamped to the largest."""
+    for i, bucket in enumerate(buckets):
+        if value <= bucket:
+            return i
+    return len(buckets) - 1
+
+
+def cell(table: Table, functional: Functional, sizes: Mapping[str, int]) -> str:
+    grid = table.blocks[functional]
+    r = bucket_index(table.keys[0][1], sizes[table.keys[0][0]]) if table.keys else 0
+    c = bucket_index(table.keys[1][1], sizes[table.keys[1][0]]) if len(table.keys) > 1 else 0
+    return grid[r][c]

@@ -1,0 +1,229 @@
+"""The tuning database: format, round trips, patches, bases, lookup rules, validation, CLI."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from aotattn import families, tuning
+from aotattn.cli import app
+from aotattn.spec import Config, Functional, OperatorSpec
+from aotattn.tuning import Database, TuningError, parse_patch, parse_table, write_table
+
+TOY = OperatorSpec(
+    family="toy", name="k",
+    functionals=(("dtype", ("fp16", "bf16")), ("PAD", (False, True))),
+    tuning_space=(("BLOCK", (16, 32, 64)), ("num_warps", (4, 8))),
+    tuning_keys=(("seqlen_q", (16, 32, 64)), ("seqlen_k", (16, 32, 64))),
+    fallback=lambda f: {**f, "PAD": False} if f["PAD"] else None,
+)
+SPECS = {TOY.qualname: TOY}
+HEADER = "#! aotattn-tuning 1\n#! table toy.k\n#! arch {arch}\n{base}#! keys seqlen_q=16,32,64 seqlen_k=16,32,64\n"
+TABLE = textwrap.dedent("""\
+    # a comment that survives round trips
+    #! aotattn-tuning 1
+    #! table toy.k
+    #! arch sm_90
+    #! keys seqlen_q=16,32,64 seqlen_k=16,32,64
+
+    [configs]
+    big = BLOCK=64 num_warps=8
+    small = BLOCK=16 num_warps=4
+
+    [dtype=fp16 PAD=False]
+    seqlen_q=16..32: small*2 big
+    seqlen_q=64: big*3
+
+    [dtype=bf16 PAD=False]
+    seqlen_q=16: small .*2
+    seqlen_q=32..64: big*3
+    """)
+
+
+def f(dtype="fp16", pad=False):
+    return Functional.of({"dtype": dtype, "PAD": pad})
+
+
+def make_db(tmp_path: Path, files: dict[str, str]) -> Database:
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return Database(tmp_path, SPECS)
+
+
+def test_round_trip_is_byte_exact():
+    table = parse_table(TOY, TABLE)
+    assert write_table(TOY, table) == TABLE
+    assert parse_table(TOY, write_table(TOY, table)) == table
+
+
+def test_run_length_encoding_and_row_ranges():
+    table = parse_table(TOY, TABLE)
+    assert table.blocks[f()] == [["small", "small", "big"], ["small", "small", "big"], ["big"] * 3]
+    assert table.blocks[f("bf16")][0] == ["small", ".", "."]
+    # the writer finds the runs itself
+    table.blocks[f()][1] = ["big", "big", "small"]
+    text = write_table(TOY, table)
+    assert "seqlen_q=16: small*2 big\nseqlen_q=32: big*2 small\nseqlen_q=64: big*3\n" in text
+
+
+@pytest.mark.parametrize("value, bucket", [(1, 16), (16, 16), (17, 32), (64, 64), (10**6, 64), (0, 16)])
+def test_bucket_is_the_smallest_at_least_the_value_clamped(tmp_path, value, bucket):
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE})
+    table = db.effective("sm_90", "toy.k")
+    expected = table.configs[table.blocks[f()][[16, 32, 64].index(bucket)][2]]
+    assert db.lookup("sm_90", TOY, f(), {"seqlen_q": value, "seqlen_k": 64}) == expected
+
+
+def test_patches_apply_in_numeric_order(tmp_path):
+    patch = "#! aotattn-patch 1\n#! table toy.k\n[dtype=fp16 PAD=False]\nseqlen_q=64 seqlen_k=16: {}\n"
+    db = make_db(tmp_path, {
+        "nvidia/sm_90/toy.k.txt": TABLE,
+        "nvidia/sm_90/toy.k.0002-second.dbpatch": patch.format("big"),
+        "nvidia/sm_90/toy.k.0010-third.dbpatch": "#! aotattn-patch 1\n#! table toy.k\n[configs]\nmid = BLOCK=32 "
+                                                 "num_warps=4\n[dtype=fp16 PAD=False]\nseqlen_q=* seqlen_k=16..32: mid\n",
+        "nvidia/sm_90/toy.k.0001-first.dbpatch": patch.format("small"),
+    })
+    assert [p.name for p in db.patch_paths("sm_90", "toy.k")] == [
+        "toy.k.0001-first.dbpatch", "toy.k.0002-second.dbpatch", "toy.k.0010-third.dbpatch"]
+    after_two = db.effective("sm_90", "toy.k", patches=2)
+    assert after_two.blocks[f()][2][0] == "big"
+    final = db.effective("sm_90", "toy.k")
+    assert [row[:2] for row in final.blocks[f()]] == [["mid", "mid"]] * 3
+    assert db.lookup("sm_90", TOY, f(), {"seqlen_q": 64, "seqlen_k": 20}) == Config.of(BLOCK=32, num_warps=4)
+
+
+def test_base_inheritance_overrides_only_what_differs(tmp_path):
+    derived = HEADER.format(arch="sm_80", base="#! base sm_90\n") + (
+        "\n[configs]\ntiny = BLOCK=16 num_warps=4\n\n[dtype=bf16 PAD=False]\nseqlen_q=16..64: tiny*3\n")
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE, "nvidia/sm_80/toy.k.txt": derived})
+    assert db.lookup("sm_80", TOY, f("bf16"), {"seqlen_q": 64, "seqlen_k": 64})["BLOCK"] == 16
+    assert db.lookup("sm_80", TOY, f(), {"seqlen_q": 64, "seqlen_k": 64})["BLOCK"] == 64  # from sm_90
+    assert parse_table(TOY, derived).base == "sm_90" and write_table(TOY, parse_table(TOY, derived)) == derived
+
+
+def test_fallback_and_missing_entries_are_clear_errors(tmp_path):
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE})
+    # a padded functional falls back to its unpadded twin
+    assert db.lookup("sm_90", TOY, f(pad=True), {"seqlen_q": 64, "seqlen_k": 16})["BLOCK"] == 64
+    with pytest.raises(TuningError, match=r"sm_90 / toy.k / \[PAD=False,dtype=bf16\]: cell seqlen_q=16 seqlen_k=32 "
+                                          r"has no entry"):
+        db.lookup("sm_90", TOY, f("bf16", True), {"seqlen_q": 3, "seqlen_k": 20})
+    lonely = TABLE.replace("[dtype=bf16 PAD=False]\nseqlen_q=16: small .*2\nseqlen_q=32..64: big*3\n", "")
+    db = make_db(tmp_path / "b", {"nvidia/sm_90/toy.k.txt": lonely})
+    with pytest.raises(TuningError, match=r"sm_90 / toy.k: no block for functional \[PAD=True,dtype=bf16\] nor its "
+                                          r"fallbacks \[PAD=False,dtype=bf16\]"):
+        db.lookup("sm_90", TOY, f("bf16", True), {"seqlen_q": 16, "seqlen_k": 16})
+    with pytest.raises(TuningError, match="no architecture 'sm_75'"):
+        db.lookup("sm_75", TOY, f(), {"seqlen_q": 16, "seqlen_k": 16})
+
+
+BAD_TABLES = [
+    ("unknown config", TABLE.replace("small*2 big", "small*2 huge"), 12, "unknown configuration 'huge'"),
+    ("row outside keys", TABLE.replace("seqlen_q=64: big*3", "seqlen_q=128: big*3"), 13,
+     "seqlen_q=128 is not a bucket"),
+    ("too many cells", TABLE.replace("seqlen_q=64: big*3", "seqlen_q=64: big*4"), 13, "expected 3 cells"),
+    ("missing row", TABLE.replace("seqlen_q=64: big*3\n", ""), 11, "has no rows for seqlen_q=64"),
+    ("row twice", TABLE.replace("seqlen_q=64: big*3", "seqlen_q=32..64: big*3"), 13, "row seqlen_q=32 given twice"),
+    ("unknown knob", TABLE.replace("big = BLOCK=64", "big = BLOK=64"), 8, "unknown tuning knob 'BLOK'"),
+    ("knob value", TABLE.replace("big = BLOCK=64", "big = BLOCK=48"), 8, "BLOCK: '48' is not one of 16, 32, 64"),
+    ("axis value", TABLE.replace("[dtype=fp16 PAD=False]", "[dtype=fp8 PAD=False]"), 11, "dtype: 'fp8'"),
+    ("unknown axis", TABLE.replace("[dtype=fp16 PAD=False]", "[dtype=fp16 PAD=False X=1]"), 11, "no axis 'X'"),
+    ("missing axis", TABLE.replace("[dtype=fp16 PAD=False]", "[dtype=fp16]"), 11, "lacks axes PAD"),
+    ("functional twice", TABLE.replace("[dtype=bf16 PAD=False]", "[dtype=fp16 PAD=False]"), 15, "appears twice"),
+    ("bad run", TABLE.replace("small*2 big", "small*x big"), 12, "expected name*count"),
+    ("keys mismatch", TABLE.replace("seqlen_k=16,32,64", "seqlen_k=16,32"), 1, "expected '#! keys"),
+    ("wrong table", TABLE.replace("#! table toy.k", "#! table toy.j"), 1, "expected '#! table toy.k'"),
+    ("no version", TABLE.replace("#! aotattn-tuning 1\n", ""), 1, "expected '#! aotattn-tuning 1'"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_TABLES, ids=[c[0] for c in BAD_TABLES])
+def test_validation_errors_carry_line_numbers(case):
+    _, text, line, message = case
+    with pytest.raises(TuningError) as info:
+        parse_table(TOY, text, "t.txt")
+    assert info.value.where == f"t.txt:{line}"
+    assert message in str(info.value)
+
+
+def test_patch_touching_an_absent_functional(tmp_path):
+    only_fp16 = TABLE.split("[dtype=bf16")[0]
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": only_fp16,
+                            "nvidia/sm_90/toy.k.0001-x.dbpatch": "#! aotattn-patch 1\n#! table toy.k\n\n"
+                                                                 "[dtype=bf16 PAD=False]\nseqlen_q=* seqlen_k=*: big\n"})
+    with pytest.raises(TuningError) as info:
+        db.effective("sm_90", "toy.k")
+    assert info.value.where.endswith("toy.k.0001-x.dbpatch:5")
+    assert "edits a functional the table does not have" in str(info.value)
+
+
+def test_base_cycles_and_missing_bases(tmp_path):
+    a = HEADER.format(arch="sm_80", base="#! base sm_86\n")
+    b = HEADER.format(arch="sm_86", base="#! base sm_80\n")
+    db = make_db(tmp_path, {"nvidia/sm_80/toy.k.txt": a, "nvidia/sm_86/toy.k.txt": b})
+    with pytest.raises(TuningError, match=r"#! base cycle: sm_80 -> sm_86 -> sm_80") as info:
+        db.effective("sm_80", "toy.k")
+    assert info.value.where.endswith("sm_86/toy.k.txt:4")
+    db = make_db(tmp_path / "m", {"nvidia/sm_80/toy.k.txt": HEADER.format(arch="sm_80", base="#! base sm_99\n")})
+    with pytest.raises(TuningError, match="#! base sm_99: no such architecture"):
+        db.effective("sm_80", "toy.k")
+
+
+def test_lint_and_squash(tmp_path):
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE,
+                            "nvidia/sm_90/toy.k.0001-x.dbpatch": "#! aotattn-patch 1\n#! table toy.k\n\n"
+                                                                 "[dtype=fp16 PAD=False]\nseqlen_q=16 seqlen_k=*: big\n",
+                            "nvidia/sm_90/notes.md": "hello"})
+    problems = db.lint()
+    assert len(problems) == 1 and "not a table" in str(problems[0])
+    (tmp_path / "nvidia/sm_90/notes.md").unlink()
+    before = db.effective("sm_90", "toy.k")
+    removed = db.squash("sm_90", "toy.k")
+    assert [p.name for p in removed] == ["toy.k.0001-x.dbpatch"] and not removed[0].exists()
+    assert Database(tmp_path, SPECS).effective("sm_90", "toy.k").blocks == before.blocks
+    assert Database(tmp_path, SPECS).lint() == []
+
+
+def test_cli_show_diff_lint_squash(tmp_path, monkeypatch):
+    monkeypatch.setattr(families, "tables", lambda: SPECS)
+    other = TABLE.replace("#! arch sm_90", "#! arch sm_80").replace("seqlen_q=64: big*3", "seqlen_q=64: small*3")
+    make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE, "nvidia/sm_80/toy.k.txt": other})
+    runner = CliRunner()
+    result = runner.invoke(app, ["tuning", "show", "--arch", "sm_90", "--table", "toy.k", "--tuning-db", str(tmp_path)])
+    assert result.exit_code == 0 and "[dtype=fp16 PAD=False]" in result.output and "b: small" in result.output
+    result = runner.invoke(app, ["tuning", "diff", "--arch", "sm_90", "--against", "sm_80", "--table", "toy.k",
+                                 "--tuning-db", str(tmp_path)])
+    assert result.exit_code == 0 and "1 difference(s)" in result.output and "seqlen_q=64" in result.output
+    assert runner.invoke(app, ["tuning", "lint", "--tuning-db", str(tmp_path)]).exit_code == 0
+    (tmp_path / "nvidia/sm_80/toy.k.txt").write_text(other.replace("big*3", "bigg*3"))
+    result = runner.invoke(app, ["tuning", "lint", "--tuning-db", str(tmp_path)])
+    assert result.exit_code == 1 and "unknown configuration 'bigg'" in result.output
+    result = runner.invoke(app, ["tuning", "squash", "--arch", "sm_90", "--table", "toy.k", "--tuning-db", str(tmp_path)])
+    assert result.exit_code == 0 and "folded 0 patch(es)" in result.output
+
+
+def test_environment_variable_selects_another_database(tmp_path, monkeypatch):
+    monkeypatch.setenv(tuning.ENV_VAR, str(tmp_path))
+    assert tuning.database().root == tmp_path
+
+
+def test_the_project_database_is_valid_and_complete():
+    """Every functional of every table has a block for sm_90; sm_80 and gfx942 resolve through bases."""
+    db = tuning.database()
+    assert db.lint() == []
+    for spec in families.tables().values():
+        for arch in ("sm_90", "sm_80", "gfx942"):
+            table = db.effective(arch, spec.qualname)
+            missing = [fn for fn in spec.enumerate_functionals() if fn not in table.blocks]
+            assert not missing, f"{arch} / {spec.qualname}: {len(missing)} functionals without a block"
+
+
+def test_patch_round_trip():
+    text = ("# why\n#! aotattn-patch 1\n#! table toy.k\n\n[configs]\nmid = BLOCK=32 num_warps=4\n\n"
+            "[dtype=fp16 PAD=False]\nseqlen_q=16 seqlen_k=*: mid\nseqlen_q=32..64 seqlen_k=16: big\n")
+    assert tuning.write_patch(TOY, parse_patch(TOY, text)) == text
