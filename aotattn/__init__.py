@@ -8,8 +8,9 @@ reference they are tested against. Importing aotattn touches no GPU driver.
 from aotattn.families.flash import (dropout_mask, flash_attn_func, flash_attn_varlen_func,
                                     scaled_dot_product_attention)
 from aotattn import reference
+from aotattn.families.rmsnorm import rms_norm
 
 __version__ = "0.1.0"
 
 __all__ = ["dropout_mask", "flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention",
-           "reference", "__version__"]
+           "rms_norm", "reference", "__version__"]

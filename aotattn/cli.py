@@ -18,9 +18,12 @@ console = Console()
 
 
 def _register_subcommands() -> None:
+    from aotattn.build.cli import build_command, images_app
     from aotattn.tuning.cli import app as tuning_app
 
     app.add_typer(tuning_app, name="tuning")
+    app.command("build")(build_command)
+    app.add_typer(images_app, name="images")
 
 
 _register_subcommands()

@@ -28,11 +28,14 @@ class Arg:
     """One runtime argument of a kernel.
 
     ``type`` is a Triton signature type; ``{name}`` placeholders are filled from the
-    functional (``"*{dtype}"`` becomes ``"*bf16"``).
+    functional (``"*{dtype}"`` becomes ``"*bf16"``). ``aligned``: the kernel's aligned
+    variant assumes this pointer 16-byte aligned, or this integer divisible by 16 (what
+    Triton's JIT would have specialized on).
     """
 
     name: str
     type: str
+    aligned: bool = False
 
     def signature(self, functional: Mapping[str, Any]) -> str:
         return self.type.format(**functional)
@@ -154,6 +157,9 @@ class KernelSpec(_Table):
             (at most two: table rows, then columns).
         fallback: the functional to look up when a table has no block for this one (for
             example a padded-head functional's unpadded twin), or None.
+        aligned_when: the functionals built as the *aligned* variant (alignment hints on
+            the ``aligned`` arguments); the operators choose such a functional only for
+            inputs that satisfy them. None: every functional is built generic.
     """
 
     family: str
@@ -167,6 +173,13 @@ class KernelSpec(_Table):
     disabled: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
     tuning_keys: tuple[tuple[str, tuple[int, ...]], ...] = ()
     fallback: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
+    aligned_when: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
+
+    def variant(self, functional: Functional) -> str:
+        """``aligned`` or ``generic``: how this functional is compiled."""
+        if self.aligned_when is not None and self.aligned_when(functional.as_dict()):
+            return "aligned"
+        return "generic"
 
     @property
     def type_axes(self) -> frozenset[str]:

@@ -10,7 +10,7 @@ import importlib
 from functools import cache
 from typing import Any
 
-FAMILIES = ("flash",)
+FAMILIES = ("flash", "rmsnorm")
 
 
 @cache

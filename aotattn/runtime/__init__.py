@@ -3,6 +3,6 @@
 Family-agnostic: it knows kernels only through their :class:`aotattn.spec.KernelSpec`.
 """
 
-from aotattn.runtime.launcher import launch
+from aotattn.runtime.launcher import launch, prepare
 
-__all__ = ["launch"]
+__all__ = ["launch", "prepare"]

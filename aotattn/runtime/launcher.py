@@ -1,18 +1,32 @@
 """Execute a :class:`~aotattn.spec.LaunchPlan`.
 
-CUDA tensors run the kernel through Triton's JIT; CPU tensors run the same source in
-Triton's interpreter (slow: for tests and debugging).
+CUDA tensors run prebuilt images through the CUDA driver (``AOTATTN_MODE=aot``, the
+default) or compile with Triton's JIT (``AOTATTN_MODE=jit``, for development and the
+tuner); CPU tensors run the same source in Triton's interpreter (slow: for tests and
+debugging). Triton is imported only by the JIT and the interpreter paths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from aotattn.runtime.interpreter import interpreted_function
 from aotattn.spec import KernelSpec, LaunchPlan
+
+MODE_VAR = "AOTATTN_MODE"
+MODES = ("aot", "jit")
+
+
+def mode() -> str:
+    value = os.environ.get(MODE_VAR, "aot")
+    if value not in MODES:
+        raise ValueError(f"{MODE_VAR}: expected one of {MODES}, got {value!r}")
+    return value
 
 
 def _device_of(args: tuple[Any, ...]) -> torch.device:
@@ -30,14 +44,48 @@ def launch(plan: LaunchPlan) -> None:
     if 0 in plan.grid:
         return
     device = _device_of(plan.args)
-    constexprs = plan.kernel.constexprs(plan.functional, plan.config)
-    if device.type == "cpu":
-        fn = interpreted_function(plan.kernel.module, plan.kernel.function)
-        fn[plan.grid](*plan.args, **constexprs)
-    elif device.type == "cuda":
+    if device.type == "cuda":
+        if mode() == "aot":
+            from aotattn.runtime.aot import launch_aot
+
+            launch_aot(plan, device)
+            return
         fn = jit_function(plan.kernel)
         with torch.cuda.device(device):
-            fn[plan.grid](*plan.args, **constexprs, num_warps=plan.config.num_warps,
-                          num_stages=plan.config.num_stages)
+            fn[plan.grid](*plan.args, **plan.kernel.constexprs(plan.functional, plan.config),
+                          num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
+    elif device.type == "cpu":
+        from aotattn.runtime.interpreter import interpreted_function
+
+        fn = interpreted_function(plan.kernel.module, plan.kernel.function)
+        fn[plan.grid](*plan.args, **plan.kernel.constexprs(plan.functional, plan.config))
     else:
         raise ValueError(f"no launcher for device type {device.type!r}")
+
+
+def prepare(plan: LaunchPlan, dynamic: Sequence[tuple[int, int]]) -> Callable[[Sequence[torch.Tensor]], None]:
+    """A launcher of this plan's kernel, grid and configuration for new tensors.
+
+    ``dynamic`` lists ``(argument position, index into the tensors)``: the arguments that
+    change from call to call. The others keep the plan's values; the plan's tensors at
+    dynamic positions are not kept. On the AOT path the loaded kernel is resolved here,
+    once, and a call only packs pointers and launches.
+    """
+    device = _device_of(plan.args)
+    positions = {pos for pos, _ in dynamic}
+    if device.type == "cuda" and mode() == "aot":
+        from aotattn.runtime.aot import prepare_aot
+
+        static = [None if i in positions else (a.data_ptr() if isinstance(a, torch.Tensor) else a)
+                  for i, a in enumerate(plan.args)]
+        return prepare_aot(plan, device, static, dynamic)
+    static_args = [None if i in positions else a for i, a in enumerate(plan.args)]
+    bare = dataclasses.replace(plan, args=())
+
+    def run(tensors: Sequence[torch.Tensor]) -> None:
+        args = list(static_args)
+        for pos, src in dynamic:
+            args[pos] = tensors[src]
+        launch(dataclasses.replace(bare, args=tuple(args)))
+
+    return run

@@ -217,7 +217,7 @@ def test_the_project_database_is_valid_and_complete():
     db = tuning.database()
     assert db.lint() == []
     for spec in families.tables().values():
-        for arch in ("sm_90", "sm_80", "gfx942"):
+        for arch in db.archs():
             table = db.effective(arch, spec.qualname)
             missing = [fn for fn in spec.enumerate_functionals() if fn not in table.blocks]
             assert not missing, f"{arch} / {spec.qualname}: {len(missing)} functionals without a block"

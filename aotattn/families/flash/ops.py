@@ -6,7 +6,9 @@ configuration, grid, arguments) -> :func:`aotattn.runtime.launch`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -15,7 +17,8 @@ import torch
 from aotattn.families.flash import rules
 from aotattn.families.flash.checks import (Problem, check_bias, check_bool, check_flash, check_sdpa,
                                            check_varlen)
-from aotattn.runtime import launch
+from aotattn.runtime import launch, prepare
+from aotattn.runtime.launcher import MODE_VAR
 from aotattn.spec import Config, Functional, KernelSpec, LaunchPlan
 
 LOG2E = 1.0 / math.log(2.0)
@@ -28,6 +31,8 @@ def _cdiv(a: int, b: int) -> int:
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every buffer the operators hand to a kernel comes from here (tests poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
 
 
 def philox_state(dropout_p: float) -> tuple[int, int]:
@@ -53,6 +58,7 @@ class Call:
     bias_grad: bool = False
     seed: int = 0
     offset: int = 0
+    aligned: bool = True  # every q/k/v pointer 16-byte aligned and tile stride divisible by 16
 
     def functional(self, backward: bool = False) -> dict:
         """The compile-time choices shared by the attention kernels."""
@@ -63,12 +69,16 @@ class Call:
             "dtype": rules.DTYPES[p.dtype],
             "BLOCK_D": bucket,
             "BLOCK_DV": bucket,
-            "PAD_HEAD": p.head_dim != bucket or p.head_dim_v != bucket,
+            # the unpadded functionals are built with alignment hints (rules._aligned_when)
+            "PAD_HEAD": p.head_dim != bucket or p.head_dim_v != bucket or not self.aligned,
             "MASK": p.mask,
             "VARLEN": p.varlen,
             "DROPOUT": p.dropout_p > 0.0,
             "BIAS": bias,
         }
+
+    def tiles_aligned(self, *tensors: torch.Tensor) -> bool:
+        return all(t.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in self.rows(t)) for t in tensors)
 
     def rows(self, t: torch.Tensor) -> tuple[int, int, int]:
         """(batch, head, row) strides of q/k/v-like tensors: (B, S, H, D), or (T, H, D) under varlen."""
@@ -204,8 +214,8 @@ def attention_backward(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Te
                        out: torch.Tensor, lse: torch.Tensor, backend: str | None, deterministic: bool,
                        configs: Mapping[str, Config] | None = None):
     """dQ, dK, dV (contiguous, shaped like q, k, v) and dBias (``(B, Hq, Sq, Sk)`` or None)."""
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
+    if dout.stride(-1) != 1 or (c.functional()["PAD_HEAD"] is False and not c.tiles_aligned(dout)):
+        dout = dout.contiguous()  # a fresh contiguous tensor meets the aligned variant's assumptions
     p = c.p
     backend = backend or choose_backend(c, deterministic, q.device)
     dev = q.device
@@ -261,17 +271,82 @@ def _check_backend(backend: object) -> str | None:
 
 
 def _run(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_major: bool,
-         backend: str | None, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+         backend: str | None, deterministic: bool, cache_key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, c.bias)):
         return _FlashAttention.apply(q, k, v, c.bias, c, heads_major, backend, deterministic)
     out = new_output(c.p, q, heads_major)
-    return out, attention_forward(c, q, k, v, out)
+    lse = _empty(_lse_shape(c.p, q), torch.float32, q.device)
+    plan = forward_plan(c, q, k, v, out, lse)
+    if cache_key is not None and c.bias is None and c.p.dropout_p == 0.0 and not c.p.varlen:
+        _PLANS.store(cache_key, plan, q, k, v, out, lse, out.transpose(1, 2) if heads_major else out)
+    launch(plan)
+    return out, lse
 
 
-def _new_call(p: Problem, bias: torch.Tensor | None = None, cu_q=None, cu_k=None) -> Call:
+def _cacheable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: object, extra: object) -> bool:
+    """Inference calls without dropout or bias: those the plan cache serves."""
+    return extra is None and dropout_p == 0.0 and not (
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+
+
+def _new_call(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None,
+              cu_q=None, cu_k=None) -> Call:
     seed, offset = philox_state(p.dropout_p)
-    return Call(p, cu_q, cu_k, bias, bias is not None and bias.requires_grad and torch.is_grad_enabled(),
-                seed, offset)
+    c = Call(p, cu_q, cu_k, bias, bias is not None and bias.requires_grad and torch.is_grad_enabled(), seed, offset)
+    if not c.tiles_aligned(q, k, v):
+        c = dataclasses.replace(c, aligned=False)
+    return c
+
+
+class _PlanCache:
+    """Launch-plan cache of the inference forward: the hot path of small calls.
+
+    A forward call without autograd, dropout or bias is decided entirely by its tensors'
+    metadata (shapes, strides, dtypes, device, 16-byte alignment) and its arguments; a
+    call that repeats those repeats every check's outcome and the whole plan. So the
+    first call goes the long way (checks, plan) and stores a template; the next ones
+    only allocate the outputs and launch with new pointers.
+    """
+
+    SIZE = 256
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, tuple] = {}
+
+    @staticmethod
+    def key(q, k, v, *flags) -> tuple | None:
+        """None when an argument is unhashable (the full path then reports it)."""
+        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, aligned, os.environ.get(MODE_VAR), flags)
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def store(self, key: tuple, plan: LaunchPlan, q, k, v, out, lse, out_base: torch.Tensor) -> None:
+        """``out`` is the view the kernel writes, ``out_base`` the tensor it views."""
+        source = {id(t): i for i, t in enumerate((q, k, v, out, lse))}
+        dynamic = [(pos, source[id(a)]) for pos, a in enumerate(plan.args) if id(a) in source]
+        if len(self.entries) >= self.SIZE:
+            self.entries.pop(next(iter(self.entries)))
+        self.entries[key] = (prepare(plan, dynamic), tuple(out_base.shape), tuple(lse.shape),
+                             out.shape != out_base.shape)
+
+    def run(self, key: tuple, q, k, v) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the output as stored, the log-sum-exp), or None on a miss."""
+        entry = self.entries.get(key) if key is not None else None
+        if entry is None:
+            return None
+        run, out_shape, lse_shape, transposed = entry
+        out = _empty(out_shape, q.dtype, q.device)
+        lse = _empty(lse_shape, torch.float32, q.device)
+        run((q, k, v, out.transpose(1, 2) if transposed else out, lse))
+        return out, lse
+
+
+_PLANS = _PlanCache()
 
 
 def _deterministic(value: object) -> bool:
@@ -323,11 +398,19 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     Returns:
         ``out (B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
     """
+    key = None
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) \
+            and _cacheable(q, k, v, dropout_p, bias):
+        key = _PLANS.key(q, k, v, "flash", softmax_scale, causal, tuple(window_size) if isinstance(
+            window_size, (tuple, list)) else window_size, diagonal, return_lse)
+        hit = _PLANS.run(key, q, k, v)
+        if hit is not None:
+            return hit if return_lse else hit[0]
     p = check_flash(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                     window_size=window_size, diagonal=diagonal)
     return_lse = check_bool("return_lse", return_lse)
-    c = _new_call(p, check_bias("bias", bias, p, q))
-    out, lse = _run(c, q, k, v, False, _check_backend(backend), _deterministic(deterministic))
+    c = _new_call(p, q, k, v, check_bias("bias", bias, p, q))
+    out, lse = _run(c, q, k, v, False, _check_backend(backend), _deterministic(deterministic), key)
     return (out, lse) if return_lse else out
 
 
@@ -358,7 +441,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     p = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
                      softmax_scale=softmax_scale, causal=causal, window_size=window_size, diagonal=diagonal)
     return_lse = check_bool("return_lse", return_lse)
-    c = _new_call(p, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
+    c = _new_call(p, q, k, v, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
     out, lse = _run(c, q, k, v, False, _check_backend(backend), _deterministic(deterministic))
     return (out, lse) if return_lse else out
 
@@ -387,11 +470,18 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     Returns:
         ``(B, Hq, Sq, Dv)`` in query's dtype.
     """
+    cache_key = None
+    if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) \
+            and _cacheable(query, key, value, dropout_p, attn_mask):
+        cache_key = _PLANS.key(query, key, value, "sdpa", is_causal, scale, enable_gqa)
+        hit = _PLANS.run(cache_key, query, key, value)
+        if hit is not None:
+            return hit[0]
     p = check_sdpa(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                    enable_gqa=enable_gqa)
-    c = _new_call(p, check_bias("attn_mask", attn_mask, p, query, sdpa_mask=True))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out, _ = _run(c, q, k, v, True, _check_backend(backend), _deterministic(deterministic))
+    c = _new_call(p, q, k, v, check_bias("attn_mask", attn_mask, p, query, sdpa_mask=True))
+    out, _ = _run(c, q, k, v, True, _check_backend(backend), _deterministic(deterministic), cache_key)
     return out.transpose(1, 2)
 
 

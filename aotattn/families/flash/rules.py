@@ -56,6 +56,23 @@ def _strides(*names: str) -> tuple[Arg, ...]:
     return tuple(Arg(name, "i64") for name in names)
 
 
+def _tile_strides(*names: str) -> tuple[Arg, ...]:
+    """Batch, head and row strides of q/k/v-like tensors: divisible by 16 in the aligned variant."""
+    return tuple(Arg(name, "i64", aligned=True) for name in names)
+
+
+def _tile(name: str, type_: str = "*{dtype}") -> Arg:
+    """A q/k/v-like tensor: 16-byte aligned in the aligned variant."""
+    return Arg(name, type_, aligned=True)
+
+
+def _aligned_when(functional: Mapping[str, Any]) -> bool:
+    # unpadded heads are built with alignment hints (vectorized, pipelined loads); the
+    # operators use them only when every tile pointer and stride qualifies, and fall back
+    # to the padded (generic) twin otherwise
+    return not functional["PAD_HEAD"]
+
+
 def _no_bias_under_varlen(functional: Mapping[str, Any]) -> bool:
     return bool(functional.get("VARLEN")) and bool(functional.get("BIAS"))
 
@@ -84,10 +101,10 @@ def _derive_fused(functional: Mapping[str, Any]) -> dict[str, Any]:
 
 _I32, _I64, _F32 = "i32", "i64", "fp32"
 _SEQUENCES = (Arg("CuSeqlensQ", "*i32"), Arg("CuSeqlensK", "*i32"))
-_QKV_DO_STRIDES = _strides("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn",
+_QKV_DO_STRIDES = _tile_strides("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn",
                            "stride_vz", "stride_vh", "stride_vn", "stride_doz", "stride_doh", "stride_dom")
-_DKDV_STRIDES = _strides("stride_dkz", "stride_dkh", "stride_dkn", "stride_dvz", "stride_dvh", "stride_dvn")
-_DQ_STRIDES = _strides("stride_dqz", "stride_dqh", "stride_dqm")
+_DKDV_STRIDES = _tile_strides("stride_dkz", "stride_dkh", "stride_dkn", "stride_dvz", "stride_dvh", "stride_dvn")
+_DQ_STRIDES = _tile_strides("stride_dqz", "stride_dqh", "stride_dqm")
 _LSE_STRIDES = _strides("stride_lz", "stride_lh")
 _BIAS_STRIDES = _strides("stride_bz", "stride_bh", "stride_bm", "stride_bn")
 _DBIAS_STRIDES = _strides("stride_dbz", "stride_dbh", "stride_dbm")
@@ -122,10 +139,10 @@ ATTN_FWD = KernelSpec(
     module=KERNELS_MODULE,
     function="attn_fwd",
     arguments=(
-        Arg("Q", "*{dtype}"), Arg("K", "*{dtype}"), Arg("V", "*{dtype}"),
-        Arg("Out", "*{dtype}"), Arg("Lse", "*fp32"), *_SEQUENCES, Arg("Bias", "*{dtype}"),
-        *_strides("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn",
-                  "stride_vz", "stride_vh", "stride_vn", "stride_oz", "stride_oh", "stride_om"),
+        _tile("Q"), _tile("K"), _tile("V"),
+        _tile("Out"), Arg("Lse", "*fp32"), *_SEQUENCES, Arg("Bias", "*{dtype}"),
+        *_tile_strides("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn",
+                       "stride_vz", "stride_vh", "stride_vn", "stride_oz", "stride_oh", "stride_om"),
         *_LSE_STRIDES, *_BIAS_STRIDES, *_SIZES,
         Arg("qk_scale", _F32), Arg("window_left", _I32), Arg("window_right", _I32), *_DROPOUT,
     ),
@@ -135,6 +152,7 @@ ATTN_FWD = KernelSpec(
     disabled=_disabled,
     tuning_keys=_SEQ_KEYS,
     fallback=_fallback,
+    aligned_when=_aligned_when,
 )
 
 ATTN_BWD_PREPROCESS = KernelSpec(
@@ -143,8 +161,8 @@ ATTN_BWD_PREPROCESS = KernelSpec(
     module=KERNELS_MODULE,
     function="attn_bwd_preprocess",
     arguments=(
-        Arg("Out", "*{dtype}"), Arg("DO", "*{dtype}"), Arg("Delta", "*fp32"), Arg("CuSeqlensQ", "*i32"),
-        *_strides("stride_oz", "stride_oh", "stride_om", "stride_doz", "stride_doh", "stride_dom"),
+        _tile("Out"), _tile("DO"), Arg("Delta", "*fp32"), Arg("CuSeqlensQ", "*i32"),
+        *_tile_strides("stride_oz", "stride_oh", "stride_om", "stride_doz", "stride_doh", "stride_dom"),
         *_LSE_STRIDES, Arg("max_seqlen_q", _I32), Arg("head_dim_v", _I32),
     ),
     functionals=(
@@ -156,6 +174,7 @@ ATTN_BWD_PREPROCESS = KernelSpec(
     tuning_space=(("BLOCK_M", (16, 32, 64, 128)), ("num_warps", (1, 2, 4, 8)), ("num_stages", (1,))),
     tuning_keys=(_SEQ_KEYS[0],),
     fallback=_fallback,
+    aligned_when=_aligned_when,
 )
 
 ATTN_BWD_DKDV = KernelSpec(
@@ -164,8 +183,8 @@ ATTN_BWD_DKDV = KernelSpec(
     module=KERNELS_MODULE,
     function="attn_bwd_dkdv",
     arguments=(
-        Arg("Q", "*{dtype}"), Arg("K", "*{dtype}"), Arg("V", "*{dtype}"), Arg("DO", "*{dtype}"),
-        Arg("DK", "*{dtype}"), Arg("DV", "*{dtype}"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"),
+        _tile("Q"), _tile("K"), _tile("V"), _tile("DO"),
+        _tile("DK"), _tile("DV"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"),
         *_SEQUENCES, Arg("Bias", "*{dtype}"),
         *_QKV_DO_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_BWD_SCALARS,
     ),
@@ -175,6 +194,7 @@ ATTN_BWD_DKDV = KernelSpec(
     disabled=_disabled,
     tuning_keys=_SEQ_KEYS,
     fallback=_fallback,
+    aligned_when=_aligned_when,
 )
 
 ATTN_BWD_DQ = KernelSpec(
@@ -183,8 +203,8 @@ ATTN_BWD_DQ = KernelSpec(
     module=KERNELS_MODULE,
     function="attn_bwd_dq",
     arguments=(
-        Arg("Q", "*{dtype}"), Arg("K", "*{dtype}"), Arg("V", "*{dtype}"), Arg("DO", "*{dtype}"),
-        Arg("DQ", "*{dtype}"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"), *_SEQUENCES,
+        _tile("Q"), _tile("K"), _tile("V"), _tile("DO"),
+        _tile("DQ"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"), *_SEQUENCES,
         Arg("Bias", "*{dtype}"), Arg("DBias", "*fp32"),
         *_QKV_DO_STRIDES, *_DQ_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES, *_BWD_SCALARS,
     ),
@@ -194,6 +214,7 @@ ATTN_BWD_DQ = KernelSpec(
     disabled=_disabled,
     tuning_keys=_SEQ_KEYS,
     fallback=_fallback,
+    aligned_when=_aligned_when,
 )
 
 ATTN_BWD_FUSED = KernelSpec(
@@ -202,8 +223,8 @@ ATTN_BWD_FUSED = KernelSpec(
     module=KERNELS_MODULE,
     function="attn_bwd_fused",
     arguments=(
-        Arg("Q", "*{dtype}"), Arg("K", "*{dtype}"), Arg("V", "*{dtype}"), Arg("DO", "*{dtype}"),
-        Arg("DQ", "*{dq_type}"), Arg("DK", "*{dtype}"), Arg("DV", "*{dtype}"),
+        _tile("Q"), _tile("K"), _tile("V"), _tile("DO"),
+        _tile("DQ", "*{dq_type}"), _tile("DK"), _tile("DV"),
         Arg("Lse", "*fp32"), Arg("Delta", "*fp32"), *_SEQUENCES, Arg("Bias", "*{dtype}"), Arg("DBias", "*fp32"),
         *_QKV_DO_STRIDES, *_DQ_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES,
         *_BWD_SCALARS,
@@ -214,6 +235,7 @@ ATTN_BWD_FUSED = KernelSpec(
     disabled=_disabled,
     tuning_keys=_SEQ_KEYS,
     fallback=_fallback,
+    aligned_when=_aligned_when,
 )
 
 DROPOUT_MASK = KernelSpec(

@@ -4,7 +4,8 @@
 
 writes ``ROOT/nvidia/sm_90`` (every table in full), ``ROOT/nvidia/sm_80`` (``#! base
 sm_90``, overriding the blocks whose sm_90 choices need more than the A100's 163 KB of
-shared memory) and ``ROOT/amd/gfx942`` (``#! base sm_90``, nothing overridden yet).
+shared memory), sm_86 and sm_89 (``#! base sm_80``), ``ROOT/amd/gfx942`` (``#! base
+sm_90``) and gfx90a, gfx950, gfx1100 (``#! base gfx942``), nothing overridden yet.
 The choices follow the H200 sweeps of 2026-11-29 (benchmarks/RESULTS.md) at s4096 and
 are used for every sequence length.
 """
@@ -90,8 +91,11 @@ def build_table(spec, arch: str, choose, base: str | None = None) -> Table:
 
 
 def main(root: Path) -> None:
+    inherit = lambda kernel, f: None  # noqa: E731  (a derived table that overrides nothing yet)
     for vendor, arch, choose, base in (("nvidia", "sm_90", sm90, None), ("nvidia", "sm_80", sm80, "sm_90"),
-                                       ("amd", "gfx942", lambda k, f: None, "sm_90")):
+                                       ("nvidia", "sm_86", inherit, "sm_80"), ("nvidia", "sm_89", inherit, "sm_80"),
+                                       ("amd", "gfx942", inherit, "sm_90"), ("amd", "gfx90a", inherit, "gfx942"),
+                                       ("amd", "gfx950", inherit, "gfx942"), ("amd", "gfx1100", inherit, "gfx942")):
         directory = root / vendor / arch
         directory.mkdir(parents=True, exist_ok=True)
         for spec in rules.TABLES:

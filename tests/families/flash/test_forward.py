@@ -157,3 +157,33 @@ def test_empty_problems(device):
     q, k, v = make_qkv(1, 0, 8, 2, 2, 16, 16, torch.float16, device)
     out = aotattn.flash_attn_func(q, k, v, causal=True)
     assert out.shape == (1, 0, 2, 16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_repeated_calls_reuse_plans_without_confusing_them(request, device):
+    """Identical metadata repeats the plan; any change of scale, mask, strides or shape does not."""
+    from aotattn.families.flash import ops
+
+    seed_from(request.node.nodeid)
+    q, k, v = make_qkv(2, 45, 60, 4, 2, 32, 32, torch.float16, device)
+    ops._PLANS.entries.clear()
+    calls = [dict(), dict(), dict(softmax_scale=-0.5), dict(causal=True), dict(causal=True),
+             dict(window_size=(3, 3), diagonal="top_left")]
+    for mask in calls:
+        for _ in range(2):
+            out, lse = aotattn.flash_attn_func(q, k, v, return_lse=True, **mask)
+            assert_forward_matches(out, lse, q, k, v, **mask)
+    assert len(ops._PLANS.entries) == 4
+    # same shapes, other strides: a transposed copy of k
+    k2 = k.transpose(1, 2).contiguous().transpose(1, 2)
+    assert k2.stride() != k.stride()
+    out = aotattn.flash_attn_func(q, k2, v)
+    assert_forward_matches(out, None, q, k2, v)
+    # SDPA layout, returned as PyTorch would (B, H, S, Dv)
+    qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+    for _ in range(2):
+        out = aotattn.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True, is_causal=True)
+        assert out.shape == (2, 4, 45, 32) and out.is_contiguous()
+        assert_forward_matches(out.transpose(1, 2), None, q, k, v, causal=True, diagonal="top_left")
+    with pytest.raises(TypeError, match="softmax_scale"):
+        aotattn.flash_attn_func(q, k, v, softmax_scale=[1.0])  # unhashable: the full path reports it

@@ -1,0 +1,57 @@
+"""Public operator of the RMSNorm family: checks -> launch plan -> runtime."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from aotattn.families.rmsnorm import rules
+from aotattn.runtime import launch
+from aotattn.spec import Functional, LaunchPlan
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(mean(x**2, -1) + eps) * weight`` over the last dimension, in fp32.
+
+    Args:
+        x: ``(..., N)``, float16, bfloat16 or float32, unit stride in the last dimension,
+            N up to 16384.
+        weight: ``(N,)`` in x's dtype, or None.
+        eps: a finite non-negative float.
+
+    Returns:
+        A tensor of x's shape and dtype. Forward only (no autograd).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in rules.DTYPES:
+        raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
+    if x.dim() < 1 or not 1 <= x.shape[-1] <= rules.MAX_COLS:
+        raise ValueError(f"x: expected a last dimension of 1..{rules.MAX_COLS}, got shape {tuple(x.shape)}")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"x: expected a CUDA or CPU tensor, got device {x.device}")
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight: expected a torch.Tensor or None, got {type(weight).__name__}")
+        if weight.shape != (x.shape[-1],) or weight.dtype != x.dtype or weight.device != x.device:
+            raise ValueError(f"weight: expected shape ({x.shape[-1]},), dtype {x.dtype}, device {x.device}; got "
+                             f"{tuple(weight.shape)}, {weight.dtype}, {weight.device}")
+        weight = weight.contiguous()
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps: expected a finite non-negative number, got {eps!r}")
+    n_cols = x.shape[-1]
+    rows = x.reshape(-1, n_cols)  # a view whenever the rows are evenly strided
+    if rows.numel() and rows.stride(-1) != 1:
+        raise ValueError(f"x: expected a unit stride in the last dimension, got strides {x.stride()}")
+    y = torch.empty_like(rows, memory_format=torch.contiguous_format)
+    rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    block = next(b for b in rules.BLOCKS if n_cols <= b)
+    functional = Functional.of({"dtype": rules.DTYPES[x.dtype], "BLOCK": block, "HAS_WEIGHT": weight is not None})
+    kernel = rules.RMSNORM_FWD
+    config = rules.config_for(kernel, functional, x.device, n_rows=rows.shape[0])
+    launch(LaunchPlan(kernel, functional, config, (rows.shape[0], 1, 1),
+                      (rows, rows if weight is None else weight, y, rstd, rows.stride(0), y.stride(0), n_cols,
+                       float(eps))))
+    return y.reshape(x.shape)

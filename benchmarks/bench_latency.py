@@ -1,0 +1,114 @@
+"""First-call latency and per-call host overhead on the GPU (issue 6).
+
+    python benchmarks/bench_latency.py --images images/
+
+1. First call in a fresh process, B2 H16 S1024 D128 bf16 causal (SDPA layout): the time
+   from after ``import`` to the first output (synchronized), tensors already on the GPU.
+   aotattn from prebuilt images (AOTATTN_MODE=aot), aotattn through Triton's JIT with an
+   empty cache, and PyTorch SDPA. Each measured in its own process, three times.
+2. Host overhead per forward call at B1 H1 S128 D64 bf16: the wall time of 2000
+   back-to-back calls divided by 2000 (launch-bound: the GPU work is a few microseconds),
+   aotattn (images) against PyTorch SDPA, in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = """
+import sys, time, json
+import torch
+q = torch.randn(2, 16, 1024, 128, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+if "{impl}" == "sdpa":
+    fn = torch.nn.functional.scaled_dot_product_attention
+else:
+    import aotattn
+    fn = aotattn.scaled_dot_product_attention
+t1 = time.perf_counter()
+out = fn(q, q, q, is_causal=True)
+torch.cuda.synchronize()
+t2 = time.perf_counter()
+ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+print(json.dumps(dict(import_ms=(t1 - t0) * 1e3, first_call_ms=(t2 - t1) * 1e3, rel_diff=err,
+                      triton_imported="triton" in sys.modules)))
+"""
+
+
+def first_call(impl: str, env: dict) -> dict:
+    run = subprocess.run([sys.executable, "-c", CHILD.format(impl=impl)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    if run.returncode:
+        return dict(error=run.stderr[-500:])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def host_overhead() -> dict:
+    import torch
+
+    import aotattn
+
+    q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for name, fn in (("aotattn", aotattn.scaled_dot_product_attention),
+                     ("sdpa", torch.nn.functional.scaled_dot_product_attention)):
+        for _ in range(50):
+            fn(q, q, q)
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(2000):
+                fn(q, q, q)
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter() - start) / 2000 * 1e6)
+        results[name] = sorted(samples)[len(samples) // 2]
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", default=None, help="image root for the aot rows (default: AOTATTN_IMAGES)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    project = str(Path(__file__).resolve().parents[1])
+    base = dict(os.environ, PYTHONPATH=project)
+    if args.images:
+        base["AOTATTN_IMAGES"] = str(Path(args.images).resolve())
+    rows = {}
+    for attempt in range(3):
+        rows.setdefault("aotattn (images)", []).append(first_call("aotattn", dict(base, AOTATTN_MODE="aot")))
+        with tempfile.TemporaryDirectory() as cache:
+            rows.setdefault("aotattn (Triton JIT, cold cache)", []).append(
+                first_call("aotattn", dict(base, AOTATTN_MODE="jit", TRITON_CACHE_DIR=cache)))
+        rows.setdefault("PyTorch SDPA", []).append(first_call("sdpa", base))
+    os.environ["AOTATTN_MODE"] = "aot"
+    if args.images:
+        os.environ["AOTATTN_IMAGES"] = base["AOTATTN_IMAGES"]
+    overhead = host_overhead()
+    print("first call after import, B2 H16 S1024 D128 bf16 causal (ms; three fresh processes)")
+    for name, samples in rows.items():
+        if any("error" in s for s in samples):
+            print(f"  {name:<36} ERROR {next(s['error'] for s in samples if 'error' in s)}")
+            continue
+        calls = ", ".join(f"{s['first_call_ms']:.1f}" for s in samples)
+        imports = ", ".join(f"{s['import_ms']:.0f}" for s in samples)
+        print(f"  {name:<36} first call {calls}   import {imports}   rel diff {samples[0]['rel_diff']:.1e}"
+              f"   triton imported: {samples[0]['triton_imported']}")
+    print(f"host time per tiny forward call (B1 H1 S128 D64 bf16): aotattn {overhead['aotattn']:.1f} us, "
+          f"SDPA {overhead['sdpa']:.1f} us, ratio {overhead['aotattn'] / overhead['sdpa']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(first_call=rows, host_us=overhead), indent=1))
+
+
+if __name__ == "__main__":
+    main()

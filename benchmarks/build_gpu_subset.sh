@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The sm_90 images the GPU session's AOT test and latency benchmark use (a subset of the
+# full set: bf16/fp16, d64/d128, unpadded, dense, no dropout or bias), into ${1:-images}.
+set -euo pipefail
+out=${1:-images}
+common="PAD_HEAD=False VARLEN=False DROPOUT=False BIAS=0"
+aotattn build --arch sm_90 --out "$out" --kernel attn_fwd --kernel attn_bwd_dkdv --kernel attn_bwd_dq \
+  --where "dtype=bf16 BLOCK_D=128 $common"
+aotattn build --arch sm_90 --out "$out" --kernel attn_fwd --kernel attn_bwd_dkdv --kernel attn_bwd_dq \
+  --where "dtype=fp16 BLOCK_D=64 MASK=2 $common"
+aotattn build --arch sm_90 --out "$out" --kernel attn_fwd --where "dtype=bf16 BLOCK_D=64 MASK=0 $common"
+aotattn build --arch sm_90 --out "$out" --kernel attn_bwd_preprocess --where "PAD_HEAD=False VARLEN=False"
+aotattn build --arch sm_90 --out "$out" --kernel rmsnorm_fwd --where "dtype=bf16 BLOCK=1024"

@@ -1,0 +1,94 @@
+"""The AOT runtime on the GPU: build a few images, then use them from a fresh process
+that never imports Triton."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from aotattn.build import build
+from aotattn.build.builder import DEFAULT_CACHE
+from aotattn.tuning import Database
+
+PROJECT = Path(__file__).resolve().parents[2]
+# what the child process runs: bf16 d128 causal (top- and bottom-right), fp16 d64 window + GQA, RMSNorm
+SUBSET = [
+    (["flash.attn_fwd", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq"],
+     "dtype=bf16 BLOCK_D=128 PAD_HEAD=False VARLEN=False DROPOUT=False BIAS=0"),
+    (["flash.attn_fwd", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq"],
+     "dtype=fp16 BLOCK_D=64 PAD_HEAD=False MASK=2 VARLEN=False DROPOUT=False BIAS=0"),
+    (["flash.attn_fwd"], "dtype=bf16 BLOCK_D=64 PAD_HEAD=False MASK=0 VARLEN=False DROPOUT=False BIAS=0"),
+    (["flash.attn_bwd_preprocess"], "PAD_HEAD=False VARLEN=False"),
+    (["rmsnorm.rmsnorm_fwd"], "dtype=bf16 BLOCK=1024"),
+]
+
+CHILD = textwrap.dedent("""
+    import json, sys, time
+    import torch
+    import aotattn
+    from aotattn import reference
+    from aotattn.families.rmsnorm.reference import rms_norm
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    results = {}
+    torch.manual_seed(0)
+    for name, dtype, shape_q, shape_k, kw in [
+        ("bf16 d128 causal br", torch.bfloat16, (2, 1000, 8, 128), (2, 1200, 8, 128), dict(causal=True)),
+        ("bf16 d128 full", torch.bfloat16, (2, 777, 4, 128), (2, 777, 4, 128), dict()),
+        ("fp16 d64 window gqa", torch.float16, (2, 513, 8, 64), (2, 700, 2, 64), dict(window_size=(64, 16))),
+    ]:
+        q = torch.randn(*shape_q, device="cuda", dtype=dtype, requires_grad=True)
+        k = torch.randn(*shape_k, device="cuda", dtype=dtype, requires_grad=True)
+        v = torch.randn(*shape_k, device="cuda", dtype=dtype, requires_grad=True)
+        out = aotattn.flash_attn_func(q, k, v, **kw)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref, _ = reference.attention(*ref_in, **kw)
+        ref_grads = torch.autograd.grad(ref, ref_in, dout.double())
+        results[name] = [rel(out, ref)] + [rel(g, r) for g, r in zip(grads, ref_grads)]
+    q = torch.randn(1, 16, 300, 64, device="cuda", dtype=torch.bfloat16)
+    results["sdpa bf16 d64"] = [rel(aotattn.scaled_dot_product_attention(q, q, q),
+                                    torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(), q.double()))]
+    x = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+    results["rmsnorm"] = [rel(aotattn.rms_norm(x, w), rms_norm(x, w))]
+    torch.cuda.synchronize()
+    print(json.dumps({"errors": results, "triton_imported": "triton" in sys.modules}))
+""")
+
+
+@pytest.mark.gpu
+def test_fresh_process_runs_from_images_without_triton(tmp_path):
+    images = tmp_path / "images"
+    for tables, where in SUBSET:
+        report = build(["sm_90"], tables, where, images, DEFAULT_CACHE, workers=os.cpu_count() or 4, timeout=600,
+                       db=Database())
+        assert not report.failures, [f.message for f in report.failures]
+    env = dict(os.environ, AOTATTN_MODE="aot", AOTATTN_IMAGES=str(images), PYTHONPATH=str(PROJECT))
+    run = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["triton_imported"] is False
+    for name, errors in result["errors"].items():
+        bound = 5e-3 if "fp16" in name else 1e-2
+        assert max(errors) < bound, (name, errors)
+
+
+@pytest.mark.gpu
+def test_a_missing_image_names_the_build_command(tmp_path):
+    env = dict(os.environ, AOTATTN_MODE="aot", AOTATTN_IMAGES=str(tmp_path / "none"), PYTHONPATH=str(PROJECT))
+    code = ("import torch, aotattn\nq = torch.randn(1, 64, 2, 32, device='cuda', dtype=torch.float16)\n"
+            "aotattn.flash_attn_func(q, q, q)\n")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "no kernel image for sm_90 / flash.attn_fwd" in run.stderr
+    assert "aotattn build --arch sm_90 --kernel flash.attn_fwd --where" in run.stderr
