@@ -4,10 +4,10 @@
 set -euo pipefail
 out=${1:-images}
 common="PAD_HEAD=False VARLEN=False DROPOUT=False BIAS=0"
-aotattn build --arch sm_90 --out "$out" --kernel attn_fwd --kernel attn_bwd_dkdv --kernel attn_bwd_dq \
+python -m aotattn.cli build --arch sm_90 --out "$out" --kernel attn_fwd --kernel attn_bwd_dkdv --kernel attn_bwd_dq \
   --where "dtype=bf16 BLOCK_D=128 $common"
-aotattn build --arch sm_90 --out "$out" --kernel attn_fwd --kernel attn_bwd_dkdv --kernel attn_bwd_dq \
+python -m aotattn.cli build --arch sm_90 --out "$out" --kernel attn_fwd --kernel attn_bwd_dkdv --kernel attn_bwd_dq \
   --where "dtype=fp16 BLOCK_D=64 MASK=2 $common"
-aotattn build --arch sm_90 --out "$out" --kernel attn_fwd --where "dtype=bf16 BLOCK_D=64 MASK=0 $common"
-aotattn build --arch sm_90 --out "$out" --kernel attn_bwd_preprocess --where "PAD_HEAD=False VARLEN=False"
-aotattn build --arch sm_90 --out "$out" --kernel rmsnorm_fwd --where "dtype=bf16 BLOCK=1024"
+python -m aotattn.cli build --arch sm_90 --out "$out" --kernel attn_fwd --where "dtype=bf16 BLOCK_D=64 MASK=0 $common"
+python -m aotattn.cli build --arch sm_90 --out "$out" --kernel attn_bwd_preprocess --where "PAD_HEAD=False VARLEN=False"
+python -m aotattn.cli build --arch sm_90 --out "$out" --kernel rmsnorm_fwd --where "dtype=bf16 BLOCK=1024"

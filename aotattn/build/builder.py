@@ -1,0 +1,203 @@
+"""``aotattn build``: enumerate, compile in parallel, cache, pack into image archives."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aotattn import families
+from aotattn.build.compiler import TARGETS, Job, cache_key, compile_job, source_hash
+from aotattn.runtime.images import Archive, Entry, ImageError, archive_path, write_archive
+from aotattn.spec import Functional
+from aotattn.tuning import Database, TuningError
+
+PROJECT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = PROJECT / "images"
+DEFAULT_CACHE = PROJECT / "build" / "cache"
+
+
+def matches(functional: Functional, where: str | None) -> bool:
+    """``where`` like ``"dtype=bf16 BLOCK_D=128"``: every named axis has that value."""
+    if not where:
+        return True
+    values = {k: str(v) for k, v in functional.items}
+    for token in where.split():
+        axis, _, value = token.partition("=")
+        if axis in values and values[axis] != value:
+            return False
+    return True
+
+
+def enumerate_jobs(db: Database, archs: Sequence[str], tables: Sequence[str], where: str | None = None) -> list[Job]:
+    """Every functional of the selected kernels x every configuration its table names for it."""
+    jobs = []
+    for arch in archs:
+        for name in tables:
+            spec = families.kernels()[name]
+            table = db.effective(arch, name)
+            for functional in spec.enumerate_functionals():
+                if not matches(functional, where):
+                    continue
+                resolved = functional
+                while resolved not in table.blocks:
+                    twin = spec.fallback(resolved.as_dict()) if spec.fallback else None
+                    if twin is None:
+                        raise TuningError(f"{arch} / {name}: no block for [{functional}] or its fallbacks")
+                    resolved = Functional.of(twin)
+                names = sorted({cell for row in table.blocks[resolved] for cell in row} - {"."})
+                jobs += [Job(arch, name, functional, table.configs[n]) for n in names]
+    return jobs
+
+
+@dataclass
+class Outcome:
+    job: Job
+    status: str  # "compiled", "cached", "failed", "timeout"
+    seconds: float = 0.0
+    message: str = ""
+    entry: Entry | None = None
+
+
+def _child(job: Job, cache_dir: Path, conn: Any) -> None:
+    start = time.monotonic()
+    try:
+        entry, binary = compile_job(job)
+        _store(cache_dir, job, entry, binary)
+        conn.send(("compiled", time.monotonic() - start, "", entry))
+    except BaseException as exc:  # report, never take the build down
+        conn.send(("failed", time.monotonic() - start, f"{type(exc).__name__}: {exc}"[:2000], None))
+    finally:
+        conn.close()
+
+
+def _cache_paths(cache_dir: Path, job: Job) -> tuple[Path, Path]:
+    key = cache_key(job)
+    base = cache_dir / job.arch / job.table / key
+    return base.with_suffix(".json"), base.with_suffix(".bin")
+
+
+def _store(cache_dir: Path, job: Job, entry: Entry, binary: bytes) -> None:
+    meta, blob = _cache_paths(cache_dir, job)
+    meta.parent.mkdir(parents=True, exist_ok=True)
+    for path, data in ((blob, binary), (meta, json.dumps(asdict(entry)).encode())):
+        tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+
+
+def _cached(cache_dir: Path, job: Job) -> tuple[Entry, bytes] | None:
+    meta, blob = _cache_paths(cache_dir, job)
+    if meta.is_file() and blob.is_file():
+        return Entry(**json.loads(meta.read_text())), blob.read_bytes()
+    return None
+
+
+def run_jobs(jobs: Sequence[Job], cache_dir: Path, workers: int, timeout: float,
+             on_outcome: Callable[[Outcome], None]) -> list[Outcome]:
+    """Compile ``jobs`` in up to ``workers`` forked processes, each killed after ``timeout`` s."""
+    outcomes = []
+    pending = []
+    for job in jobs:
+        if _cached(cache_dir, job) is not None:
+            outcome = Outcome(job, "cached")
+            outcomes.append(outcome)
+            on_outcome(outcome)
+        else:
+            pending.append(job)
+    ctx = mp.get_context("fork")
+    running: dict[Any, tuple[Any, Job, float]] = {}
+    pending.reverse()
+    while pending or running:
+        while pending and len(running) < workers:
+            job = pending.pop()
+            receiver, sender = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_child, args=(job, cache_dir, sender), daemon=True)
+            process.start()
+            sender.close()
+            running[receiver] = (process, job, time.monotonic())
+        ready = multiprocessing.connection.wait(list(running), timeout=0.5)
+        now = time.monotonic()
+        for receiver in list(running):
+            process, job, started = running[receiver]
+            outcome = None
+            if receiver in ready:
+                try:
+                    status, seconds, message, entry = receiver.recv()
+                    outcome = Outcome(job, status, seconds, message, entry)
+                except EOFError:
+                    process.join(1)
+                    outcome = Outcome(job, "failed", now - started, f"the compiler process died ({process.exitcode})")
+            elif now - started > timeout:
+                process.kill()
+                outcome = Outcome(job, "timeout", now - started, f"killed after {timeout:.0f} s")
+            if outcome is not None:
+                process.join(1)
+                receiver.close()
+                del running[receiver]
+                outcomes.append(outcome)
+                on_outcome(outcome)
+    return outcomes
+
+
+@dataclass
+class BuildReport:
+    outcomes: list[Outcome] = field(default_factory=list)
+    archives: list[Path] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status in ("failed", "timeout")]
+
+
+def pack(jobs: Iterable[Job], cache_dir: Path, out: Path) -> list[Path]:
+    """Write one archive per (arch, table) with every cached job, merged with what the
+    existing archive holds for the same source and compiler."""
+    import triton
+
+    groups: dict[tuple[str, str], list[Job]] = {}
+    for job in jobs:
+        groups.setdefault((job.arch, job.table), []).append(job)
+    written = []
+    for (arch, table), group in sorted(groups.items()):
+        spec = families.kernels()[table]
+        digest = source_hash(spec)
+        kernels: dict[str, tuple[Entry, bytes]] = {}
+        path = archive_path(out, arch, table)
+        if path.is_file():
+            try:
+                old = Archive(path)
+                if old.header.source_hash == digest and old.header.triton_version == triton.__version__:
+                    kernels = {e.key: (e, old.binary(e)) for e in old.header.entries}
+            except ImageError:
+                pass  # a broken archive is rebuilt from the cache
+        for job in group:
+            found = _cached(cache_dir, job)
+            if found is not None:
+                kernels[found[0].key] = found
+        if kernels:
+            write_archive(path, arch, table, triton.__version__, digest, kernels.values())
+            written.append(path)
+    return written
+
+
+def build(archs: Sequence[str], tables: Sequence[str], where: str | None, out: Path, cache_dir: Path,
+          workers: int, timeout: float, db: Database,
+          on_outcome: Callable[[Outcome], None] = lambda o: None,
+          on_plan: Callable[[list[Job]], None] = lambda jobs: None) -> BuildReport:
+    for arch in archs:
+        if arch not in TARGETS:
+            raise ValueError(f"arch: expected one of {', '.join(TARGETS)}, got {arch!r}")
+    start = time.monotonic()
+    jobs = enumerate_jobs(db, archs, tables, where)
+    on_plan(jobs)
+    outcomes = run_jobs(jobs, cache_dir, workers, timeout, on_outcome)
+    archives = pack([o.job for o in outcomes if o.status in ("compiled", "cached")], cache_dir, out)
+    return BuildReport(outcomes, archives, time.monotonic() - start)

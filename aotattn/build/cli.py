@@ -1,0 +1,162 @@
+"""``aotattn build`` and ``aotattn images ls|extract|verify``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table as RichTable
+
+from aotattn.runtime.images import SUFFIX, Archive, ImageError
+
+console = Console()
+images_app = typer.Typer(help="List, extract and verify kernel image archives (docs/image-archive-format.md).",
+                         no_args_is_help=True)
+
+
+def _default_arch() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from aotattn.runtime.device import arch_of
+
+            return arch_of(torch.device("cuda"))
+    except Exception:  # no usable GPU: the documented default
+        pass
+    return "sm_90"
+
+
+def build_command(
+    arch: list[str] = typer.Option(None, "--arch", help="target (repeatable): sm_80 sm_86 sm_89 sm_90 gfx90a "
+                                   "gfx942 gfx950 gfx1100; default: the GPU present, else sm_90"),
+    family: list[str] = typer.Option(None, "--family", help="only these families (repeatable)"),
+    kernel: list[str] = typer.Option(None, "--kernel", help="only these kernels, family.kernel or kernel (repeatable)"),
+    where: str = typer.Option(None, help='only functionals matching, e.g. "dtype=bf16 BLOCK_D=128"'),
+    jobs: int = typer.Option(os.cpu_count() or 1, help="parallel compiler processes"),
+    timeout: float = typer.Option(600.0, help="seconds before one kernel's compilation is abandoned"),
+    out: Path = typer.Option(None, help="where the archives go (default: images/)"),
+    cache: Path = typer.Option(None, help="compiled-kernel cache (default: build/cache/)"),
+    tuning_db: Path = typer.Option(None, "--tuning-db", help="tuning database root (default: tuning/)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="only list what would be compiled"),
+) -> None:
+    """Compile every kernel variant the tuning database names, for each arch, into image archives.
+
+    Incremental: a variant whose source, options and compiler are unchanged is taken from the
+    cache. A failing or hanging kernel is reported and does not stop the others.
+    """
+    from aotattn import families
+    from aotattn.build.builder import DEFAULT_CACHE, DEFAULT_OUT, build, enumerate_jobs
+    from aotattn.tuning import Database, TuningError
+
+    archs = arch or [_default_arch()]
+    tables = [name for name in families.kernels()
+              if (not family or name.split(".")[0] in family)
+              and (not kernel or name in kernel or name.split(".", 1)[1] in kernel)]
+    if not tables:
+        console.print("[red]no kernel matches --family/--kernel[/red]")
+        raise typer.Exit(2)
+    db = Database(tuning_db) if tuning_db else Database()
+    if dry_run:
+        planned = enumerate_jobs(db, archs, tables, where)
+        for job in planned:
+            console.print(f"{job.arch} {job.table} [{job.functional}] {job.config} ({job.variant})", markup=False)
+        console.print(f"{len(planned)} kernel(s)")
+        return
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console)
+    failures = []
+    with progress:
+        task = progress.add_task("compiling", total=None)
+
+        def planned(all_jobs):
+            progress.update(task, total=len(all_jobs))
+
+        def done(outcome):
+            progress.advance(task)
+            if outcome.status in ("failed", "timeout"):
+                failures.append(outcome)
+                progress.console.print(escape(f"FAILED {outcome.job.arch} {outcome.job.table} [{outcome.job.functional}]"
+                                              f" {outcome.job.config}: {outcome.message.splitlines()[-1] if outcome.message else ''}"),
+                                       style="red")
+
+        try:
+            report = build(archs, tables, where, out or DEFAULT_OUT, cache or DEFAULT_CACHE, jobs, timeout, db,
+                           on_outcome=done, on_plan=planned)
+        except (TuningError, ValueError) as exc:
+            console.print(escape(str(exc)), style="red")
+            raise typer.Exit(2) from exc
+    counts = {}
+    for outcome in report.outcomes:
+        counts[outcome.status] = counts.get(outcome.status, 0) + 1
+    size = sum(p.stat().st_size for p in report.archives)
+    console.print(f"{len(report.outcomes)} kernel(s): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+                  + f"; {len(report.archives)} archive(s), {size / 2**20:.1f} MiB; {report.seconds:.1f} s")
+    for path in report.archives:
+        console.print(f"  {path}")
+    if failures:
+        raise typer.Exit(1)
+
+
+def _archives(paths: list[Path]) -> list[Path]:
+    found = []
+    for path in paths:
+        found += sorted(path.rglob(f"*{SUFFIX}")) if path.is_dir() else [path]
+    return found
+
+
+@images_app.command("ls")
+def ls(paths: list[Path] = typer.Argument(None, help="archives or folders (default: images/)")) -> None:
+    """List archives and the kernels inside them."""
+    from aotattn.build.builder import DEFAULT_OUT
+
+    table = RichTable("archive", "arch", "table", "kernels", "triton", "size")
+    bad = 0
+    for path in _archives(paths or [DEFAULT_OUT]):
+        try:
+            archive = Archive(path)
+        except ImageError as exc:
+            console.print(escape(str(exc)), style="red")
+            bad += 1
+            continue
+        h = archive.header
+        table.add_row(str(path), h.arch, h.table, str(len(h.entries)), h.triton_version,
+                      f"{path.stat().st_size / 1024:.0f} KiB")
+    console.print(table)
+    if bad:
+        raise typer.Exit(1)
+
+
+@images_app.command()
+def extract(archive: Path = typer.Argument(..., help="an archive"),
+            target: Path = typer.Argument(..., help="folder to write into")) -> None:
+    """Write an archive's kernels (and index.json) into a folder; never outside it."""
+    try:
+        written = Archive(archive).extract(target)
+    except ImageError as exc:
+        console.print(escape(str(exc)), style="red")
+        raise typer.Exit(1) from exc
+    console.print(f"{len(written)} file(s) under {target}")
+
+
+@images_app.command()
+def verify(paths: list[Path] = typer.Argument(None, help="archives or folders (default: images/)")) -> None:
+    """Check every archive: header, index checksum, each kernel's size and checksum, entry paths."""
+    from aotattn.build.builder import DEFAULT_OUT
+
+    problems = []
+    archives = _archives(paths or [DEFAULT_OUT])
+    for path in archives:
+        try:
+            problems += Archive(path).verify()
+        except ImageError as exc:
+            problems.append(str(exc))
+    for problem in problems:
+        console.print(escape(problem), style="red")
+    console.print(f"{len(archives)} archive(s), {len(problems)} problem(s)")
+    if problems:
+        raise typer.Exit(1)

@@ -1,0 +1,146 @@
+"""The AOT build on a CPU machine: sm_90 and gfx942 images compiled, packed, listed,
+extracted and verified; corrupted and path-traversing archives rejected."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from aotattn.build import build, enumerate_jobs
+from aotattn.cli import app
+from aotattn.runtime.images import Archive, Entry, ImageError, write_archive
+from aotattn.tuning import Database
+
+WHERE = "dtype=bf16 BLOCK_DV=64 VARLEN=False"
+TABLES = ["flash.attn_bwd_preprocess", "flash.dropout_mask"]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """One small build for both targets, shared by the tests below."""
+    root = tmp_path_factory.mktemp("aot")
+    report = build(["sm_90", "gfx942"], TABLES, WHERE, root / "images", root / "cache", workers=2, timeout=300,
+                   db=Database())
+    return root, report
+
+
+def test_build_compiles_for_nvidia_and_amd(built):
+    root, report = built
+    assert not report.failures, [o.message for o in report.failures]
+    assert {o.status for o in report.outcomes} == {"compiled"}
+    assert sorted(p.relative_to(root / "images").as_posix() for p in report.archives) == [
+        "gfx942/flash.attn_bwd_preprocess.aotimg", "gfx942/flash.dropout_mask.aotimg",
+        "sm_90/flash.attn_bwd_preprocess.aotimg", "sm_90/flash.dropout_mask.aotimg"]
+    sm90 = Archive(root / "images/sm_90/flash.attn_bwd_preprocess.aotimg")
+    kinds = {e.variant: e for e in sm90.header.entries}
+    assert set(kinds) == {"aligned", "generic"}  # PAD_HEAD False / True
+    assert kinds["aligned"].binary == "cubin" and kinds["aligned"].symbol == "attn_bwd_preprocess"
+    assert sm90.binary(kinds["aligned"])[:4] == b"\x7fELF"
+    amd = Archive(root / "images/gfx942/flash.dropout_mask.aotimg")
+    assert amd.header.entries[0].binary == "hsaco" and amd.header.entries[0].warp_size == 64
+
+
+def test_build_is_incremental(built):
+    root, first = built
+    again = build(["sm_90"], TABLES, WHERE, root / "images", root / "cache", workers=2, timeout=300, db=Database())
+    assert {o.status for o in again.outcomes} == {"cached"}
+    assert len(Archive(root / "images/sm_90/flash.attn_bwd_preprocess.aotimg").header.entries) == 2
+
+
+def test_jobs_follow_the_tuning_database():
+    jobs = enumerate_jobs(Database(), ["sm_90", "sm_80"], ["flash.attn_fwd"],
+                          "dtype=bf16 BLOCK_D=128 MASK=0 VARLEN=False DROPOUT=False BIAS=0 PAD_HEAD=False")
+    configs = {job.arch: job.config.as_dict() for job in jobs}
+    assert configs["sm_90"]["BLOCK_N"] == 128 and configs["sm_80"]["num_stages"] == 2  # sm_80 overrides its base
+
+
+def test_cli_ls_extract_verify(built, tmp_path):
+    root, _ = built
+    runner = CliRunner()
+    result = runner.invoke(app, ["images", "ls", str(root / "images")])
+    assert result.exit_code == 0 and "gfx942" in result.output and "sm_90" in result.output
+    result = runner.invoke(app, ["images", "verify", str(root / "images")])
+    assert result.exit_code == 0 and "4 archive(s), 0 problem(s)" in result.output
+    archive = root / "images/sm_90/flash.attn_bwd_preprocess.aotimg"
+    result = runner.invoke(app, ["images", "extract", str(archive), str(tmp_path / "out")])
+    assert result.exit_code == 0
+    index = json.loads((tmp_path / "out/index.json").read_text())
+    files = [tmp_path / "out" / e["file"] for e in index["entries"]]
+    assert all(f.is_file() and f.read_bytes()[:4] == b"\x7fELF" for f in files)
+
+
+def test_a_truncated_or_altered_archive_is_rejected(built, tmp_path):
+    root, _ = built
+    raw = (root / "images/sm_90/flash.dropout_mask.aotimg").read_bytes()
+    truncated = tmp_path / "truncated.aotimg"
+    truncated.write_bytes(raw[:-100])
+    with pytest.raises(ImageError, match="truncated"):
+        Archive(truncated)
+    altered = tmp_path / "altered.aotimg"
+    flipped = bytearray(raw)
+    flipped[-50] ^= 0xFF  # inside the compressed kernel
+    altered.write_bytes(bytes(flipped))
+    archive = Archive(altered)
+    with pytest.raises(ImageError, match="does not decompress|fails its checksum"):
+        archive.binary(archive.header.entries[0])
+    index_altered = tmp_path / "index.aotimg"
+    flipped = bytearray(raw)
+    flipped[struct.calcsize("<8sIQ32s") + 10] ^= 0x01  # inside the index
+    index_altered.write_bytes(bytes(flipped))
+    with pytest.raises(ImageError, match="index checksum mismatch"):
+        Archive(index_altered)
+    runner = CliRunner()
+    result = runner.invoke(app, ["images", "verify", str(truncated), str(altered)])
+    assert result.exit_code == 1 and "2 archive(s), 2 problem(s)" in result.output
+
+
+def _evil_archive(path: Path) -> None:
+    entry = Entry(key="x|y|generic", functional={}, config={}, variant="generic", symbol="k", shared=0, num_warps=4,
+                  warp_size=32, global_scratch_size=0, global_scratch_align=1, profile_scratch_size=0, binary="cubin",
+                  file="../../escaped.cubin", blob="")
+    write_archive(path, "sm_90", "flash.dropout_mask", "3.6.0", "x", [(entry, b"\x7fELF evil")])
+
+
+def test_a_path_traversing_archive_is_rejected(tmp_path):
+    evil = tmp_path / "evil.aotimg"
+    _evil_archive(evil)
+    target = tmp_path / "a" / "b"
+    with pytest.raises(ImageError, match="would write outside"):
+        Archive(evil).extract(target)
+    assert not (tmp_path / "escaped.cubin").exists() and not (tmp_path / "a" / "escaped.cubin").exists()
+    assert any("unsafe path" in p for p in Archive(evil).verify())
+    result = CliRunner().invoke(app, ["images", "extract", str(evil), str(target)])
+    assert result.exit_code == 1 and "would write outside" in result.output
+
+
+def test_build_reports_failures_without_stopping(tmp_path, monkeypatch):
+    from aotattn.build import builder
+
+    real = builder.compile_job
+
+    def sometimes_broken(job):
+        if job.functional["PAD_HEAD"]:
+            raise RuntimeError("boom")
+        return real(job)
+
+    monkeypatch.setattr(builder, "compile_job", sometimes_broken)
+    report = build(["sm_90"], ["flash.attn_bwd_preprocess"], WHERE, tmp_path / "i", tmp_path / "c", workers=2,
+                   timeout=300, db=Database())
+    assert [o.status for o in report.outcomes].count("failed") == 1
+    assert "boom" in report.failures[0].message
+    assert len(Archive(report.archives[0]).header.entries) == 1  # the other kernel still packed
+
+
+def test_build_kills_a_hanging_compile(tmp_path, monkeypatch):
+    import time
+
+    from aotattn.build import builder
+
+    monkeypatch.setattr(builder, "compile_job", lambda job: time.sleep(60))
+    report = build(["sm_90"], ["flash.dropout_mask"], None, tmp_path / "i", tmp_path / "c", workers=1, timeout=1.0,
+                   db=Database())
+    assert [o.status for o in report.outcomes] == ["timeout"]
