@@ -63,6 +63,17 @@ class Functional:
     def __str__(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.items)
 
+    def matches(self, where: str | None) -> bool:
+        """``where`` like ``"dtype=bf16 BLOCK_D=128"``: every named axis it has, with that value."""
+        if not where:
+            return True
+        values = {k: str(v) for k, v in self.items}
+        for token in where.split():
+            axis, _, value = token.partition("=")
+            if axis in values and values[axis] != value:
+                return False
+        return True
+
 
 @dataclass(frozen=True)
 class Config:

@@ -23,18 +23,6 @@ DEFAULT_OUT = PROJECT / "images"
 DEFAULT_CACHE = PROJECT / "build" / "cache"
 
 
-def matches(functional: Functional, where: str | None) -> bool:
-    """``where`` like ``"dtype=bf16 BLOCK_D=128"``: every named axis has that value."""
-    if not where:
-        return True
-    values = {k: str(v) for k, v in functional.items}
-    for token in where.split():
-        axis, _, value = token.partition("=")
-        if axis in values and values[axis] != value:
-            return False
-    return True
-
-
 def enumerate_jobs(db: Database, archs: Sequence[str], tables: Sequence[str], where: str | None = None) -> list[Job]:
     """Every functional of the selected kernels x every configuration its table names for it."""
     jobs = []
@@ -43,7 +31,7 @@ def enumerate_jobs(db: Database, archs: Sequence[str], tables: Sequence[str], wh
             spec = families.kernels()[name]
             table = db.effective(arch, name)
             for functional in spec.enumerate_functionals():
-                if not matches(functional, where):
+                if not functional.matches(where):
                     continue
                 resolved = functional
                 while resolved not in table.blocks:

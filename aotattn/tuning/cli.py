@@ -25,13 +25,6 @@ def _db(root: Path | None) -> Database:
     return Database(root or default_root())
 
 
-def _matches(functional, where: str | None) -> bool:
-    if not where:
-        return True
-    values = {k: str(v) for k, v in functional.items}
-    return all(values.get(k) == v for k, _, v in (t.partition("=") for t in where.split()))
-
-
 @app.command()
 def show(
     arch: str = typer.Option("sm_90", help="architecture, e.g. sm_90"),
@@ -48,7 +41,7 @@ def show(
     except TuningError as exc:
         console.print(escape(str(exc)), style="red")
         raise typer.Exit(1) from exc
-    chosen = [f for f in effective.blocks if _matches(f, where)]
+    chosen = [f for f in effective.blocks if f.matches(where)]
     console.print(f"{arch} / {table}: {len(effective.blocks)} functionals, {len(chosen)} match; "
                   f"base {effective.base or '-'}; patches: "
                   f"{', '.join(p.name for p in db.patch_paths(arch, table)) or '-'}")

@@ -133,12 +133,16 @@ _TUNING = (
     ("num_stages", (1, 2, 3, 4)),
 )
 
-ATTN_FWD = KernelSpec(
-    family=FAMILY,
-    name="attn_fwd",
-    module=KERNELS_MODULE,
-    function="attn_fwd",
-    arguments=(
+def _attention_kernel(name: str, arguments: tuple[Arg, ...], functionals, derive=_derive) -> KernelSpec:
+    """An attention kernel: the flash tuning space, keys, fallbacks and alignment rule."""
+    return KernelSpec(family=FAMILY, name=name, module=KERNELS_MODULE, function=name, arguments=arguments,
+                      functionals=functionals, tuning_space=_TUNING, derive=derive, disabled=_disabled,
+                      tuning_keys=_SEQ_KEYS, fallback=_fallback, aligned_when=_aligned_when)
+
+
+ATTN_FWD = _attention_kernel(
+    "attn_fwd",
+    (
         _tile("Q"), _tile("K"), _tile("V"),
         _tile("Out"), Arg("Lse", "*fp32"), *_SEQUENCES, Arg("Bias", "*{dtype}"),
         *_tile_strides("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn",
@@ -146,13 +150,7 @@ ATTN_FWD = KernelSpec(
         *_LSE_STRIDES, *_BIAS_STRIDES, *_SIZES,
         Arg("qk_scale", _F32), Arg("window_left", _I32), Arg("window_right", _I32), *_DROPOUT,
     ),
-    functionals=_FWD_AXES,
-    tuning_space=_TUNING,
-    derive=_derive,
-    disabled=_disabled,
-    tuning_keys=_SEQ_KEYS,
-    fallback=_fallback,
-    aligned_when=_aligned_when,
+    _FWD_AXES,
 )
 
 ATTN_BWD_PREPROCESS = KernelSpec(
@@ -177,66 +175,40 @@ ATTN_BWD_PREPROCESS = KernelSpec(
     aligned_when=_aligned_when,
 )
 
-ATTN_BWD_DKDV = KernelSpec(
-    family=FAMILY,
-    name="attn_bwd_dkdv",
-    module=KERNELS_MODULE,
-    function="attn_bwd_dkdv",
-    arguments=(
+ATTN_BWD_DKDV = _attention_kernel(
+    "attn_bwd_dkdv",
+    (
         _tile("Q"), _tile("K"), _tile("V"), _tile("DO"),
         _tile("DK"), _tile("DV"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"),
         *_SEQUENCES, Arg("Bias", "*{dtype}"),
         *_QKV_DO_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_BWD_SCALARS,
     ),
-    functionals=_BWD_AXES,
-    tuning_space=_TUNING,
-    derive=_derive,
-    disabled=_disabled,
-    tuning_keys=_SEQ_KEYS,
-    fallback=_fallback,
-    aligned_when=_aligned_when,
+    _BWD_AXES,
 )
 
-ATTN_BWD_DQ = KernelSpec(
-    family=FAMILY,
-    name="attn_bwd_dq",
-    module=KERNELS_MODULE,
-    function="attn_bwd_dq",
-    arguments=(
+ATTN_BWD_DQ = _attention_kernel(
+    "attn_bwd_dq",
+    (
         _tile("Q"), _tile("K"), _tile("V"), _tile("DO"),
         _tile("DQ"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"), *_SEQUENCES,
         Arg("Bias", "*{dtype}"), Arg("DBias", "*fp32"),
         *_QKV_DO_STRIDES, *_DQ_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES, *_BWD_SCALARS,
     ),
-    functionals=_BWD_AXES,
-    tuning_space=_TUNING,
-    derive=_derive,
-    disabled=_disabled,
-    tuning_keys=_SEQ_KEYS,
-    fallback=_fallback,
-    aligned_when=_aligned_when,
+    _BWD_AXES,
 )
 
-ATTN_BWD_FUSED = KernelSpec(
-    family=FAMILY,
-    name="attn_bwd_fused",
-    module=KERNELS_MODULE,
-    function="attn_bwd_fused",
-    arguments=(
+ATTN_BWD_FUSED = _attention_kernel(
+    "attn_bwd_fused",
+    (
         _tile("Q"), _tile("K"), _tile("V"), _tile("DO"),
         _tile("DQ", "*{dq_type}"), _tile("DK"), _tile("DV"),
         Arg("Lse", "*fp32"), Arg("Delta", "*fp32"), *_SEQUENCES, Arg("Bias", "*{dtype}"), Arg("DBias", "*fp32"),
         *_QKV_DO_STRIDES, *_DQ_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES,
         *_BWD_SCALARS,
     ),
-    functionals=_BWD_AXES + (("ATOMIC_DQ", (False, True)),),
-    tuning_space=_TUNING,
-    derive=_derive_fused,
-    disabled=_disabled,
-    tuning_keys=_SEQ_KEYS,
-    fallback=_fallback,
-    aligned_when=_aligned_when,
+    _BWD_AXES + (("ATOMIC_DQ", (False, True)),), derive=_derive_fused,
 )
+
 
 DROPOUT_MASK = KernelSpec(
     family=FAMILY,
