@@ -159,8 +159,8 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     dev = q.device
     lse_strides = (0, lse.stride(0)) if p.varlen else (lse.stride(0), lse.stride(1))
     cu_q, cu_k = c.sequences(dev)
-    pre_f = {"dtype": f["dtype"], "BLOCK_DV": f["BLOCK_DV"], "PAD_HEAD": p.head_dim_v != f["BLOCK_DV"],
-             "VARLEN": p.varlen}
+    # the preprocess is aligned exactly when the attention kernels are (dout was checked for it)
+    pre_f = {"dtype": f["dtype"], "BLOCK_DV": f["BLOCK_DV"], "PAD_HEAD": f["PAD_HEAD"], "VARLEN": p.varlen}
     plans = [_plan(rules.ATTN_BWD_PREPROCESS, pre_f, p, dev, configs.get("attn_bwd_preprocess"),
                    lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch),
                    (out, dout, delta, cu_q, *c.rows(out), *c.rows(dout), *lse_strides, p.seqlen_q, p.head_dim_v))]
