@@ -36,8 +36,11 @@ def images_root() -> Path:
 
 
 def _driver():
-    from cuda.bindings import driver
-
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise DriverError("running prebuilt images needs the cuda-bindings package (pip install cuda-bindings), "
+                          "or AOTATTN_MODE=jit to compile with Triton instead") from exc
     return driver
 
 
