@@ -1,0 +1,94 @@
+"""The AOT launch path against a fake CUDA driver (CPU): argument packing, the trailing
+scratch pointers, the dynamic shared-memory attribute, threads per block, error text."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from aotattn.runtime import aot
+from aotattn.runtime.images import Entry, ImageError
+from aotattn.spec import Config, Functional, LaunchPlan
+
+
+class FakeDriver:
+    """Records calls; every call succeeds."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    class CUfunction_attribute:
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, args))
+            if name == "cuLaunchKernel":
+                params = ctypes.cast(args[9], ctypes.POINTER(ctypes.c_void_p))
+                self.launched = [ctypes.string_at(params[i], 8) for i in range(self.slots)]
+                return (0,)
+            return (0, {"cuCtxGetCurrent": 1, "cuModuleLoadData": "module", "cuModuleGetFunction": "fn"}.get(name))
+        return call
+
+
+def entry(shared: int, global_scratch: int = 0) -> Entry:
+    return Entry(key="k", functional={}, config={}, variant="generic", symbol="kern", shared=shared, num_warps=8,
+                 warp_size=32, global_scratch_size=global_scratch, global_scratch_align=1, profile_scratch_size=0,
+                 binary="cubin", file="f.cubin", blob="")
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    fake = FakeDriver()
+    monkeypatch.setattr(aot, "_driver", lambda: fake)
+    return fake
+
+
+def test_arguments_are_packed_in_8_byte_slots_then_two_scratch_pointers(driver):
+    kernel = aot.LoadedKernel(entry(shared=1024), b"\x7fELF", ["*bf16", "i32", "i64", "fp32", "*fp32"])
+    driver.slots = 7
+    kernel.launch((3, 2, 1), [0x1000, -7, 2**40 + 5, 0.5, 0x2000], stream=99, device=torch.device("cpu"))
+    name, args = driver.calls[-1]
+    assert name == "cuLaunchKernel"
+    assert args[:9] == ("fn", 3, 2, 1, 256, 1, 1, 1024, 99) and args[10] == 0
+    slots = driver.launched
+    assert struct.unpack("<Q", slots[0])[0] == 0x1000
+    assert struct.unpack("<i", slots[1][:4])[0] == -7
+    assert struct.unpack("<q", slots[2])[0] == 2**40 + 5
+    assert struct.unpack("<f", slots[3][:4])[0] == 0.5
+    assert struct.unpack("<Q", slots[4])[0] == 0x2000
+    assert slots[5] == slots[6] == bytes(8)  # no scratch: null pointers
+    assert not any(c[0] == "cuFuncSetAttribute" for c in driver.calls)
+
+
+def test_large_shared_memory_raises_the_dynamic_limit_first(driver):
+    aot.LoadedKernel(entry(shared=200 * 1024), b"\x7fELF", ["*fp16"])
+    assert ("cuFuncSetAttribute", ("fn", 8, 200 * 1024)) in driver.calls
+
+
+def test_global_scratch_is_allocated_per_program(driver):
+    kernel = aot.LoadedKernel(entry(shared=0, global_scratch=128), b"\x7fELF", ["*fp16"])
+    driver.slots = 3
+    kernel.launch((4, 1, 2), [0x10], stream=0, device=torch.device("cpu"))
+    assert struct.unpack("<Q", driver.launched[1])[0] != 0  # an 8*128-byte buffer
+    assert driver.launched[2] == bytes(8)
+
+
+def test_amd_images_are_refused_with_a_reason(driver):
+    with pytest.raises(ImageError, match="HIP runtime"):
+        aot.LoadedKernel(Entry(**{**entry(0).__dict__, "binary": "hsaco"}), b"", [])
+
+
+def test_a_missing_image_says_how_to_build_it():
+    spec = SimpleNamespace(qualname="flash.attn_fwd", variant=lambda f: "aligned")
+    plan = LaunchPlan(spec, Functional.of({"dtype": "bf16", "MASK": 0}), Config.of(BLOCK_M=128), (1, 1, 1), ())
+    text = aot.ImageStore._missing("sm_90", plan, "no archive x")
+    assert "no kernel image for sm_90 / flash.attn_fwd / [MASK=0,dtype=bf16]" in text
+    assert 'aotattn build --arch sm_90 --kernel flash.attn_fwd --where "MASK=0 dtype=bf16"' in text
