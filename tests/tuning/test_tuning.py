@@ -227,3 +227,25 @@ def test_patch_round_trip():
     text = ("# why\n#! aotattn-patch 1\n#! table toy.k\n\n[configs]\nmid = BLOCK=32 num_warps=4\n\n"
             "[dtype=fp16 PAD=False]\nseqlen_q=16 seqlen_k=*: mid\nseqlen_q=32..64 seqlen_k=16: big\n")
     assert tuning.write_patch(TOY, parse_patch(TOY, text)) == text
+
+
+def test_cli_diff_against_a_git_revision(tmp_path, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(families, "tables", lambda: SPECS)
+    repo = tmp_path / "repo"
+    make_db(repo / "tuning", {"nvidia/sm_90/toy.k.txt": TABLE})
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(git + ["add", "-A"], check=True)
+    subprocess.run(git + ["commit", "-qm", "seed"], check=True)
+    subprocess.run(git + ["tag", "v1"], check=True)
+    (repo / "tuning/nvidia/sm_90/toy.k.0001-faster.dbpatch").write_text(
+        "#! aotattn-patch 1\n#! table toy.k\n[dtype=fp16 PAD=False]\nseqlen_q=16 seqlen_k=16: big\n")
+    result = CliRunner().invoke(app, ["tuning", "diff", "--arch", "sm_90", "--table", "toy.k", "--rev", "v1",
+                                      "--tuning-db", str(repo / "tuning")])
+    assert result.exit_code == 0, result.output
+    assert "1 difference(s)" in result.output and "seqlen_q=16 seqlen_k=16: small" in result.output
+    result = CliRunner().invoke(app, ["tuning", "diff", "--arch", "sm_90", "--table", "toy.k", "--without-patches",
+                                      "--tuning-db", str(repo / "tuning")])
+    assert "1 difference(s)" in result.output
