@@ -79,7 +79,7 @@ def check(
         ("gqa causal", torch.bfloat16, {"causal": True}),
     ]
     table = Table(title=f"aotattn check on {device}")
-    for column in ("case", "dtype", "q / k shape", "rel. error", "bound", "ms", "result"):
+    for column in ("case", "dtype", "q / k (B x S x H x D)", "rel. error", "bound", "ms", "result"):
         table.add_column(column)
     failures = 0
     torch.manual_seed(time.time_ns() % 2**31)
@@ -98,7 +98,8 @@ def check(
         err = ((out.cpu().double() - ref).norm() / ref.norm()).item()
         ok = err < tolerance[dtype]
         failures += not ok
-        table.add_row(name, str(dtype).removeprefix("torch."), f"{tuple(q.shape)} / {tuple(k.shape)}",
+        shapes = " / ".join("x".join(map(str, t.shape)) for t in (q, k))
+        table.add_row(name, str(dtype).removeprefix("torch."), shapes,
                       f"{err:.2e}", f"{tolerance[dtype]:.0e}", f"{elapsed:.1f}",
                       "[green]ok[/green]" if ok else "[red]FAIL[/red]")
     console.print(table)
