@@ -103,6 +103,7 @@ def write_archive(path: Path, arch: str, table: str, triton_version: str, source
         tmp.write(index)
         for data in blobs.values():
             tmp.write(data)
+    os.chmod(tmp.name, 0o644)  # NamedTemporaryFile creates 0600; an installed archive is world-readable
     os.replace(tmp.name, path)
     return header
 
