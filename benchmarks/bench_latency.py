@@ -5,7 +5,8 @@
 1. First call in a fresh process, B2 H16 S1024 D128 bf16 causal (SDPA layout): the time
    from after ``import`` to the first output (synchronized), tensors already on the GPU.
    aotattn from prebuilt images (AOTATTN_MODE=aot), aotattn through Triton's JIT with an
-   empty cache, and PyTorch SDPA. Each measured in its own process, three times.
+   empty cache, and PyTorch SDPA. Each measured in its own process, five times; then
+   one more aotattn process under cProfile shows where the first call's time goes.
 2. Host overhead per forward call at B1 H1 S128 D64 bf16: the wall time of 2000
    back-to-back calls divided by 2000 (launch-bound: the GPU work is a few microseconds),
    aotattn (images) against PyTorch SDPA, in one process.
@@ -34,9 +35,18 @@ else:
     import aotattn
     fn = aotattn.scaled_dot_product_attention
 t1 = time.perf_counter()
+if {profile}:
+    import cProfile, io, pstats
+    profiler = cProfile.Profile()
+    profiler.enable()
 out = fn(q, q, q, is_causal=True)
 torch.cuda.synchronize()
 t2 = time.perf_counter()
+if {profile}:
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+    print(text.getvalue(), file=sys.stderr)
 ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 print(json.dumps(dict(import_ms=(t1 - t0) * 1e3, first_call_ms=(t2 - t1) * 1e3, rel_diff=err,
@@ -44,11 +54,13 @@ print(json.dumps(dict(import_ms=(t1 - t0) * 1e3, first_call_ms=(t2 - t1) * 1e3, 
 """
 
 
-def first_call(impl: str, env: dict) -> dict:
-    run = subprocess.run([sys.executable, "-c", CHILD.format(impl=impl)], env=env, capture_output=True, text=True,
-                         timeout=600)
+def first_call(impl: str, env: dict, profile: bool = False) -> dict:
+    run = subprocess.run([sys.executable, "-c", CHILD.format(impl=impl, profile=profile)], env=env,
+                         capture_output=True, text=True, timeout=600)
     if run.returncode:
         return dict(error=run.stderr[-500:])
+    if profile:
+        print(run.stderr)
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
@@ -85,17 +97,19 @@ def main() -> None:
     if args.images:
         base["AOTATTN_IMAGES"] = str(Path(args.images).resolve())
     rows = {}
-    for attempt in range(3):
+    for attempt in range(5):
         rows.setdefault("aotattn (images)", []).append(first_call("aotattn", dict(base, AOTATTN_MODE="aot")))
         with tempfile.TemporaryDirectory() as cache:
             rows.setdefault("aotattn (Triton JIT, cold cache)", []).append(
                 first_call("aotattn", dict(base, AOTATTN_MODE="jit", TRITON_CACHE_DIR=cache)))
         rows.setdefault("PyTorch SDPA", []).append(first_call("sdpa", base))
+    print("where the first call's time goes (aotattn from images, one more process, under cProfile):")
+    first_call("aotattn", dict(base, AOTATTN_MODE="aot"), profile=True)
     os.environ["AOTATTN_MODE"] = "aot"
     if args.images:
         os.environ["AOTATTN_IMAGES"] = base["AOTATTN_IMAGES"]
     overhead = host_overhead()
-    print("first call after import, B2 H16 S1024 D128 bf16 causal (ms; three fresh processes)")
+    print("first call after import, B2 H16 S1024 D128 bf16 causal (ms; five fresh processes)")
     for name, samples in rows.items():
         if any("error" in s for s in samples):
             print(f"  {name:<36} ERROR {next(s['error'] for s in samples if 'error' in s)}")

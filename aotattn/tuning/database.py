@@ -38,7 +38,7 @@ class Database:
             from aotattn import families
             specs = families.tables()
         self.specs = dict(specs)
-        self._effective: dict[tuple[str, str, int | None], Table] = {}
+        self._effective: dict[tuple[str, str, int | None, frozenset | None], Table] = {}
         self._lookups: dict[tuple, Config] = {}
         self._lock = threading.Lock()
 
@@ -80,20 +80,24 @@ class Database:
         return [path for _, path in sorted(found)]
 
     # ------------------------------------------------------------------ resolution
-    def own_table(self, arch: str, table: str) -> Table:
+    def own_table(self, arch: str, table: str, only: frozenset[Functional] | None = None) -> Table:
         path = self.table_path(arch, table)
         if not path.is_file():
             raise TuningError(f"no table file for {arch} / {table}: expected {path}")
-        return parse_table(self.spec(table), path.read_text(), str(path))
+        return parse_table(self.spec(table), path.read_text(), str(path), only)
 
-    def effective(self, arch: str, table: str, patches: int | None = None, _stack: tuple[str, ...] = ()) -> Table:
-        """The table after its base chain and its first ``patches`` patches (all when None)."""
-        key = (arch, table, patches)
+    def effective(self, arch: str, table: str, patches: int | None = None, _stack: tuple[str, ...] = (),
+                  only: frozenset[Functional] | None = None) -> Table:
+        """The table after its base chain and its first ``patches`` patches (all when None).
+
+        ``only``: resolve just these functionals' blocks (see :func:`parse_table`).
+        """
+        key = (arch, table, patches, only)
         with self._lock:
             cached = self._effective.get(key)
         if cached is not None:
             return cached
-        own = self.own_table(arch, table)
+        own = self.own_table(arch, table, only)
         path = self.table_path(arch, table)
         if own.base:
             where = f"{path}:{_directive_line(path, 'base')}"
@@ -101,7 +105,7 @@ class Database:
                 raise TuningError(f"#! base cycle: {' -> '.join(_stack + (arch, own.base))}", where)
             if own.base not in self.archs():
                 raise TuningError(f"#! base {own.base}: no such architecture in {self.root}", where)
-            base = self.effective(own.base, table, None, _stack + (arch,))
+            base = self.effective(own.base, table, None, _stack + (arch,), only)
             merged = base.copy()
             merged.arch, merged.base, merged.comments = arch, own.base, own.comments
             merged.configs.update(own.configs)
@@ -111,7 +115,7 @@ class Database:
         spec = self.spec(table)
         for patch_path in self.patch_paths(arch, table)[:patches]:
             patch = parse_patch(spec, patch_path.read_text(), str(patch_path))
-            merged = apply_patch(merged, patch, str(patch_path))
+            merged = apply_patch(merged, patch, str(patch_path), only)
         with self._lock:
             self._effective[key] = merged
         return merged
@@ -124,7 +128,10 @@ class Database:
         found = self._lookups.get(key)
         if found is not None:
             return found
-        table = self.effective(arch, spec.qualname)
+        chain = [functional]  # the functional and its declared fallbacks, in order
+        while spec.fallback is not None and (twin := spec.fallback(chain[-1].as_dict())) is not None:
+            chain.append(Functional.of(twin))
+        table = self.effective(arch, spec.qualname, only=frozenset(chain))
         tried = [functional]
         while tried[-1] not in table.blocks:
             twin = spec.fallback(tried[-1].as_dict()) if spec.fallback is not None else None

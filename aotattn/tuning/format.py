@@ -28,7 +28,7 @@ entry. A patch file holds a ``[configs]`` section and single-config edits::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,7 +253,23 @@ def _parse_configs(spec: Any, body, configs: dict[str, Config]) -> None:
         configs[name] = parse_config(spec, values, where)
 
 
-def parse_table(spec: Any, text: str, path: str = "<table>") -> Table:
+def header_key(text: str) -> tuple[str, ...]:
+    """A section header's ``axis=value`` tokens, order-free: what matching a block needs."""
+    return tuple(sorted(text.split()))
+
+
+def functional_key(functional: Functional) -> tuple[str, ...]:
+    return tuple(sorted(f"{axis}={format_value(value)}" for axis, value in functional.items))
+
+
+def parse_table(spec: Any, text: str, path: str = "<table>", only: Collection[Functional] | None = None) -> Table:
+    """Parse and validate a table file.
+
+    ``only``: parse just the blocks of these functionals (the runtime's lookup, which
+    needs one block of a table of hundreds); the other blocks are skipped unread, so
+    errors inside them surface in ``aotattn tuning lint``, not here.
+    """
+    wanted = None if only is None else {functional_key(f) for f in only}
     directives, comments, rest = _header(spec, text, path, "tuning")
     arch = directives.get("arch")
     if not arch:
@@ -268,6 +284,8 @@ def parse_table(spec: Any, text: str, path: str = "<table>") -> Table:
     for header, where, body in _sections(rest, spec, path):
         if header == "configs":
             _parse_configs(spec, body, table.configs)
+            continue
+        if wanted is not None and header_key(header) not in wanted:
             continue
         functional = parse_functional(spec, header, where)
         if functional in table.blocks:
@@ -394,13 +412,19 @@ def write_patch(spec: Any, patch: Patch) -> str:
     return "\n".join(lines) + "\n"
 
 
-def apply_patch(table: Table, patch: Patch, path: str = "<patch>") -> Table:
-    """A copy of ``table`` with the patch's configurations added and its cells set."""
+def apply_patch(table: Table, patch: Patch, path: str = "<patch>",
+                only: Collection[Functional] | None = None) -> Table:
+    """A copy of ``table`` with the patch's configurations added and its cells set.
+
+    ``only``: the table holds just these functionals' blocks; edits of others are skipped.
+    """
     out = table.copy()
     out.configs.update(patch.configs)
     index = [{b: i for i, b in enumerate(buckets)} for _, buckets in table.keys]
     for edit in patch.edits:
         where = f"{path}:{edit.line}"
+        if only is not None and edit.functional not in only:
+            continue
         if edit.functional not in out.blocks:
             raise TuningError(f"the patch edits a functional the table does not have: {dict(edit.functional.items)}",
                               where)

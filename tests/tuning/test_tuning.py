@@ -223,6 +223,39 @@ def test_the_project_database_is_valid_and_complete():
             assert not missing, f"{arch} / {spec.qualname}: {len(missing)} functionals without a block"
 
 
+def test_lookup_reads_only_the_blocks_it_needs(tmp_path):
+    """The runtime parses one block (and its fallbacks), with bases and patches, of a table of
+    hundreds; it must agree with the fully resolved table, and a broken block elsewhere is
+    lint's to report, not the lookup's."""
+    broken = TABLE.replace("seqlen_q=16: small .*2", "seqlen_q=16: small nosuch .")
+    patch = ("#! aotattn-patch 1\n#! table toy.k\n\n[dtype=fp16 PAD=False]\nseqlen_q=64 seqlen_k=16: small\n"
+             "[dtype=bf16 PAD=False]\nseqlen_q=64 seqlen_k=64: small\n")
+    derived = HEADER.format(arch="sm_80", base="#! base sm_90\n") + "\n[configs]\n"
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": broken, "nvidia/sm_90/toy.k.0001-p.dbpatch": patch,
+                            "nvidia/sm_80/toy.k.txt": derived})
+    for arch in ("sm_90", "sm_80"):
+        assert db.lookup(arch, TOY, f(), {"seqlen_q": 64, "seqlen_k": 16}) == Config.of(BLOCK=16, num_warps=4)
+        assert db.lookup(arch, TOY, f(pad=True), {"seqlen_q": 16, "seqlen_k": 64}) == Config.of(BLOCK=64, num_warps=8)
+        with pytest.raises(TuningError, match="unknown configuration 'nosuch'"):
+            db.lookup(arch, TOY, f("bf16"), {"seqlen_q": 16, "seqlen_k": 16})
+    assert any("unknown configuration 'nosuch'" in str(e) for e in db.lint())
+
+
+def test_lookup_agrees_with_the_fully_resolved_project_tables():
+    import random
+
+    rng = random.Random()
+    db = tuning.database()
+    for spec in families.tables().values():
+        for arch in db.archs():
+            full = db.effective(arch, spec.qualname)
+            functionals = list(full.blocks)
+            for functional in rng.sample(functionals, min(3, len(functionals))):
+                sizes = {name: rng.choice(buckets) for name, buckets in spec.tuning_keys}
+                expected = full.configs[tuning.format.cell(full, functional, sizes)]
+                assert db.lookup(arch, spec, functional, sizes) == expected, (arch, spec.qualname, functional)
+
+
 def test_patch_round_trip():
     text = ("# why\n#! aotattn-patch 1\n#! table toy.k\n\n[configs]\nmid = BLOCK=32 num_warps=4\n\n"
             "[dtype=fp16 PAD=False]\nseqlen_q=16 seqlen_k=*: mid\nseqlen_q=32..64 seqlen_k=16: big\n")
