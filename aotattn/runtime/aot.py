@@ -1,10 +1,11 @@
-"""Launch prebuilt kernel images through the CUDA driver (``cuda.bindings``), no Triton.
+"""Launch prebuilt kernel images through the CUDA driver, no Triton.
 
 Archives are opened lazily, one per (arch, kernel), and each kernel is loaded once per
 process and device. A launch packs the arguments exactly as the compiled kernel takes
 them: the runtime arguments in order (8-byte slots), then Triton 3.6's two trailing
 scratch pointers (global, profile), on PyTorch's current stream, so CUDA-graph capture
-works. Kernels over 48 KB of shared memory get their dynamic limit raised first.
+works. Kernels over 48 KB of shared memory get their dynamic limit raised first. The
+driver calls are the ctypes bindings of :mod:`aotattn.runtime.driver`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from aotattn.runtime import driver as cuda
 from aotattn.runtime.device import arch_of
 from aotattn.runtime.images import Archive, Entry, ImageError, archive_path, entry_key
 from aotattn.spec import LaunchPlan
@@ -25,54 +27,35 @@ from aotattn.spec import LaunchPlan
 ENV_VAR = "AOTATTN_IMAGES"
 PROJECT_IMAGES = Path(__file__).resolve().parents[2] / "images"
 _SLOT = {"i32": "i4x", "i64": "q", "fp32": "f4x", "u32": "I4x", "u64": "Q", "i1": "?7x"}
-
-
-class DriverError(RuntimeError):
-    """A CUDA driver call failed."""
+DriverError = cuda.DriverError
 
 
 def images_root() -> Path:
     return Path(os.environ.get(ENV_VAR) or PROJECT_IMAGES)
 
 
-def _driver():
-    try:
-        from cuda.bindings import driver
-    except ImportError as exc:
-        raise DriverError("running prebuilt images needs the cuda-bindings package (pip install cuda-bindings), "
-                          "or AOTATTN_MODE=jit to compile with Triton instead") from exc
-    return driver
+def _driver() -> cuda.Driver:
+    return cuda.driver()
 
 
-def _check(result: tuple, what: str) -> Any:
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    driver = _driver()
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        raise DriverError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
-    return rest[0] if len(rest) == 1 else rest
+def _raw_stream(index: int) -> int:
+    """PyTorch's current stream on a device, as the driver's handle (what Triton's own
+    launcher reads; the public ``torch.cuda.current_stream`` builds a Python object)."""
+    return torch._C._cuda_getCurrentRawStream(index)
 
 
 class LoadedKernel:
-    """One kernel binary loaded into the current context, with its argument packer."""
+    """One kernel binary loaded into a device's context, with its argument packer."""
 
-    def __init__(self, entry: Entry, binary: bytes, signature: list[str]):
-        driver = _driver()
+    def __init__(self, entry: Entry, binary: bytes, signature: list[str], device_index: int = 0):
         if entry.binary != "cubin":
             raise ImageError(f"{entry.key}: {entry.binary} images are built and verified, but loading them needs "
                              "the HIP runtime, which aotattn does not drive yet")
-        current = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if current is None or int(current) == 0:  # no context on this thread yet: PyTorch's primary one
-            device = _check(driver.cuDeviceGet(torch.cuda.current_device()), "cuDeviceGet")
-            ctx = _check(driver.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
-            _check(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        self.driver = _driver()
+        self.driver.use_primary_context(device_index)
         self.entry = entry
-        self.module = _check(driver.cuModuleLoadData(binary), f"cuModuleLoadData({entry.symbol})")
-        self.function = _check(driver.cuModuleGetFunction(self.module, entry.symbol.encode()),
-                               f"cuModuleGetFunction({entry.symbol})")
-        if entry.shared > 48 * 1024:
-            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            _check(driver.cuFuncSetAttribute(self.function, attr, entry.shared), "cuFuncSetAttribute")
+        self.device_index = device_index
+        self.module, self.function = self.driver.load(binary, entry.symbol, entry.shared)
         slots = ["Q" if t.startswith("*") else _SLOT[t] for t in signature] + ["Q", "Q"]
         self.packer = struct.Struct("<" + "".join(slots))
         self.buffer = ctypes.create_string_buffer(self.packer.size)
@@ -80,22 +63,34 @@ class LoadedKernel:
         self.params = (ctypes.c_void_p * len(slots))(*(base + 8 * i for i in range(len(slots))))
         self.params_address = ctypes.addressof(self.params)
         self.threads = entry.num_warps * entry.warp_size
+        self.scratch = bool(entry.global_scratch_size or entry.profile_scratch_size)
         self.lock = threading.Lock()
 
-    def launch(self, grid: tuple[int, int, int], values: list, stream: int, device: torch.device) -> None:
-        scratch = []
+    def _scratch_pointers(self, grid: tuple[int, int, int], device: torch.device) -> tuple[list, list[int]]:
+        """Per-program scratch buffers (kept alive by the caller until the launch is queued)."""
+        keep, pointers = [], []
         for size in (self.entry.global_scratch_size, self.entry.profile_scratch_size):
             if size:
                 buf = torch.empty(size * grid[0] * grid[1] * grid[2], dtype=torch.uint8, device=device)
-                scratch.append(buf)
-        pointers = [t.data_ptr() for t in scratch] + [0] * (2 - len(scratch))
-        if self.entry.profile_scratch_size and not self.entry.global_scratch_size:
-            pointers = [0, scratch[0].data_ptr()]
+                keep.append(buf)
+                pointers.append(buf.data_ptr())
+            else:
+                pointers.append(0)
+        return keep, pointers
+
+    def launch(self, grid: tuple[int, int, int], values: list, stream: int, device: torch.device) -> None:
+        keep, pointers = self._scratch_pointers(grid, device) if self.scratch else ((), (0, 0))
         with self.lock:  # the driver copies the parameters during the call
             self.packer.pack_into(self.buffer, 0, *values, *pointers)
-            result = _driver().cuLaunchKernel(self.function, grid[0], grid[1], grid[2], self.threads, 1, 1,
-                                              self.entry.shared, stream, self.params_address, 0)
-        _check(result, f"cuLaunchKernel({self.entry.symbol})")
+            err = self.driver.launch(self.function, grid[0], grid[1], grid[2], self.threads, 1, 1,
+                                     self.entry.shared, stream, self.params_address, None)
+            if err == cuda.CUDA_ERROR_INVALID_CONTEXT:  # a thread PyTorch has not yet bound to the device
+                self.driver.use_primary_context(self.device_index)
+                err = self.driver.launch(self.function, grid[0], grid[1], grid[2], self.threads, 1, 1,
+                                         self.entry.shared, stream, self.params_address, None)
+        if err:
+            self.driver.check(err, f"cuLaunchKernel({self.entry.symbol})")
+        del keep
 
 
 class ImageStore:
@@ -124,7 +119,8 @@ class ImageStore:
                 if entry is None:
                     raise ImageError(self._missing(arch, plan, f"{archive.path} has no such kernel"))
                 with torch.cuda.device(device):
-                    loaded = LoadedKernel(entry, archive.binary(entry), list(spec.signature(plan.functional).values()))
+                    loaded = LoadedKernel(entry, archive.binary(entry), list(spec.signature(plan.functional).values()),
+                                          index)
                 self._kernels[key] = loaded
         return loaded
 
@@ -164,13 +160,17 @@ def _store() -> ImageStore:
 def prepare_aot(plan: LaunchPlan, device: torch.device, static: list, dynamic) -> Any:
     """See :func:`aotattn.runtime.launcher.prepare`: static values are already pointers."""
     kernel = _store().kernel(plan, device)
-    grid = plan.grid
+    grid, index = plan.grid, kernel.device_index
 
     def run(tensors) -> None:
         values = list(static)
         for pos, src in dynamic:
             values[pos] = tensors[src].data_ptr()
-        kernel.launch(grid, values, torch.cuda.current_stream(device).cuda_stream, device)
+        if torch.cuda.current_device() == index:
+            kernel.launch(grid, values, _raw_stream(index), device)
+        else:
+            with torch.cuda.device(index):  # the driver launches into the current device's context
+                kernel.launch(grid, values, _raw_stream(index), device)
 
     return run
 
@@ -178,4 +178,5 @@ def prepare_aot(plan: LaunchPlan, device: torch.device, static: list, dynamic) -
 def launch_aot(plan: LaunchPlan, device: torch.device) -> None:
     kernel = _store().kernel(plan, device)
     values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in plan.args]
-    kernel.launch(plan.grid, values, torch.cuda.current_stream(device).cuda_stream, device)
+    with torch.cuda.device(kernel.device_index):  # the driver launches into the current device's context
+        kernel.launch(plan.grid, values, _raw_stream(kernel.device_index), device)

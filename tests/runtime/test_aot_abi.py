@@ -11,31 +11,50 @@ import pytest
 import torch
 
 from aotattn.runtime import aot
+from aotattn.runtime import driver as cuda
 from aotattn.runtime.images import Entry, ImageError
 from aotattn.spec import Config, Functional, LaunchPlan
 
 
 class FakeDriver:
-    """Records calls; every call succeeds."""
-
-    class CUresult:
-        CUDA_SUCCESS = 0
-
-    class CUfunction_attribute:
-        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+    """A stand-in libcuda: Python functions behind the runtime's own ctypes prototypes
+    (so arguments go through the same conversions as with the real library). Records
+    every call; ``fail`` maps a function name to the CUresult it returns."""
 
     def __init__(self):
-        self.calls = []
+        self.calls: list[tuple[str, tuple]] = []
+        self.fail: dict[str, int] = {}
+        self.context = 0
+        functions = {name: self._recorder(name) for name in cuda.PROTOTYPES}
+        self.driver = cuda.Driver(functions)
 
-    def __getattr__(self, name):
+    def _recorder(self, name):
         def call(*args):
             self.calls.append((name, args))
-            if name == "cuLaunchKernel":
+            if name in self.fail:
+                return self.fail.pop(name)
+            if name == "cuGetErrorName":
+                args[1][0] = self._names.get(args[0], b"CUDA_ERROR_UNKNOWN")
+            elif name == "cuCtxGetCurrent":
+                args[0][0] = self.context
+            elif name == "cuDevicePrimaryCtxRetain":
+                args[0][0] = 0xC0
+            elif name == "cuCtxSetCurrent":
+                self.context = args[0]
+            elif name == "cuModuleLoadData":
+                args[0][0] = 0x111
+            elif name == "cuModuleGetFunction":
+                args[0][0] = 0x222
+            elif name == "cuLaunchKernel":
                 params = ctypes.cast(args[9], ctypes.POINTER(ctypes.c_void_p))
                 self.launched = [ctypes.string_at(params[i], 8) for i in range(self.slots)]
-                return (0,)
-            return (0, {"cuCtxGetCurrent": 1, "cuModuleLoadData": "module", "cuModuleGetFunction": "fn"}.get(name))
+            return 0
         return call
+
+    _names = {cuda.CUDA_ERROR_INVALID_CONTEXT: b"CUDA_ERROR_INVALID_CONTEXT", 700: b"CUDA_ERROR_ILLEGAL_ADDRESS"}
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
 
 
 def entry(shared: int, global_scratch: int = 0) -> Entry:
@@ -47,7 +66,7 @@ def entry(shared: int, global_scratch: int = 0) -> Entry:
 @pytest.fixture
 def driver(monkeypatch):
     fake = FakeDriver()
-    monkeypatch.setattr(aot, "_driver", lambda: fake)
+    monkeypatch.setattr(aot, "_driver", lambda: fake.driver)
     return fake
 
 
@@ -57,7 +76,7 @@ def test_arguments_are_packed_in_8_byte_slots_then_two_scratch_pointers(driver):
     kernel.launch((3, 2, 1), [0x1000, -7, 2**40 + 5, 0.5, 0x2000], stream=99, device=torch.device("cpu"))
     name, args = driver.calls[-1]
     assert name == "cuLaunchKernel"
-    assert args[:9] == ("fn", 3, 2, 1, 256, 1, 1, 1024, 99) and args[10] == 0
+    assert args[:9] == (0x222, 3, 2, 1, 256, 1, 1, 1024, 99) and args[10] is None
     slots = driver.launched
     assert struct.unpack("<Q", slots[0])[0] == 0x1000
     assert struct.unpack("<i", slots[1][:4])[0] == -7
@@ -65,12 +84,16 @@ def test_arguments_are_packed_in_8_byte_slots_then_two_scratch_pointers(driver):
     assert struct.unpack("<f", slots[3][:4])[0] == 0.5
     assert struct.unpack("<Q", slots[4])[0] == 0x2000
     assert slots[5] == slots[6] == bytes(8)  # no scratch: null pointers
-    assert not any(c[0] == "cuFuncSetAttribute" for c in driver.calls)
+    assert "cuFuncSetAttribute" not in driver.names()
+    # loading made PyTorch's primary context current (none was), then loaded the cubin
+    assert driver.names()[:6] == ["cuInit", "cuCtxGetCurrent", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
+                                  "cuCtxSetCurrent", "cuModuleLoadData"]
+    assert ("cuModuleGetFunction", (0x111, b"kern")) == (driver.calls[6][0], driver.calls[6][1][1:])
 
 
 def test_large_shared_memory_raises_the_dynamic_limit_first(driver):
     aot.LoadedKernel(entry(shared=200 * 1024), b"\x7fELF", ["*fp16"])
-    assert ("cuFuncSetAttribute", ("fn", 8, 200 * 1024)) in driver.calls
+    assert ("cuFuncSetAttribute", (0x222, 8, 200 * 1024)) in driver.calls
 
 
 def test_global_scratch_is_allocated_per_program(driver):
@@ -79,6 +102,36 @@ def test_global_scratch_is_allocated_per_program(driver):
     kernel.launch((4, 1, 2), [0x10], stream=0, device=torch.device("cpu"))
     assert struct.unpack("<Q", driver.launched[1])[0] != 0  # an 8*128-byte buffer
     assert driver.launched[2] == bytes(8)
+
+
+def test_a_thread_without_a_context_gets_the_primary_one_and_the_launch_is_retried(driver):
+    kernel = aot.LoadedKernel(entry(shared=0), b"\x7fELF", ["*fp16"])
+    driver.slots, driver.context = 3, 0
+    driver.fail["cuLaunchKernel"] = cuda.CUDA_ERROR_INVALID_CONTEXT
+    kernel.launch((1, 1, 1), [0x10], stream=0, device=torch.device("cpu"))
+    assert driver.names()[-6:] == ["cuLaunchKernel", "cuCtxGetCurrent", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
+                                "cuCtxSetCurrent", "cuLaunchKernel"]
+    assert driver.context == 0xC0
+
+
+def test_driver_errors_carry_the_function_and_the_error_name(driver):
+    kernel = aot.LoadedKernel(entry(shared=0), b"\x7fELF", ["*fp16"])
+    driver.slots = 3
+    driver.fail["cuLaunchKernel"] = 700
+    with pytest.raises(cuda.DriverError, match=r"cuLaunchKernel\(kern\) failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
+        kernel.launch((1, 1, 1), [0x10], stream=0, device=torch.device("cpu"))
+    driver.fail["cuModuleLoadData"] = 200
+    with pytest.raises(cuda.DriverError, match=r"cuModuleLoadData\(kern\) failed: CUDA_ERROR_UNKNOWN"):
+        aot.LoadedKernel(entry(shared=0), b"\x7fELF", ["*fp16"])
+
+
+def test_without_a_driver_library_the_error_says_so(monkeypatch):
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(cuda.ctypes, "CDLL", missing)
+    with pytest.raises(cuda.DriverError, match=r"cannot load the CUDA driver library libcuda.so.1.*AOTATTN_MODE=jit"):
+        cuda.Driver()
 
 
 def test_amd_images_are_refused_with_a_reason(driver):
