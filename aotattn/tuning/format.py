@@ -156,8 +156,25 @@ def _is_name(token: str) -> bool:
 
 
 def _lines(text: str, path: str):
+    """(number, line, "path:number") of each non-blank line (blank lines mean nothing)."""
     for number, line in enumerate(text.splitlines(), start=1):
-        yield number, line.rstrip(), f"{path}:{number}"
+        line = line.rstrip()
+        if line:
+            yield number, line, f"{path}:{number}"
+
+
+def _blank_other_sections(text: str, wanted: set[tuple[str, ...]]) -> str:
+    """``text`` with the lines of functional sections not in ``wanted`` blanked (line
+    numbers kept): a lookup then neither parses nor numbers them."""
+    lines = text.splitlines()
+    keep = True
+    for i, line in enumerate(lines):
+        if line.startswith("["):
+            header = line.rstrip()[1:-1]
+            keep = header == "configs" or header_key(header) in wanted
+        if not keep:
+            lines[i] = ""
+    return "\n".join(lines)
 
 
 def _selection(spec: Any, text: str, where: str, allow_ranges: bool) -> tuple[tuple[int, ...], ...]:
@@ -270,6 +287,8 @@ def parse_table(spec: Any, text: str, path: str = "<table>", only: Collection[Fu
     errors inside them surface in ``aotattn tuning lint``, not here.
     """
     wanted = None if only is None else {functional_key(f) for f in only}
+    if wanted is not None:
+        text = _blank_other_sections(text, wanted)
     directives, comments, rest = _header(spec, text, path, "tuning")
     arch = directives.get("arch")
     if not arch:
