@@ -96,7 +96,39 @@ def host_overhead() -> dict:
             back_to_back.append((time.perf_counter() - start) / 2000 * 1e6)
         results[name] = sorted(issue)[len(issue) // 2]
         results[name + " back to back"] = sorted(back_to_back)[len(back_to_back) // 2]
+    results["breakdown"] = breakdown(q)
     return results
+
+
+def breakdown(q) -> dict:
+    """Where aotattn's per-call host time goes: the parts of a plan-cache hit, each timed
+    alone like the issue time above (median of 7 rounds of 200)."""
+    import torch
+
+    from aotattn.families.flash import ops
+
+    def issue_us(fn) -> float:
+        samples = []
+        for _ in range(7):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(200):
+                fn()
+            samples.append((time.perf_counter() - start) / 200 * 1e6)
+            torch.cuda.synchronize()
+        return sorted(samples)[3]
+
+    key = ops._PLANS.key(q, q, q, "sdpa", False, None, False)
+    run, out_shape, lse_shape, _ = ops._PLANS.entries[key]
+    out, lse = torch.empty(out_shape, dtype=q.dtype, device=q.device), torch.empty(lse_shape, device=q.device)
+    return {
+        "checks + cache key": issue_us(lambda: ops._cacheable(q, q, q, 0.0, None)
+                                       and ops._PLANS.key(q, q, q, "sdpa", False, None, False)),
+        "two output allocations": issue_us(lambda: (torch.empty(out_shape, dtype=q.dtype, device=q.device),
+                                                    torch.empty(lse_shape, device=q.device))),
+        "launch (pack + cuLaunchKernel)": issue_us(lambda: run((q, q, q, out, lse))),
+        "whole call": issue_us(lambda: ops.scaled_dot_product_attention(q, q, q)),
+    }
 
 
 def main() -> None:
@@ -136,6 +168,7 @@ def main() -> None:
               f"   triton imported: {samples[0]['triton_imported']}")
     print(f"host time per tiny forward call (B1 H1 S128 D64 bf16): aotattn {overhead['aotattn']:.1f} us, "
           f"SDPA {overhead['sdpa']:.1f} us, ratio {overhead['aotattn'] / overhead['sdpa']:.2f}")
+    print("  aotattn's call, part by part (us): " + ", ".join(f"{k} {v:.1f}" for k, v in overhead["breakdown"].items()))
     print(f"  back to back, synchronized (the larger of host and GPU time): aotattn "
           f"{overhead['aotattn back to back']:.1f} us, SDPA {overhead['sdpa back to back']:.1f} us")
     if args.json:
