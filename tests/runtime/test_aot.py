@@ -1,5 +1,5 @@
 """The AOT runtime on the GPU: build a few images, then use them from a fresh process
-that never imports Triton."""
+that never imports Triton (forward, backward, a CUDA graph captured and replayed)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,23 @@ CHILD = textwrap.dedent("""
     q = torch.randn(1, 16, 300, 64, device="cuda", dtype=torch.bfloat16)
     results["sdpa bf16 d64"] = [rel(aotattn.scaled_dot_product_attention(q, q, q),
                                     torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(), q.double()))]
+    # PyTorch's current stream: capture a forward into a CUDA graph, replay it on new inputs
+    q, k, v = (torch.randn(2, 333, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream: plan and module load outside the capture
+        aotattn.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = aotattn.flash_attn_func(q, k, v, causal=True)
+    for trial in range(2):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = reference.attention(q.double(), k.double(), v.double(), causal=True)
+        results[f"bf16 graph replay {trial}"] = [rel(captured, ref)]
     x = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
     results["rmsnorm"] = [rel(aotattn.rms_norm(x, w), rms_norm(x, w))]
