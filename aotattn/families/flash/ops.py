@@ -283,6 +283,14 @@ def _run(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_major
     return out, lse
 
 
+def _compiled(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+              heads_major: bool, backend: str | None, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under ``torch.compile``: the validated call as one custom op (:mod:`.library`)."""
+    out, lse, _ = torch.ops.aotattn.flash_fwd(q, k, v, bias, p.softmax_scale, p.mask, p.window_left,
+                                              p.window_right, p.dropout_p, heads_major, backend, deterministic)
+    return out, lse
+
+
 def _cacheable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: object, extra: object) -> bool:
     """Inference calls without dropout or bias: those the plan cache serves."""
     return extra is None and dropout_p == 0.0 and not (
@@ -399,8 +407,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         ``out (B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
     """
     key = None
-    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) \
-            and _cacheable(q, k, v, dropout_p, bias):
+    compiling = torch.compiler.is_compiling()
+    if not compiling and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) \
+            and isinstance(v, torch.Tensor) and _cacheable(q, k, v, dropout_p, bias):
         key = _PLANS.key(q, k, v, "flash", softmax_scale, causal, tuple(window_size) if isinstance(
             window_size, (tuple, list)) else window_size, diagonal, return_lse)
         hit = _PLANS.run(key, q, k, v)
@@ -409,8 +418,12 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     p = check_flash(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                     window_size=window_size, diagonal=diagonal)
     return_lse = check_bool("return_lse", return_lse)
-    c = _new_call(p, q, k, v, check_bias("bias", bias, p, q))
-    out, lse = _run(c, q, k, v, False, _check_backend(backend), _deterministic(deterministic), key)
+    bias = check_bias("bias", bias, p, q)
+    if compiling:
+        out, lse = _compiled(p, q, k, v, bias, False, _check_backend(backend), _deterministic(deterministic))
+    else:
+        out, lse = _run(_new_call(p, q, k, v, bias), q, k, v, False, _check_backend(backend),
+                        _deterministic(deterministic), key)
     return (out, lse) if return_lse else out
 
 
@@ -471,8 +484,9 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         ``(B, Hq, Sq, Dv)`` in query's dtype.
     """
     cache_key = None
-    if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) \
-            and _cacheable(query, key, value, dropout_p, attn_mask):
+    compiling = torch.compiler.is_compiling()
+    if not compiling and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) \
+            and isinstance(value, torch.Tensor) and _cacheable(query, key, value, dropout_p, attn_mask):
         cache_key = _PLANS.key(query, key, value, "sdpa", is_causal, scale, enable_gqa)
         hit = _PLANS.run(cache_key, query, key, value)
         if hit is not None:
@@ -480,8 +494,12 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     p = check_sdpa(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                    enable_gqa=enable_gqa)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    c = _new_call(p, q, k, v, check_bias("attn_mask", attn_mask, p, query, sdpa_mask=True))
-    out, _ = _run(c, q, k, v, True, _check_backend(backend), _deterministic(deterministic), cache_key)
+    bias = check_bias("attn_mask", attn_mask, p, query, sdpa_mask=True)
+    if compiling:
+        out, _ = _compiled(p, q, k, v, bias, True, _check_backend(backend), _deterministic(deterministic))
+    else:
+        out, _ = _run(_new_call(p, q, k, v, bias), q, k, v, True, _check_backend(backend),
+                      _deterministic(deterministic), cache_key)
     return out.transpose(1, 2)
 
 

@@ -1,0 +1,105 @@
+"""The flash operators as ``torch.library`` custom ops, for ``torch.compile``.
+
+Eager calls take the direct path of :mod:`.ops` (its plan cache is what the measured
+host time per call rests on). Under ``torch.compile`` the public functions, having
+validated the call while Dynamo traces them, call ``torch.ops.aotattn.flash_fwd``
+instead: one opaque node with a shape-only fake, differentiable through
+``flash_bwd``, rather than a graph break on data pointers and driver calls. Both ops
+run the same internals as the eager path (:func:`.ops.attention_forward`,
+:func:`.ops.attention_backward`).
+
+Dense layouts only: ``flash_attn_varlen_func`` reads its offsets on the host and is
+traced as eager code (a graph break).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from aotattn.families.flash import ops
+from aotattn.families.flash.checks import Problem
+
+
+def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, softmax_scale: float,
+          mask: int, window_left: int, window_right: int, dropout_p: float, bias_grad: bool,
+          rng: tuple[int, int] | None) -> ops.Call:
+    """The validated call again, from the op's arguments (q ``(B, Sq, Hq, D)``)."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    p = Problem(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, v.shape[-1], dtype=q.dtype,
+                softmax_scale=softmax_scale, mask=mask, window_left=window_left, window_right=window_right,
+                dropout_p=dropout_p)
+    seed, offset = rng if rng is not None else ops.philox_state(dropout_p)
+    c = ops.Call(p, None, None, bias, bias_grad, seed, offset)
+    if not c.tiles_aligned(q, k, v):
+        c = dataclasses.replace(c, aligned=False)
+    return c
+
+
+@torch.library.custom_op("aotattn::flash_fwd", mutates_args=())
+def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, softmax_scale: float,
+              mask: int, window_left: int, window_right: int, dropout_p: float, heads_major: bool,
+              backend: str | None, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, rng): rng holds the dropout (seed, offset) the backward replays.
+
+    ``backend`` and ``deterministic`` are the backward's, carried to it."""
+    c = _call(q, k, v, bias, softmax_scale, mask, window_left, window_right, dropout_p, False, None)
+    out = ops.new_output(c.p, q, heads_major)
+    lse = ops.attention_forward(c, q, k, v, out)
+    return out, lse, torch.tensor([c.seed, c.offset], dtype=torch.int64)
+
+
+@flash_fwd.register_fake
+def _flash_fwd_fake(q, k, v, bias, softmax_scale, mask, window_left, window_right, dropout_p, heads_major,
+                    backend, deterministic):
+    batch, seqlen_q, heads_q, _ = q.shape
+    if heads_major:
+        out = q.new_empty((batch, heads_q, seqlen_q, v.shape[-1])).transpose(1, 2)
+    else:
+        out = q.new_empty((batch, seqlen_q, heads_q, v.shape[-1]))
+    return out, q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32), torch.empty(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("aotattn::flash_bwd", mutates_args=())
+def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, bias: torch.Tensor | None, rng: torch.Tensor, softmax_scale: float, mask: int,
+              window_left: int, window_right: int, dropout_p: float, bias_grad: bool, backend: str | None,
+              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbias); dbias is ``(B, Hq, Sq, Sk)`` in the bias's dtype, or empty
+    when ``bias_grad`` is False."""
+    seed, offset = rng.tolist()
+    c = _call(q, k, v, bias, softmax_scale, mask, window_left, window_right, dropout_p, bias_grad, (seed, offset))
+    dq, dk, dv, dbias = ops.attention_backward(c, dout, q, k, v, out, lse, backend, deterministic)
+    dbias = q.new_empty(0) if dbias is None else dbias.to(bias.dtype)
+    return dq, dk, dv, dbias
+
+
+@flash_bwd.register_fake
+def _flash_bwd_fake(dout, q, k, v, out, lse, bias, rng, softmax_scale, mask, window_left, window_right, dropout_p,
+                    bias_grad, backend, deterministic):
+    if bias_grad:
+        batch, seqlen_q, heads_q, _ = q.shape
+        dbias = q.new_empty((batch, heads_q, seqlen_q, k.shape[1]), dtype=bias.dtype)
+    else:
+        dbias = q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, bias, *scalars, heads_major, backend, deterministic = inputs
+    out, lse, rng = output
+    ctx.save_for_backward(q, k, v, out, lse, bias, rng)
+    ctx.scalars = scalars  # softmax_scale, mask, window_left, window_right, dropout_p
+    ctx.backend, ctx.deterministic = backend, deterministic
+
+
+def _backward(ctx, dout, _dlse, _drng):
+    q, k, v, out, lse, bias, rng = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = flash_bwd(dout, q, k, v, out, lse, bias, rng, *ctx.scalars, bias_grad, ctx.backend,
+                                  ctx.deterministic)
+    return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None, None, None, None, None
+
+
+flash_fwd.register_autograd(_backward, setup_context=_setup_context)

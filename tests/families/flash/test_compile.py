@@ -1,0 +1,112 @@
+"""torch.compile: the public functions trace into one custom op without graph breaks
+(fullgraph), forward and backward match the float64 reference, and the ops pass
+torch.library's own checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aotattn
+from aotattn import reference
+from tests.conftest import DEVICES, TOLERANCE, rel_err
+from tests.families.flash.helpers import make_qkv, seed_from
+
+SIZES = {"cpu": (2, 37, 53, 32), "cuda": (2, 300, 777, 128)}  # batch, Sq, Sk, D
+
+
+def compiled(fn, fullgraph: bool = True):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=fullgraph, backend="aot_eager")
+
+
+def check(out, grads, inputs, dout, ref_fn):
+    ref_inputs = [t.detach().to(torch.float64).requires_grad_(t.requires_grad) for t in inputs]
+    ref_out = ref_fn(*ref_inputs)
+    wanted = [t for t in ref_inputs if t.requires_grad]
+    ref_grads = torch.autograd.grad(ref_out, wanted, dout.to(torch.float64))
+    bound = TOLERANCE[out.dtype]
+    assert rel_err(out, ref_out) < bound
+    for g, r, t in zip(grads, ref_grads, [t for t in inputs if t.requires_grad]):
+        assert g.shape == t.shape and g.dtype == t.dtype
+        assert rel_err(g, r) < bound
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["split", "fused"])
+def test_flash_attn_func_compiles_whole_and_matches(request, device, dtype, backend):
+    seed_from(request.node.name)
+    batch, sq, sk, d = SIZES[device]
+    q, k, v = make_qkv(batch, sq, sk, 4, 2, d, d, dtype, device, requires_grad=True)
+    mask = dict(window_size=(17, 3), diagonal="top_left")
+
+    def attention(q, k, v):
+        out, lse = aotattn.flash_attn_func(q, k, v, return_lse=True, backend=backend, **mask)
+        return out * 2.0, lse
+
+    out, lse = compiled(attention)(q, k, v)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check(out, grads, (q, k, v), dout, lambda q, k, v: reference.attention(q, k, v, **mask)[0] * 2.0)
+    _, ref_lse = reference.attention(q.detach(), k.detach(), v.detach(), **mask)
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=2e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sdpa_with_a_float_mask_compiles_and_its_gradient_flows(request, device):
+    seed_from(request.node.name)
+    batch, sq, sk, d = SIZES[device]
+    query = torch.randn(batch, 4, sq, d, device=device, requires_grad=True)
+    key = torch.randn(batch, 4, sk, d, device=device, requires_grad=True)
+    value = torch.randn(batch, 4, sk, d, device=device, requires_grad=True)
+    mask = torch.randn(1, 4, sq, sk, device=device, requires_grad=True)  # broadcast over the batch
+
+    def attention(query, key, value, mask):
+        return aotattn.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=False)
+
+    out = compiled(attention)(query, key, value, mask)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (query, key, value, mask), dout)
+    check(out, grads, (query, key, value, mask), dout,
+          lambda q, k, v, m: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_under_compile_uses_torchs_generator(request, device):
+    seed_from(request.node.name)
+    batch, sq, sk, d = SIZES[device]
+    q, k, v = make_qkv(batch, sq, sk, 2, 2, d, d, torch.float32, device, requires_grad=True)
+    fn = compiled(lambda q, k, v: aotattn.flash_attn_func(q, k, v, dropout_p=0.3, causal=True))
+    torch.manual_seed(11)
+    out = fn(q, k, v)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    torch.manual_seed(11)
+    keep = aotattn.dropout_mask(batch, 2, sq, sk, 0.3, device=device)
+    check(out, grads, (q, k, v), dout,
+          lambda q, k, v: reference.attention(q, k, v, causal=True, dropout_mask=keep, dropout_p=0.3)[0])
+
+
+def test_bad_input_is_the_same_error_under_compile():
+    """A check that raises is a graph break: Dynamo runs that call eagerly and the
+    caller sees the eager path's error."""
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 16, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"window_size: expected sizes >= 0"):
+        compiled(lambda q, k, v: aotattn.flash_attn_func(q, k, v, window_size=(-2, 0)), fullgraph=False)(q, k, v)
+    k3, v3 = torch.randn(1, 16, 3, 16), torch.randn(1, 16, 3, 16)
+    with pytest.raises(ValueError, match=r"multiple"):
+        compiled(lambda q, k, v: aotattn.flash_attn_func(q, k, v), fullgraph=False)(q, k3, v3)
+
+
+def test_the_custom_ops_pass_torch_library_checks():
+    torch.manual_seed(5)
+    q, k, v = make_qkv(1, 24, 40, 2, 1, 16, 16, torch.float32, "cpu", requires_grad=True)
+    args = (q, k, v, None, 0.25, 2, -1, 0, 0.0, False, "split", False)  # bottom-right causal
+    torch.library.opcheck(torch.ops.aotattn.flash_fwd.default, args)
+    out, lse, rng = torch.ops.aotattn.flash_fwd(*args)
+    dout = torch.randn_like(out)
+    detached = [t.detach() for t in (q, k, v)]
+    torch.library.opcheck(torch.ops.aotattn.flash_bwd.default,
+                          (dout, *detached, out.detach(), lse.detach(), None, rng, 0.25, 2, -1, 0, 0.0, False, "split", False))
