@@ -189,7 +189,8 @@ def check_flash(q: object, k: object, v: object, *, dropout_p: object, softmax_s
                    dropout_p=dropout_p)
 
 
-def _check_cu_seqlens(name: str, cu: object, device: torch.device, total: int) -> list[int]:
+def _check_cu_seqlens(name: str, cu: object, device: torch.device) -> torch.Tensor:
+    """dtype, device and rank of one offsets tensor (its values: :func:`check_offsets`)."""
     cu = _tensor(name, cu)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name}: expected dtype torch.int32, got {cu.dtype}")
@@ -197,6 +198,10 @@ def _check_cu_seqlens(name: str, cu: object, device: torch.device, total: int) -
         raise ValueError(f"{name}: expected device {device} (the device of q), got {cu.device}")
     if cu.dim() != 1 or cu.numel() < 1:
         raise ValueError(f"{name}: expected a 1-D tensor of batch + 1 offsets, got shape {tuple(cu.shape)}")
+    return cu
+
+
+def _offsets(name: str, cu: torch.Tensor, total: int) -> list[int]:
     offsets = cu.tolist()
     if offsets[0] != 0:
         raise ValueError(f"{name}: expected the first offset to be 0, got {offsets[0]}")
@@ -207,10 +212,29 @@ def _check_cu_seqlens(name: str, cu: object, device: torch.device, total: int) -
     return offsets
 
 
+def _check_longest(name: str, offsets: list[int], max_seqlen: int) -> None:
+    longest = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
+    if max_seqlen < longest:
+        raise ValueError(f"{name}: expected at least the longest sequence, {longest}, got {max_seqlen}")
+
+
+def check_offsets(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                  max_seqlen_q: int, max_seqlen_k: int) -> None:
+    """The offsets' values (read on the host): first 0, non-decreasing, last the number of
+    tokens, no sequence longer than its max_seqlen."""
+    offsets_q = _offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    offsets_k = _offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    _check_longest("max_seqlen_q", offsets_q, max_seqlen_q)
+    _check_longest("max_seqlen_k", offsets_k, max_seqlen_k)
+
+
 def check_varlen(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqlens_k: object,
                  max_seqlen_q: object, max_seqlen_k: object, *, dropout_p: object, softmax_scale: object,
-                 causal: object, window_size: object, diagonal: object) -> Problem:
-    """Checks of :func:`aotattn.flash_attn_varlen_func` (``q (total_q, Hq, D)``)."""
+                 causal: object, window_size: object, diagonal: object, read_offsets: bool = True) -> Problem:
+    """Checks of :func:`aotattn.flash_attn_varlen_func` (``q (total_q, Hq, D)``).
+
+    ``read_offsets=False`` leaves the offsets' values to :func:`check_offsets` (under
+    ``torch.compile`` they are checked when the op runs, not while tracing)."""
     names = ("q", "k", "v")
     tensors = [_tensor(n, t) for n, t in zip(names, (q, k, v))]
     for name, t in zip(names, tensors):
@@ -219,17 +243,20 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqle
     check_tensors(names, *(t.unsqueeze(0) for t in tensors), "(total_tokens, heads, head_dim)")
     _, _, _, heads_q, heads_k, head_dim, head_dim_v = check_shapes(
         names, *(t.unsqueeze(0) for t in tensors), batch_dim=0, seq_dim=1, heads_axis=2)
-    offsets_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tensors[0].device, tensors[0].shape[0])
-    offsets_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tensors[0].device, tensors[1].shape[0])
-    if len(offsets_q) != len(offsets_k):
-        raise ValueError(f"cu_seqlens_k: expected {len(offsets_q)} offsets (those of cu_seqlens_q), "
-                         f"got {len(offsets_k)}")
-    for name, value, offsets in (("max_seqlen_q", max_seqlen_q, offsets_q), ("max_seqlen_k", max_seqlen_k, offsets_k)):
-        longest = max((b - a for a, b in zip(offsets, offsets[1:])), default=0)
+    cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tensors[0].device)
+    if read_offsets:
+        offsets_q = _offsets("cu_seqlens_q", cu_q, tensors[0].shape[0])
+    cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tensors[0].device)
+    if read_offsets:
+        offsets_k = _offsets("cu_seqlens_k", cu_k, tensors[1].shape[0])
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_k: expected {cu_q.numel()} offsets (those of cu_seqlens_q), "
+                         f"got {cu_k.numel()}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-        if value < longest:
-            raise ValueError(f"{name}: expected at least the longest sequence, {longest}, got {value}")
+        if read_offsets:
+            _check_longest(name, offsets_q if name == "max_seqlen_q" else offsets_k, int(value))
     dropout_p = check_dropout("dropout_p", dropout_p)
     causal = check_bool("causal", causal)
     window = check_window(window_size)
@@ -237,7 +264,7 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqle
         raise ValueError(f"diagonal: expected one of {DIAGONALS}, got {diagonal!r}")
     scale = check_scale("softmax_scale", softmax_scale, head_dim)
     mask, left, right = mask_mode(causal, window, diagonal)
-    return Problem(len(offsets_q) - 1, int(max_seqlen_q), int(max_seqlen_k), heads_q, heads_k, head_dim,
+    return Problem(cu_q.numel() - 1, int(max_seqlen_q), int(max_seqlen_k), heads_q, heads_k, head_dim,
                    head_dim_v, dtype=tensors[0].dtype, softmax_scale=scale, mask=mask, window_left=left,
                    window_right=right, dropout_p=dropout_p, varlen=True)
 

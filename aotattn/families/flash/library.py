@@ -8,8 +8,8 @@ instead: one opaque node with a shape-only fake, differentiable through
 run the same internals as the eager path (:func:`.ops.attention_forward`,
 :func:`.ops.attention_backward`).
 
-Dense layouts only: ``flash_attn_varlen_func`` reads its offsets on the host and is
-traced as eager code (a graph break).
+Varlen calls pass their offsets as tensors; their values are checked (on the host)
+when the op runs, since a trace cannot read them.
 """
 
 from __future__ import annotations
@@ -19,65 +19,85 @@ import dataclasses
 import torch
 
 from aotattn.families.flash import ops
-from aotattn.families.flash.checks import Problem
+from aotattn.families.flash.checks import Problem, check_offsets
 
 
-def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, softmax_scale: float,
-          mask: int, window_left: int, window_right: int, dropout_p: float, bias_grad: bool,
-          rng: tuple[int, int] | None) -> ops.Call:
-    """The validated call again, from the op's arguments (q ``(B, Sq, Hq, D)``)."""
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    p = Problem(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, v.shape[-1], dtype=q.dtype,
-                softmax_scale=softmax_scale, mask=mask, window_left=window_left, window_right=window_right,
-                dropout_p=dropout_p)
+def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+          cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+          max_seqlen_k: int, softmax_scale: float, mask: int, window_left: int, window_right: int,
+          dropout_p: float, bias_grad: bool, rng: tuple[int, int] | None) -> ops.Call:
+    """The validated call again, from the op's arguments: q ``(B, Sq, Hq, D)``, or
+    ``(total_q, Hq, D)`` with offsets."""
+    scalars = dict(dtype=q.dtype, softmax_scale=softmax_scale, mask=mask, window_left=window_left,
+                   window_right=window_right, dropout_p=dropout_p)
+    if cu_seqlens_q is not None:
+        p = Problem(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], q.shape[2],
+                    v.shape[2], varlen=True, **scalars)
+    else:
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        p = Problem(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, v.shape[-1], **scalars)
     seed, offset = rng if rng is not None else ops.philox_state(dropout_p)
-    c = ops.Call(p, None, None, bias, bias_grad, seed, offset)
+    c = ops.Call(p, cu_seqlens_q, cu_seqlens_k, bias, bias_grad, seed, offset)
     if not c.tiles_aligned(q, k, v):
         c = dataclasses.replace(c, aligned=False)
     return c
 
 
 @torch.library.custom_op("aotattn::flash_fwd", mutates_args=())
-def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, softmax_scale: float,
-              mask: int, window_left: int, window_right: int, dropout_p: float, heads_major: bool,
-              backend: str | None, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+              cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
+              max_seqlen_k: int, softmax_scale: float, mask: int, window_left: int, window_right: int,
+              dropout_p: float, heads_major: bool, backend: str | None,
+              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, rng): rng holds the dropout (seed, offset) the backward replays.
 
-    ``backend`` and ``deterministic`` are the backward's, carried to it."""
-    c = _call(q, k, v, bias, softmax_scale, mask, window_left, window_right, dropout_p, False, None)
+    ``max_seqlen_*`` are read only with offsets (varlen). ``backend`` and
+    ``deterministic`` are the backward's, carried to it."""
+    if cu_seqlens_q is not None:
+        check_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    c = _call(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
+              window_left, window_right, dropout_p, False, None)
     out = ops.new_output(c.p, q, heads_major)
     lse = ops.attention_forward(c, q, k, v, out)
     return out, lse, torch.tensor([c.seed, c.offset], dtype=torch.int64)
 
 
 @flash_fwd.register_fake
-def _flash_fwd_fake(q, k, v, bias, softmax_scale, mask, window_left, window_right, dropout_p, heads_major,
-                    backend, deterministic):
+def _flash_fwd_fake(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
+                    window_left, window_right, dropout_p, heads_major, backend, deterministic):
+    rng = torch.empty(2, dtype=torch.int64)
+    if cu_seqlens_q is not None:
+        total_q, heads_q, _ = q.shape
+        return (q.new_empty((total_q, heads_q, v.shape[-1])), q.new_empty((heads_q, total_q), dtype=torch.float32),
+                rng)
     batch, seqlen_q, heads_q, _ = q.shape
     if heads_major:
         out = q.new_empty((batch, heads_q, seqlen_q, v.shape[-1])).transpose(1, 2)
     else:
         out = q.new_empty((batch, seqlen_q, heads_q, v.shape[-1]))
-    return out, q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32), torch.empty(2, dtype=torch.int64)
+    return out, q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32), rng
 
 
 @torch.library.custom_op("aotattn::flash_bwd", mutates_args=())
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, bias: torch.Tensor | None, rng: torch.Tensor, softmax_scale: float, mask: int,
-              window_left: int, window_right: int, dropout_p: float, bias_grad: bool, backend: str | None,
+              lse: torch.Tensor, bias: torch.Tensor | None, cu_seqlens_q: torch.Tensor | None,
+              cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, rng: torch.Tensor,
+              softmax_scale: float, mask: int, window_left: int, window_right: int, dropout_p: float,
+              bias_grad: bool, backend: str | None,
               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias); dbias is ``(B, Hq, Sq, Sk)`` in the bias's dtype, or empty
     when ``bias_grad`` is False."""
     seed, offset = rng.tolist()
-    c = _call(q, k, v, bias, softmax_scale, mask, window_left, window_right, dropout_p, bias_grad, (seed, offset))
+    c = _call(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
+              window_left, window_right, dropout_p, bias_grad, (seed, offset))
     dq, dk, dv, dbias = ops.attention_backward(c, dout, q, k, v, out, lse, backend, deterministic)
     dbias = q.new_empty(0) if dbias is None else dbias.to(bias.dtype)
     return dq, dk, dv, dbias
 
 
 @flash_bwd.register_fake
-def _flash_bwd_fake(dout, q, k, v, out, lse, bias, rng, softmax_scale, mask, window_left, window_right, dropout_p,
-                    bias_grad, backend, deterministic):
+def _flash_bwd_fake(dout, q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rng,
+                    softmax_scale, mask, window_left, window_right, dropout_p, bias_grad, backend, deterministic):
     if bias_grad:
         batch, seqlen_q, heads_q, _ = q.shape
         dbias = q.new_empty((batch, heads_q, seqlen_q, k.shape[1]), dtype=bias.dtype)
@@ -87,19 +107,20 @@ def _flash_bwd_fake(dout, q, k, v, out, lse, bias, rng, softmax_scale, mask, win
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, bias, *scalars, heads_major, backend, deterministic = inputs
+    q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *scalars, _, backend, deterministic = inputs
     out, lse, rng = output
-    ctx.save_for_backward(q, k, v, out, lse, bias, rng)
+    ctx.save_for_backward(q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k, rng)
+    ctx.max_seqlens = max_seqlen_q, max_seqlen_k
     ctx.scalars = scalars  # softmax_scale, mask, window_left, window_right, dropout_p
     ctx.backend, ctx.deterministic = backend, deterministic
 
 
 def _backward(ctx, dout, _dlse, _drng):
-    q, k, v, out, lse, bias, rng = ctx.saved_tensors
+    q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k, rng = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = flash_bwd(dout, q, k, v, out, lse, bias, rng, *ctx.scalars, bias_grad, ctx.backend,
-                                  ctx.deterministic)
-    return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None, None, None, None, None
+    dq, dk, dv, dbias = flash_bwd(dout, q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, rng,
+                                  *ctx.scalars, bias_grad, ctx.backend, ctx.deterministic)
+    return (dq, dk, dv, dbias if bias_grad else None) + (None,) * 12
 
 
 flash_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -284,10 +284,13 @@ def _run(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_major
 
 
 def _compiled(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-              heads_major: bool, backend: str | None, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              heads_major: bool, backend: str | None, deterministic: bool, cu_seqlens_q: torch.Tensor | None = None,
+              cu_seqlens_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Under ``torch.compile``: the validated call as one custom op (:mod:`.library`)."""
-    out, lse, _ = torch.ops.aotattn.flash_fwd(q, k, v, bias, p.softmax_scale, p.mask, p.window_left,
-                                              p.window_right, p.dropout_p, heads_major, backend, deterministic)
+    max_q, max_k = (p.seqlen_q, p.seqlen_k) if p.varlen else (0, 0)
+    out, lse, _ = torch.ops.aotattn.flash_fwd(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
+                                              p.softmax_scale, p.mask, p.window_left, p.window_right, p.dropout_p,
+                                              heads_major, backend, deterministic)
     return out, lse
 
 
@@ -451,11 +454,17 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     Returns:
         ``out (total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)`` fp32.
     """
+    compiling = torch.compiler.is_compiling()
     p = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
-                     softmax_scale=softmax_scale, causal=causal, window_size=window_size, diagonal=diagonal)
+                     softmax_scale=softmax_scale, causal=causal, window_size=window_size, diagonal=diagonal,
+                     read_offsets=not compiling)
     return_lse = check_bool("return_lse", return_lse)
-    c = _new_call(p, q, k, v, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k)
-    out, lse = _run(c, q, k, v, False, _check_backend(backend), _deterministic(deterministic))
+    if compiling:
+        out, lse = _compiled(p, q, k, v, None, False, _check_backend(backend), _deterministic(deterministic),
+                             cu_seqlens_q, cu_seqlens_k)
+    else:
+        out, lse = _run(_new_call(p, q, k, v, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k), q, k, v, False,
+                        _check_backend(backend), _deterministic(deterministic))
     return (out, lse) if return_lse else out
 
 

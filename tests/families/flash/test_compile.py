@@ -11,6 +11,7 @@ import aotattn
 from aotattn import reference
 from tests.conftest import DEVICES, TOLERANCE, rel_err
 from tests.families.flash.helpers import make_qkv, seed_from
+from tests.families.flash.test_varlen import make_varlen
 
 SIZES = {"cpu": (2, 37, 53, 32), "cuda": (2, 300, 777, 128)}  # batch, Sq, Sk, D
 
@@ -89,6 +90,28 @@ def test_dropout_under_compile_uses_torchs_generator(request, device):
           lambda q, k, v: reference.attention(q, k, v, causal=True, dropout_mask=keep, dropout_p=0.3)[0])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_with_per_sequence_windows_compiles_whole_and_matches(request, device):
+    """Lengths 0, 1, primes and a long one; offsets are op inputs, read only when it runs."""
+    seed_from(request.node.name)
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(device, torch.float32, requires_grad=True)
+    mask = dict(window_size=(7, 2))  # bottom-right: each sequence on its own diagonal
+
+    def attention(q, k, v, cu_q, cu_k):
+        return aotattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **mask)
+
+    out = compiled(attention)(q, k, v, cu_q, cu_k)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check(out, grads, (q, k, v), dout, lambda q, k, v: reference.attention_varlen(q, k, v, cu_q, cu_k, **mask)[0])
+    bad = cu_q.clone()
+    bad[1] = bad[2] + 1  # decreasing: seen when the op reads the offsets
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected non-decreasing offsets"):
+        attention(q, k, v, bad, cu_k)
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected non-decreasing offsets"):
+        compiled(attention)(q, k, v, bad, cu_k)
+
+
 def test_bad_input_is_the_same_error_under_compile():
     """A check that raises is a graph break: Dynamo runs that call eagerly and the
     caller sees the eager path's error."""
@@ -103,10 +126,14 @@ def test_bad_input_is_the_same_error_under_compile():
 def test_the_custom_ops_pass_torch_library_checks():
     torch.manual_seed(5)
     q, k, v = make_qkv(1, 24, 40, 2, 1, 16, 16, torch.float32, "cpu", requires_grad=True)
-    args = (q, k, v, None, 0.25, 2, -1, 0, 0.0, False, "split", False)  # bottom-right causal
+    scalars = (0.25, 2, -1, 0, 0.0)  # softmax_scale, bottom-right causal (mask, left, right), dropout_p
+    args = (q, k, v, None, None, None, 0, 0, *scalars, False, "split", False)
     torch.library.opcheck(torch.ops.aotattn.flash_fwd.default, args)
     out, lse, rng = torch.ops.aotattn.flash_fwd(*args)
-    dout = torch.randn_like(out)
-    detached = [t.detach() for t in (q, k, v)]
+    detached = [t.detach() for t in (q, k, v, out, lse)]
     torch.library.opcheck(torch.ops.aotattn.flash_bwd.default,
-                          (dout, *detached, out.detach(), lse.detach(), None, rng, 0.25, 2, -1, 0, 0.0, False, "split", False))
+                          (torch.randn_like(out), *detached, None, None, None, 0, 0, rng, *scalars, False, "split",
+                           False))
+    vq, vk, vv, cu_q, cu_k, max_q, max_k = make_varlen("cpu", torch.float32, requires_grad=True)
+    torch.library.opcheck(torch.ops.aotattn.flash_fwd.default,
+                          (vq, vk, vv, None, cu_q, cu_k, max_q, max_k, *scalars, False, None, False))
