@@ -14,8 +14,6 @@ when the op runs, since a trace cannot read them.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from aotattn.families.flash import ops
@@ -36,11 +34,7 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor 
     else:
         batch, seqlen_q, heads_q, head_dim = q.shape
         p = Problem(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, v.shape[-1], **scalars)
-    seed, offset = rng if rng is not None else ops.philox_state(dropout_p)
-    c = ops.Call(p, cu_seqlens_q, cu_seqlens_k, bias, bias_grad, seed, offset)
-    if not c.tiles_aligned(q, k, v):
-        c = dataclasses.replace(c, aligned=False)
-    return c
+    return ops._new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k, bias_grad=bias_grad, rng=rng)
 
 
 @torch.library.custom_op("aotattn::flash_fwd", mutates_args=())

@@ -301,9 +301,13 @@ def _cacheable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: obj
 
 
 def _new_call(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None,
-              cu_q=None, cu_k=None) -> Call:
-    seed, offset = philox_state(p.dropout_p)
-    c = Call(p, cu_q, cu_k, bias, bias is not None and bias.requires_grad and torch.is_grad_enabled(), seed, offset)
+              cu_q=None, cu_k=None, *, bias_grad: bool | None = None, rng: tuple[int, int] | None = None) -> Call:
+    """``bias_grad``: default, whether autograd wants the bias's gradient; ``rng``: a
+    dropout (seed, offset) to replay, else one drawn from torch's generator."""
+    seed, offset = rng if rng is not None else philox_state(p.dropout_p)
+    if bias_grad is None:
+        bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
+    c = Call(p, cu_q, cu_k, bias, bias_grad, seed, offset)
     if not c.tiles_aligned(q, k, v):
         c = dataclasses.replace(c, aligned=False)
     return c
