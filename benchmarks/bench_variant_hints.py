@@ -32,27 +32,46 @@ from aotattn.runtime.images import Entry  # noqa: E402
 from aotattn.runtime.launcher import launch  # noqa: E402
 
 LSE_AND_SEQLEN = {"Lse", "Delta", "stride_lz", "stride_lh", "max_seqlen_q", "max_seqlen_k"}
-VARIANTS = {
-    "images (aligned variant)": (set(), False),
-    "+ LSE/delta pointers and strides, seqlens % 16": (LSE_AND_SEQLEN, False),
-    "+ group_size == 1 constant": (set(), True),
-    "both (what the JIT assumes here)": (LSE_AND_SEQLEN, True),
+JIT = "jit"  # the divisibility and constants Triton's JIT itself derives from the arguments
+VARIANTS = {  # name: (arguments assumed divisible by 16 beyond the aligned ones, arguments made constant)
+    "images (aligned variant)": (set(), set()),
+    "+ LSE/delta pointers and strides, seqlens % 16": (LSE_AND_SEQLEN, set()),
+    "+ group_size == 1 constant": (set(), {"group_size"}),
+    "both": (LSE_AND_SEQLEN, {"group_size"}),
+    "the JIT's own specialization of these arguments": (JIT, JIT),
 }
 
 
-def compile_variant(plan, extra: set[str], group_constant: bool, values: list):
+def jit_specialization(names: list[str], values: list) -> tuple[set[str], set[str]]:
+    """What Triton's JIT would specialize on for these values: (divisible by 16, constant)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    divisible, constant = set(), set()
+    for name, value in zip(names, values):
+        kind, key = native_specialize_impl(BaseBackend, value, False, True, True)[:2]
+        if kind == "constexpr":
+            constant.add(name)
+        elif key == "D":
+            divisible.add(name)
+    return divisible, constant
+
+
+def compile_variant(plan, extra, constants, values: list):
     spec = plan.kernel
     fn = getattr(importlib.import_module(spec.module), spec.function)
     signature = spec.signature(plan.functional)
     constexprs = spec.constexprs(plan.functional, plan.config)
     names = [a.name for a in spec.arguments]
+    if extra == JIT:
+        extra, constants = jit_specialization(names, values)
     kept = list(range(len(names)))
-    if group_constant:
-        assert values[names.index("group_size")] == 1
-        constexprs["group_size"] = 1
-        kept.remove(names.index("group_size"))
+    for name in constants:
+        constexprs[name] = values[names.index(name)]
+        kept.remove(names.index(name))
     signature.update({name: "constexpr" for name in constexprs})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(spec.arguments) if a.aligned or a.name in extra}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(spec.arguments)
+             if (a.aligned or a.name in extra) and a.name not in constants}
     for i in attrs:  # the assumption must hold for these arguments
         value = values[i[0]]
         assert (value.data_ptr() if isinstance(value, torch.Tensor) else value) % 16 == 0, names[i[0]]
@@ -99,8 +118,8 @@ def main() -> None:
     print(f"  {'Triton JIT':<50} {jit_ms:.3f} ms  {flops / jit_ms / 1e9:.0f} TFLOP/s")
     values = list(dkdv.args)
     rows = []
-    for name, (extra, group_constant) in VARIANTS.items():
-        kernel, kept, scalar_copies = compile_variant(dkdv, extra, group_constant, values)
+    for name, (extra, constants) in VARIANTS.items():
+        kernel, kept, scalar_copies = compile_variant(dkdv, extra, constants, values)
         raw = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in kept]
         dk.zero_()
         dv.zero_()
