@@ -80,14 +80,14 @@ class LoadedKernel:
 
     def launch(self, grid: tuple[int, int, int], values: list, stream: int, device: torch.device) -> None:
         keep, pointers = self._scratch_pointers(grid, device) if self.scratch else ((), (0, 0))
+        args = (self.function, grid[0], grid[1], grid[2], self.threads, 1, 1, self.entry.shared, stream,
+                self.params_address, None)
         with self.lock:  # the driver copies the parameters during the call
             self.packer.pack_into(self.buffer, 0, *values, *pointers)
-            err = self.driver.launch(self.function, grid[0], grid[1], grid[2], self.threads, 1, 1,
-                                     self.entry.shared, stream, self.params_address, None)
+            err = self.driver.launch(*args)
             if err == cuda.CUDA_ERROR_INVALID_CONTEXT:  # a thread PyTorch has not yet bound to the device
                 self.driver.use_primary_context(self.device_index)
-                err = self.driver.launch(self.function, grid[0], grid[1], grid[2], self.threads, 1, 1,
-                                         self.entry.shared, stream, self.params_address, None)
+                err = self.driver.launch(*args)
         if err:
             self.driver.check(err, f"cuLaunchKernel({self.entry.symbol})")
         del keep

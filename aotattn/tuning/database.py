@@ -132,19 +132,16 @@ class Database:
         while spec.fallback is not None and (twin := spec.fallback(chain[-1].as_dict())) is not None:
             chain.append(Functional.of(twin))
         table = self.effective(arch, spec.qualname, only=frozenset(chain))
-        tried = [functional]
-        while tried[-1] not in table.blocks:
-            twin = spec.fallback(tried[-1].as_dict()) if spec.fallback is not None else None
-            if twin is None:
-                raise TuningError(f"{arch} / {spec.qualname}: no block for functional [{tried[0]}]"
-                                  + (f" nor its fallbacks [{'], ['.join(map(str, tried[1:]))}]" if len(tried) > 1 else "")
-                                  + f" in {self.table_path(arch, spec.qualname)}")
-            tried.append(Functional.of(twin))
-        grid = table.blocks[tried[-1]]
+        used = next((f for f in chain if f in table.blocks), None)
+        if used is None:
+            raise TuningError(f"{arch} / {spec.qualname}: no block for functional [{chain[0]}]"
+                              + (f" nor its fallbacks [{'], ['.join(map(str, chain[1:]))}]" if len(chain) > 1 else "")
+                              + f" in {self.table_path(arch, spec.qualname)}")
+        grid = table.blocks[used]
         name = grid[cell_index[0] if cell_index else 0][cell_index[1] if len(cell_index) > 1 else 0]
         if name == NO_ENTRY:
             where = " ".join(f"{k}={buckets[i]}" for (k, buckets), i in zip(spec.tuning_keys, cell_index))
-            raise TuningError(f"{arch} / {spec.qualname} / [{tried[-1]}]: cell {where} has no entry ('.')")
+            raise TuningError(f"{arch} / {spec.qualname} / [{used}]: cell {where} has no entry ('.')")
         config = table.configs[name]
         self._lookups[key] = config
         return config

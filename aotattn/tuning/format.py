@@ -304,8 +304,6 @@ def parse_table(spec: Any, text: str, path: str = "<table>", only: Collection[Fu
         if header == "configs":
             _parse_configs(spec, body, table.configs)
             continue
-        if wanted is not None and header_key(header) not in wanted:
-            continue
         functional = parse_functional(spec, header, where)
         if functional in table.blocks:
             raise TuningError(f"functional [{header}] appears twice", where)

@@ -20,21 +20,18 @@ from aotattn.families.flash import ops
 from aotattn.families.flash.checks import Problem, check_offsets
 
 
-def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-          cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
-          max_seqlen_k: int, softmax_scale: float, mask: int, window_left: int, window_right: int,
-          dropout_p: float, bias_grad: bool, rng: tuple[int, int] | None) -> ops.Call:
-    """The validated call again, from the op's arguments: q ``(B, Sq, Hq, D)``, or
-    ``(total_q, Hq, D)`` with offsets."""
+def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+             max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, mask: int, window_left: int,
+             window_right: int, dropout_p: float) -> Problem:
+    """The validated problem again, from the op's arguments: q ``(B, Sq, Hq, D)``, or
+    ``(total_q, Hq, D)`` with offsets. Shapes only: the fakes use it too."""
     scalars = dict(dtype=q.dtype, softmax_scale=softmax_scale, mask=mask, window_left=window_left,
                    window_right=window_right, dropout_p=dropout_p)
     if cu_seqlens_q is not None:
-        p = Problem(cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], q.shape[2],
-                    v.shape[2], varlen=True, **scalars)
-    else:
-        batch, seqlen_q, heads_q, head_dim = q.shape
-        p = Problem(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, v.shape[-1], **scalars)
-    return ops._new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k, bias_grad=bias_grad, rng=rng)
+        return Problem(cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], q.shape[2],
+                       v.shape[2], varlen=True, **scalars)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    return Problem(batch, seqlen_q, k.shape[1], heads_q, k.shape[2], head_dim, v.shape[-1], **scalars)
 
 
 @torch.library.custom_op("aotattn::flash_fwd", mutates_args=())
@@ -49,9 +46,10 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     ``deterministic`` are the backward's, carried to it."""
     if cu_seqlens_q is not None:
         check_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    c = _call(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
-              window_left, window_right, dropout_p, False, None)
-    out = ops.new_output(c.p, q, heads_major)
+    p = _problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, window_left, window_right,
+                 dropout_p)
+    c = ops._new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k, bias_grad=False)
+    out = ops.new_output(p, q, heads_major)
     lse = ops.attention_forward(c, q, k, v, out)
     return out, lse, torch.tensor([c.seed, c.offset], dtype=torch.int64)
 
@@ -59,17 +57,10 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
 @flash_fwd.register_fake
 def _flash_fwd_fake(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
                     window_left, window_right, dropout_p, heads_major, backend, deterministic):
-    rng = torch.empty(2, dtype=torch.int64)
-    if cu_seqlens_q is not None:
-        total_q, heads_q, _ = q.shape
-        return (q.new_empty((total_q, heads_q, v.shape[-1])), q.new_empty((heads_q, total_q), dtype=torch.float32),
-                rng)
-    batch, seqlen_q, heads_q, _ = q.shape
-    if heads_major:
-        out = q.new_empty((batch, heads_q, seqlen_q, v.shape[-1])).transpose(1, 2)
-    else:
-        out = q.new_empty((batch, seqlen_q, heads_q, v.shape[-1]))
-    return out, q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32), rng
+    p = _problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, window_left, window_right,
+                 dropout_p)
+    lse = q.new_empty(ops._lse_shape(p, q), dtype=torch.float32)
+    return ops.new_output(p, q, heads_major), lse, torch.empty(2, dtype=torch.int64)
 
 
 @torch.library.custom_op("aotattn::flash_bwd", mutates_args=())
@@ -81,9 +72,10 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias); dbias is ``(B, Hq, Sq, Sk)`` in the bias's dtype, or empty
     when ``bias_grad`` is False."""
+    p = _problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, window_left, window_right,
+                 dropout_p)
     seed, offset = rng.tolist()
-    c = _call(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, mask,
-              window_left, window_right, dropout_p, bias_grad, (seed, offset))
+    c = ops._new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k, bias_grad=bias_grad, rng=(seed, offset))
     dq, dk, dv, dbias = ops.attention_backward(c, dout, q, k, v, out, lse, backend, deterministic)
     dbias = q.new_empty(0) if dbias is None else dbias.to(bias.dtype)
     return dq, dk, dv, dbias

@@ -283,10 +283,15 @@ def _run(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_major
     return out, lse
 
 
-def _compiled(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-              heads_major: bool, backend: str | None, deterministic: bool, cu_seqlens_q: torch.Tensor | None = None,
-              cu_seqlens_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Under ``torch.compile``: the validated call as one custom op (:mod:`.library`)."""
+def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+            heads_major: bool, backend: object, deterministic: object, cache_key: tuple | None = None,
+            cu_seqlens_q: torch.Tensor | None = None,
+            cu_seqlens_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A validated call: run eagerly, or under ``torch.compile`` as one custom op (:mod:`.library`)."""
+    backend, deterministic = _check_backend(backend), _deterministic(deterministic)
+    if not torch.compiler.is_compiling():
+        return _run(_new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k), q, k, v, heads_major, backend,
+                    deterministic, cache_key)
     max_q, max_k = (p.seqlen_q, p.seqlen_k) if p.varlen else (0, 0)
     out, lse, _ = torch.ops.aotattn.flash_fwd(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
                                               p.softmax_scale, p.mask, p.window_left, p.window_right, p.dropout_p,
@@ -414,8 +419,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         ``out (B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
     """
     key = None
-    compiling = torch.compiler.is_compiling()
-    if not compiling and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) \
+    if not torch.compiler.is_compiling() and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) \
             and isinstance(v, torch.Tensor) and _cacheable(q, k, v, dropout_p, bias):
         key = _PLANS.key(q, k, v, "flash", softmax_scale, causal, tuple(window_size) if isinstance(
             window_size, (tuple, list)) else window_size, diagonal, return_lse)
@@ -425,12 +429,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     p = check_flash(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                     window_size=window_size, diagonal=diagonal)
     return_lse = check_bool("return_lse", return_lse)
-    bias = check_bias("bias", bias, p, q)
-    if compiling:
-        out, lse = _compiled(p, q, k, v, bias, False, _check_backend(backend), _deterministic(deterministic))
-    else:
-        out, lse = _run(_new_call(p, q, k, v, bias), q, k, v, False, _check_backend(backend),
-                        _deterministic(deterministic), key)
+    out, lse = _attend(p, q, k, v, check_bias("bias", bias, p, q), False, backend, deterministic, key)
     return (out, lse) if return_lse else out
 
 
@@ -458,17 +457,11 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     Returns:
         ``out (total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)`` fp32.
     """
-    compiling = torch.compiler.is_compiling()
     p = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
                      softmax_scale=softmax_scale, causal=causal, window_size=window_size, diagonal=diagonal,
-                     read_offsets=not compiling)
+                     read_offsets=not torch.compiler.is_compiling())
     return_lse = check_bool("return_lse", return_lse)
-    if compiling:
-        out, lse = _compiled(p, q, k, v, None, False, _check_backend(backend), _deterministic(deterministic),
-                             cu_seqlens_q, cu_seqlens_k)
-    else:
-        out, lse = _run(_new_call(p, q, k, v, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k), q, k, v, False,
-                        _check_backend(backend), _deterministic(deterministic))
+    out, lse = _attend(p, q, k, v, None, False, backend, deterministic, None, cu_seqlens_q, cu_seqlens_k)
     return (out, lse) if return_lse else out
 
 
@@ -497,8 +490,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         ``(B, Hq, Sq, Dv)`` in query's dtype.
     """
     cache_key = None
-    compiling = torch.compiler.is_compiling()
-    if not compiling and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) \
+    if not torch.compiler.is_compiling() and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) \
             and isinstance(value, torch.Tensor) and _cacheable(query, key, value, dropout_p, attn_mask):
         cache_key = _PLANS.key(query, key, value, "sdpa", is_causal, scale, enable_gqa)
         hit = _PLANS.run(cache_key, query, key, value)
@@ -508,11 +500,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                    enable_gqa=enable_gqa)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     bias = check_bias("attn_mask", attn_mask, p, query, sdpa_mask=True)
-    if compiling:
-        out, _ = _compiled(p, q, k, v, bias, True, _check_backend(backend), _deterministic(deterministic))
-    else:
-        out, _ = _run(_new_call(p, q, k, v, bias), q, k, v, True, _check_backend(backend),
-                      _deterministic(deterministic), cache_key)
+    out, _ = _attend(p, q, k, v, bias, True, backend, deterministic, cache_key)
     return out.transpose(1, 2)
 
 
