@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from ctypes import POINTER, c_char_p, c_int, c_uint, c_void_p
 
@@ -100,11 +101,14 @@ class Driver:
 
 
 _driver: Driver | None = None
+_driver_lock = threading.Lock()
 
 
 def driver() -> Driver:
-    """The process's driver binding, made on first use."""
+    """The process's driver binding, made on first use (once, whichever thread comes first)."""
     global _driver
     if _driver is None:
-        _driver = Driver()
+        with _driver_lock:
+            if _driver is None:
+                _driver = Driver()
     return _driver

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,13 @@ from aotattn.spec import KernelSpec, LaunchPlan
 
 MODE_VAR = "AOTATTN_MODE"
 MODES = ("aot", "jit")
+
+# Triton's interpreter patches triton.language's functions for the duration of a launch
+# (process-wide state): two interpreted launches from different threads corrupt each
+# other (wrong numbers, seen up to 1e35 off, or interpreter errors). The JIT's first
+# call of a specialization compiles and fills caches that are not guarded either. Both
+# are development paths; launches through them are serialised. The AOT path is not.
+_SERIAL = threading.Lock()
 
 
 def mode() -> str:
@@ -51,14 +59,15 @@ def launch(plan: LaunchPlan) -> None:
             launch_aot(plan, device)
             return
         fn = jit_function(plan.kernel)
-        with torch.cuda.device(device):
+        with _SERIAL, torch.cuda.device(device):
             fn[plan.grid](*plan.args, **plan.kernel.constexprs(plan.functional, plan.config),
                           num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
     elif device.type == "cpu":
         from aotattn.runtime.interpreter import interpreted_function
 
         fn = interpreted_function(plan.kernel.module, plan.kernel.function)
-        fn[plan.grid](*plan.args, **plan.kernel.constexprs(plan.functional, plan.config))
+        with _SERIAL:
+            fn[plan.grid](*plan.args, **plan.kernel.constexprs(plan.functional, plan.config))
     else:
         raise ValueError(f"no launcher for device type {device.type!r}")
 

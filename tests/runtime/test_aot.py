@@ -40,6 +40,29 @@ CHILD = textwrap.dedent("""
 
     results = {}
     torch.manual_seed(0)
+
+    # First calls from eight threads at once (and over every device): the plan cache, the
+    # archive and module caches and the driver context are all cold here.
+    import threading
+    def first_call(i, errors):
+        device = f"cuda:{i % torch.cuda.device_count()}"
+        g = torch.Generator(device=device).manual_seed(i)
+        with torch.cuda.device(device):
+            q, k, v = (torch.randn(2, 400 + 37 * i, 8, 128, device=device, dtype=torch.bfloat16, generator=g)
+                       for _ in range(3))
+            for causal in (True, False):
+                with torch.no_grad():
+                    got = aotattn.flash_attn_func(q, k, v, causal=causal)
+                want, _ = reference.attention(q.double(), k.double(), v.double(), causal=causal)
+                errors.append(rel(got, want))
+    errors = []
+    threads = [threading.Thread(target=first_call, args=(i, errors)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 16, errors
+    results["bf16 d128 eight threads, first calls"] = errors
     for name, dtype, shape_q, shape_k, kw in [
         ("bf16 d128 causal br", torch.bfloat16, (2, 1000, 8, 128), (2, 1200, 8, 128), dict(causal=True)),
         ("bf16 d128 full", torch.bfloat16, (2, 777, 4, 128), (2, 777, 4, 128), dict()),

@@ -39,7 +39,8 @@ class Problem:
 
     @property
     def group_size(self) -> int:
-        return self.heads_q // self.heads_k
+        """Query heads per key/value head; 1 for a call with no heads (an empty result)."""
+        return self.heads_q // self.heads_k if self.heads_k else 1
 
     def kernel_window(self) -> tuple[int, int]:
         """Window sides for the kernels: unbounded (or wider than useful) becomes Sq + Sk."""

@@ -423,6 +423,11 @@ def _dkdv_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, dq_ptrs, bia
         ds_t = p_t * (dp_t - delta[None, :])
         dk = _mma(ds_t.to(q.dtype), q, dk, PRECISION)
         if ATOMIC_DQ:
+            # Keys past seqlen_k (the last key block's tail) load as zero, so their scores are 0
+            # and p = exp2(-lse2), unmasked: a row whose lse is very negative (it sees one key
+            # with a large negative score) overflows fp16 there, and inf * (k = 0) is NaN in dQ.
+            # dK/dV drop those rows at the store; dQ sums over them, so they are zeroed here.
+            ds_t = tl.where(n_in[:, None], ds_t, 0.0)
             dq = _mma(tl.trans(ds_t.to(k.dtype)), k, tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32), PRECISION)
             tl.atomic_add(dq_ptrs + m_off * stride_dqm, dq * sm_scale,
                           mask=m_in[:, None] & d_mask[None, :], sem="relaxed")

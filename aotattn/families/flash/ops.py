@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -310,6 +311,10 @@ def _new_call(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bia
     """``bias_grad``: default, whether autograd wants the bias's gradient; ``rng``: a
     dropout (seed, offset) to replay, else one drawn from torch's generator."""
     seed, offset = rng if rng is not None else philox_state(p.dropout_p)
+    if cu_q is not None:
+        # the kernels read offsets at unit stride: a strided view (cu[::2]) would make them
+        # read past its storage (seen as heap corruption); this copies only such views
+        cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
     if bias_grad is None:
         bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
     c = Call(p, cu_q, cu_k, bias, bias_grad, seed, offset)
@@ -332,13 +337,21 @@ class _PlanCache:
 
     def __init__(self) -> None:
         self.entries: dict[tuple, tuple] = {}
+        self.lock = threading.Lock()
 
     @staticmethod
     def key(q, k, v, *flags) -> tuple | None:
-        """None when an argument is unhashable (the full path then reports it)."""
+        """None when an argument is unhashable (the full path then reports it).
+
+        Each flag is keyed with its type (and a window's sides with theirs): ``True == 1``
+        and ``2.0 == 2`` in Python, so a value-only key would let ``causal=1`` hit the
+        entry of a valid ``causal=True`` call and skip the check that rejects it. Only
+        calls that passed the checks are stored, so a hit is a call the checks accept.
+        """
         aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+        typed = tuple((type(f), tuple((type(x), x) for x in f) if type(f) in (tuple, list) else f) for f in flags)
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, aligned, os.environ.get(MODE_VAR), flags)
+               q.device, k.device, v.device, aligned, os.environ.get(MODE_VAR), typed)
         try:
             hash(key)
         except TypeError:
@@ -349,10 +362,11 @@ class _PlanCache:
         """``out`` is the view the kernel writes, ``out_base`` the tensor it views."""
         source = {id(t): i for i, t in enumerate((q, k, v, out, lse))}
         dynamic = [(pos, source[id(a)]) for pos, a in enumerate(plan.args) if id(a) in source]
-        if len(self.entries) >= self.SIZE:
-            self.entries.pop(next(iter(self.entries)))
-        self.entries[key] = (prepare(plan, dynamic), tuple(out_base.shape), tuple(lse.shape),
-                             out.shape != out_base.shape)
+        entry = (prepare(plan, dynamic), tuple(out_base.shape), tuple(lse.shape), out.shape != out_base.shape)
+        with self.lock:  # threads may store at once; lookups are plain dict reads
+            if len(self.entries) >= self.SIZE:
+                self.entries.pop(next(iter(self.entries)))
+            self.entries[key] = entry
 
     def run(self, key: tuple, q, k, v) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the output as stored, the log-sum-exp), or None on a miss."""
@@ -421,8 +435,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     key = None
     if not torch.compiler.is_compiling() and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) \
             and isinstance(v, torch.Tensor) and _cacheable(q, k, v, dropout_p, bias):
-        key = _PLANS.key(q, k, v, "flash", softmax_scale, causal, tuple(window_size) if isinstance(
-            window_size, (tuple, list)) else window_size, diagonal, return_lse)
+        key = _PLANS.key(q, k, v, "flash", softmax_scale, causal, window_size, diagonal, return_lse)
         hit = _PLANS.run(key, q, k, v)
         if hit is not None:
             return hit if return_lse else hit[0]

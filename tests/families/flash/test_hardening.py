@@ -1,0 +1,221 @@
+"""Holes found by an adversarial pass (issue 10): each one a clear error or a correct result.
+
+- offsets that are strided views (the kernels read offsets at unit stride: heap corruption);
+- calls from many threads (Triton's interpreter keeps process-wide state during a launch);
+- the plan cache answering before the checks run (``causal=1`` after a valid call);
+- zero heads and the other empty shapes;
+- the fused backward's dQ on rows whose log-sum-exp is very negative (the key-major
+  programs' out-of-range keys overflowed fp16 into NaN).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import aotattn
+from aotattn import reference
+from aotattn.families.flash import ops
+from tests.conftest import DEVICES, TOLERANCE, rel_err
+from tests.families.flash.helpers import assert_forward_matches, make_qkv, seed_from
+
+
+# ------------------------------------------------------------------ strided offsets
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_cu_seqlens_are_read_by_value(device, request):
+    """``cu[::2]`` of a padded buffer: the values, not the storage, decide the sequences."""
+    seed_from(request.node.name)
+    lengths = [3, 5, 0, 4]
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, 2, 16, device=device) for _ in range(3))
+    offsets = torch.tensor([0, 3, 8, 8, 12], dtype=torch.int32, device=device)
+    padded = torch.full((2 * len(offsets) - 1,), 99, dtype=torch.int32, device=device)
+    padded[::2] = offsets
+    cu = padded[::2]
+    assert not cu.is_contiguous() and torch.equal(cu, offsets)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = aotattn.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
+    out.backward(torch.randn_like(out))
+    for b in range(len(lengths)):
+        lo, hi = offsets[b].item(), offsets[b + 1].item()
+        if hi == lo:
+            continue
+        ref, _ = reference.attention(*(t.detach()[lo:hi][None] for t in (q, k, v)), causal=True)
+        assert rel_err(out.detach()[lo:hi][None], ref) < TOLERANCE[torch.float32]
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_cu_seqlens_match_contiguous(device):
+    total, offsets = 12, [0, 3, 8, 8, 12]
+    q, k, v = (torch.randn(total, 2, 16, device=device) for _ in range(3))
+    cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+    strided = torch.stack([cu, torch.full_like(cu, 10**6)], dim=1)[:, 0]  # stride 2, garbage between
+    assert strided.stride() == (2,)
+    a = aotattn.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, window_size=(2, 1))
+    b = aotattn.flash_attn_varlen_func(q, k, v, strided, strided, 5, 5, window_size=(2, 1))
+    assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------- threads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_calls_from_many_threads_are_correct(device):
+    """Eight threads, different inputs, forward and backward: every result matches the reference."""
+    size = dict(cpu=(1, 33, 40, 16), cuda=(2, 1000, 1537, 64))[device if isinstance(device, str) else "cuda"]
+    batch, sq, sk, d = size
+    failures: list[str] = []
+
+    def work(i: int) -> None:
+        g = torch.Generator().manual_seed(1000 + i)
+        dtype = torch.float32 if device == "cpu" else (torch.float16, torch.bfloat16)[i % 2]
+        q = torch.randn(batch, sq, 4, d, generator=g).to(device, dtype).requires_grad_()
+        k = torch.randn(batch, sk, 2, d, generator=g).to(device, dtype).requires_grad_()
+        v = torch.randn(batch, sk, 2, d, generator=g).to(device, dtype).requires_grad_()
+        dout = torch.randn(batch, sq, 4, d, generator=g).to(device, dtype)
+        try:
+            for causal in (False, True):
+                with torch.no_grad():  # the plan-cache path
+                    inference = aotattn.flash_attn_func(q, k, v, causal=causal)
+                out = aotattn.flash_attn_func(q, k, v, causal=causal, backend=("split", "fused")[i % 2])
+                dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+                ref = reference.attention(q.detach(), k.detach(), v.detach(), causal=causal)[0]
+                qd, kd, vd = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
+                rdq, rdk, rdv = torch.autograd.grad(reference.attention(qd, kd, vd, causal=causal)[0], (qd, kd, vd),
+                                                    dout.to(torch.float64))
+                for name, got, want in (("inference", inference, ref), ("out", out, ref), ("dq", dq, rdq),
+                                        ("dk", dk, rdk), ("dv", dv, rdv)):
+                    err = rel_err(got, want)
+                    if not err < TOLERANCE[dtype]:
+                        failures.append(f"thread {i} causal={causal} {name}: {err:.3e}")
+        except Exception as exc:  # reported below, with the thread that raised it
+            failures.append(f"thread {i}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------- plan cache
+
+
+BAD_AFTER_GOOD = [
+    (dict(softmax_scale=True), TypeError, "softmax_scale"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(causal=1.0), TypeError, "causal"),
+    (dict(window_size=(2.0, 0.0)), TypeError, "window_size"),
+    (dict(window_size=[2.0, 0]), TypeError, "window_size"),
+    (dict(return_lse=1), TypeError, "return_lse"),
+]
+
+
+@pytest.mark.parametrize("bad,error,match", BAD_AFTER_GOOD, ids=[str(b) for b, _, _ in BAD_AFTER_GOOD])
+def test_plan_cache_never_skips_a_check(bad, error, match):
+    """The same call gets the same answer whether the cache is warm or not."""
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    good = {"softmax_scale": 1.0, "causal": True, "window_size": (2, 0), "return_lse": True}
+    good = {name: good[name] for name in bad}
+    with pytest.raises(error, match=match):  # cold
+        aotattn.flash_attn_func(q, k, v, **bad)
+    aotattn.flash_attn_func(q, k, v, **good)  # warms the cache for this shape
+    aotattn.flash_attn_func(q, k, v, **good)
+    with pytest.raises(error, match=match):  # warm
+        aotattn.flash_attn_func(q, k, v, **bad)
+
+
+def test_plan_cache_sdpa_checks_flags():
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    aotattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    aotattn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with pytest.raises(TypeError, match="is_causal"):
+        aotattn.scaled_dot_product_attention(q, k, v, is_causal=1)
+    with pytest.raises(TypeError, match="enable_gqa"):
+        aotattn.scaled_dot_product_attention(q, k, v, enable_gqa=0)
+
+
+def test_plan_cache_list_window_is_served():
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    ops._PLANS.entries.clear()
+    a = aotattn.flash_attn_func(q, k, v, window_size=[2, 1])
+    b = aotattn.flash_attn_func(q, k, v, window_size=[2, 1])
+    assert torch.equal(a, b) and len(ops._PLANS.entries) == 1
+    assert_forward_matches(b, None, q, k, v, window_size=(2, 1))
+
+
+# --------------------------------------------------------------------- empty shapes
+
+EMPTY = {  # q (B, Sq, Hq, D), k (B, Sk, Hk, D)
+    "no heads": ((1, 4, 0, 8), (1, 5, 0, 8)),
+    "no batch": ((0, 4, 2, 8), (0, 5, 2, 8)),
+    "no queries": ((1, 0, 2, 8), (1, 5, 2, 8)),
+    "no keys": ((1, 4, 2, 8), (1, 0, 2, 8)),
+    "no keys gqa": ((2, 3, 4, 8), (2, 0, 1, 8)),
+}
+
+
+@pytest.mark.parametrize("backend", ["split", "fused"])
+@pytest.mark.parametrize("name", EMPTY)
+def test_empty_shapes(name, backend):
+    """Degenerate shapes give an empty result, or rows that see no key: 0 and +inf."""
+    qs, ks = EMPTY[name]
+    q = torch.randn(qs, requires_grad=True)
+    k, v = (torch.randn(ks, requires_grad=True) for _ in range(2))
+    out, lse = aotattn.flash_attn_func(q, k, v, return_lse=True, backend=backend)
+    assert out.shape == qs and lse.shape == (qs[0], qs[2], qs[1])
+    assert (out == 0).all() and (lse == float("inf")).all()
+    out.backward(torch.randn_like(out))
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and (t.grad == 0).all()
+    sdpa = aotattn.scaled_dot_product_attention(q.detach().transpose(1, 2), k.detach().transpose(1, 2),
+                                                v.detach().transpose(1, 2), enable_gqa=True)
+    assert sdpa.shape == (qs[0], qs[2], qs[1], qs[3]) and (sdpa == 0).all()
+
+
+def test_empty_heads_varlen():
+    q, k, v = (torch.randn(7, 0, 8) for _ in range(3))
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    out, lse = aotattn.flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, return_lse=True)
+    assert out.shape == (7, 0, 8) and lse.shape == (0, 7)
+
+
+# --------------------------------------------------------- the fused backward's NaN
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_fused_dq_finite_when_a_row_sees_one_key_with_a_very_negative_score(device, deterministic, request):
+    """Found on the H200 (fp16, window (0, -1) bottom-right, scale -0.1): the last row sees
+    exactly one key; when that score is very negative, p = exp(-lse) of the key block's
+    zero-filled tail overflowed fp16 in the key-major dQ product, and inf * 0 gave a NaN row."""
+    seed_from(request.node.name)
+    if device == "cpu":
+        batch, sq, sk, hq, hk, d, scale = 1, 16, 37, 2, 1, 16, -2.0
+    else:
+        batch, sq, sk, hq, hk, d, scale = 2, 2048, 3001, 8, 2, 128, -0.1
+    q, k, v = make_qkv(batch, sq, sk, hq, hk, d, d, torch.float16, device)
+    q, k, v = q * 1.5, k * 1.5, v * 1.5
+    # the last row's only key: aligned with its query so that scale * q.k is very negative
+    last_q = q[:, sq - 1, 0].float()
+    k[:, sk - 1, 0] = (last_q * (-40.0 / (scale * last_q.pow(2).sum(-1, keepdim=True)))).to(torch.float16)
+    for t in (q, k, v):
+        t.requires_grad_()
+    mask = dict(window_size=(0, -1), diagonal="bottom_right", softmax_scale=scale)
+    out, lse = aotattn.flash_attn_func(q, k, v, return_lse=True, backend="fused", deterministic=deterministic, **mask)
+    assert lse[:, 0, sq - 1].max() < -30, "the planted row must have a very negative log-sum-exp"
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qd, kd, vd = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
+    ref_grads = torch.autograd.grad(reference.attention(qd, kd, vd, **mask)[0], (qd, kd, vd), dout.double())
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert torch.isfinite(got).all(), f"{name} has non-finite values"
+        assert rel_err(got, want) < TOLERANCE[torch.float16], name
