@@ -10,7 +10,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,3 +223,20 @@ def test_fused_dq_finite_when_a_row_sees_one_key_with_a_very_negative_score(devi
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert torch.isfinite(got).all(), f"{name} has non-finite values"
         assert rel_err(got, want) < TOLERANCE[torch.float16], name
+
+
+# ------------------------------------------------------------------------ warnings
+
+
+def test_cpu_calls_pass_under_warnings_as_errors():
+    """A user's ``python -W error`` (or pytest's error filters) sees no interpreter warnings."""
+    code = ("import torch, aotattn\n"
+            "q = torch.randn(1, 40, 2, 16, requires_grad=True)\n"
+            "k = torch.randn(1, 37, 1, 16, requires_grad=True)\n"
+            "out = aotattn.flash_attn_func(q, k, k, causal=True, softmax_scale=-30.0)\n"
+            "out.sum().backward()\n"
+            "assert torch.isfinite(q.grad).all()\n"
+            "aotattn.rms_norm(torch.randn(3, 5))\n")
+    run = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3])))
+    assert run.returncode == 0, run.stderr[-2000:]
