@@ -100,7 +100,7 @@ def canonical_json(value: Any) -> str:
 
 def default_key(payload: dict[str, Any]) -> str:
     """The task key when the dispatcher gives none: a hash of the payload, so dispatching the
-    same payload twice in one category makes one task."""
+    same payload twice to one category and pool makes one task."""
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:32]
 
 
@@ -188,6 +188,7 @@ class Outcome:
     error: str | None = None
     permanent: bool = False
     elapsed_s: float = 0.0
+    worker_id: str | None = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.elapsed_s):

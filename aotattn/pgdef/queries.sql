@@ -28,11 +28,11 @@ SELECT to_regclass('pgdef_migration') IS NOT NULL AS present
 SELECT coalesce(max(version), 0) AS version FROM pgdef_migration
 
 -- name: dispatch
--- Inserts tasks from parallel arrays; a task whose (app, subcategory, task_key) exists is skipped.
+-- Inserts tasks from parallel arrays; a task whose (app, subcategory, pool, task_key) exists is skipped.
 INSERT INTO pgdef_task (app, subcategory, pool, task_key, priority, payload, max_attempts)
 SELECT * FROM unnest(%(apps)s::text[], %(subcategories)s::text[], %(pools)s::text[], %(keys)s::text[],
                      %(priorities)s::integer[], %(payloads)s::jsonb[], %(max_attempts)s::integer[])
-ON CONFLICT (app, subcategory, task_key) DO NOTHING
+ON CONFLICT (app, subcategory, pool, task_key) DO NOTHING
 RETURNING id
 
 -- name: claim
@@ -146,6 +146,13 @@ WITH released AS (
     SELECT id, 'released', %(owner)s, attempts FROM released
 )
 SELECT id FROM released
+
+-- name: open_count
+-- Tasks of these categories and pool that are queued or running: while any is, an idle
+-- worker that exits when idle keeps waiting (a running task may come back when its lease expires).
+SELECT count(*) AS n
+  FROM pgdef_task
+ WHERE state IN ('queued', 'running') AND pool = %(pool)s AND category = ANY(%(categories)s::text[])
 
 -- name: register_worker
 INSERT INTO pgdef_worker (id, host, pid, pool, categories, gpu, lease_s)
@@ -269,19 +276,24 @@ SELECT task_id, at, event, owner, attempt, detail
 
 -- name: create_batch
 -- Called in the checkout transaction after the claim, so now() is the claim's now().
-INSERT INTO pgdef_batch (id, pool, host, n_tasks, lease_expires_at)
-VALUES (%(batch_id)s, %(pool)s, %(host)s, %(n_tasks)s, now() + make_interval(secs => %(lease_s)s::float8))
+INSERT INTO pgdef_batch (id, pool, host, n_tasks, task_ids, lease_expires_at)
+VALUES (%(batch_id)s, %(pool)s, %(host)s, cardinality(%(task_ids)s::bigint[]), %(task_ids)s::bigint[],
+        now() + make_interval(secs => %(lease_s)s::float8))
 RETURNING lease_expires_at
 
 -- name: batch
-SELECT id, pool, host, n_tasks, lease_expires_at, checked_in_at, n_accepted,
+SELECT id, pool, host, n_tasks, task_ids, lease_expires_at, checked_in_at, n_accepted,
        lease_expires_at < now() AS expired
   FROM pgdef_batch
  WHERE id = %(batch_id)s
 
 -- name: batch_held
--- The batch's tasks that still run under its lease.
-SELECT id FROM pgdef_task WHERE state = 'running' AND lease_owner = %(owner)s ORDER BY id
+-- The batch's tasks that still run under its lease, as the claim returned them (a checkout
+-- whose reply was lost reads its tasks back with this).
+SELECT id, app, subcategory, pool, task_key, priority, payload, attempts, max_attempts, lease_expires_at
+  FROM pgdef_task
+ WHERE state = 'running' AND lease_owner = %(owner)s
+ ORDER BY id
 
 -- name: finish_batch
 UPDATE pgdef_batch
@@ -294,3 +306,6 @@ SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = %(name)s) AS present
 -- name: create_embedded_database
 -- The embedded server's one database (aotattn.pgdef.embedded.DATABASE).
 CREATE DATABASE pgdef
+
+-- name: now
+SELECT now() AS now

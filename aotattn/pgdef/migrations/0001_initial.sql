@@ -1,8 +1,8 @@
 -- pgdef schema, version 1. Applied once, in one transaction, by aotattn.pgdef.schema.migrate.
 -- Later changes are new files (0002_*.sql ...); a released file is never edited.
 
--- One row per task. A task is (app, subcategory, task_key): dispatching the same key again
--- inserts nothing. state moves queued -> running -> done | failed | cancelled; running means
+-- One row per task. A task is (app, subcategory, pool, task_key): dispatching the same key
+-- to the same category and pool again inserts nothing. state moves queued -> running -> done | failed | cancelled; running means
 -- that lease_owner (a worker id or "batch:<id>") holds a lease until lease_expires_at.
 CREATE TABLE pgdef_task (
     id               bigserial PRIMARY KEY,
@@ -24,7 +24,7 @@ CREATE TABLE pgdef_task (
     created_at       timestamptz NOT NULL DEFAULT now(),
     started_at       timestamptz,
     finished_at      timestamptz,
-    CONSTRAINT pgdef_task_key_unique UNIQUE (app, subcategory, task_key),
+    CONSTRAINT pgdef_task_key_unique UNIQUE (app, subcategory, pool, task_key),
     -- A lease exists exactly while the task runs.
     CONSTRAINT pgdef_task_lease_iff_running CHECK (
         (state = 'running') = (lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL))
@@ -76,6 +76,7 @@ CREATE TABLE pgdef_batch (
     pool             text NOT NULL,
     host             text NOT NULL,
     n_tasks          integer NOT NULL,
+    task_ids         bigint[] NOT NULL,
     lease_expires_at timestamptz NOT NULL,
     created_at       timestamptz NOT NULL DEFAULT now(),
     checked_in_at    timestamptz,
