@@ -72,7 +72,8 @@ class Batch:
         try:
             obj = json.loads(Path(path).read_text())
         except (OSError, ValueError) as exc:
-            raise BatchError(f"{path}: not a readable batch file ({exc})") from exc
+            raise BatchError(f"{path}: not a readable batch file ({exc}); expected a {BATCH_FORMAT} file "
+                             "from `aotattn pgdef checkout`") from exc
         if not isinstance(obj, dict) or obj.get("format") != BATCH_FORMAT:
             raise BatchError(f"{path}: expected a {BATCH_FORMAT} file from `aotattn pgdef checkout`")
         try:

@@ -222,6 +222,10 @@ class Worker:
         beat = Connector(self.dsn, f"pgdef-heartbeat:{self.id}", reconnect_timeout_s=self.config.lease_s,
                          stop=self._stop)
         try:
+            try:
+                beat.conn  # connect now, not at the first beat
+            except ConnectionLost as exc:
+                log.warning("heartbeat of %s cannot connect yet (%s)", self.id, exc)
             while not self._stop.wait(self.config.heartbeat_interval):
                 with self._held_lock:
                     held = sorted(self._held)

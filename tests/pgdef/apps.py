@@ -53,6 +53,7 @@ def junk(payload: dict[str, Any], ctx: TaskContext) -> Any:
 @app.task("cut")
 def cut(payload: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
     """Terminates this worker's own database sessions (claims and heartbeat) mid-task."""
+    time.sleep(payload.get("wait_s", 0))
     with psycopg.connect(payload["admin_dsn"], autocommit=True) as admin:
         killed = admin.execute(
             "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity "

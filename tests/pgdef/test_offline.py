@@ -1,0 +1,148 @@
+"""Offline batches: checkout, run with no database, idempotent checkin, expiry."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+
+from aotattn.pgdef import BatchError, ConfigError, run_offline
+from aotattn.pgdef.offline import Batch, read_results
+from tests.pgdef.conftest import count_results, run_workers
+
+APPS = ["tests.pgdef.apps"]
+
+
+def _dispatch(client, n, pool="sm_90"):
+    xs = random.Random().sample(range(-10**6, 10**6), n)
+    client.dispatch("testapp,square", pool, [{"x": x} for x in xs])
+    return xs
+
+
+def test_batch_checked_in_twice_gives_one_result_each(client, dsn, tmp_path):
+    xs = _dispatch(client, 20)
+    batch = client.checkout("sm_90", ["testapp,square"], tmp_path / "batch.json", limit=50, lease_s=600)
+    assert len(batch.tasks) == 20 and {t.attempt for t in batch.tasks} == {1}
+    assert {t.state for t in client.tasks()} == {"running"}
+    assert [b["id"] for b in client.status().batches] == [batch.id]
+    assert Batch.read(tmp_path / "batch.json") == batch
+
+    report = run_offline(tmp_path / "batch.json", tmp_path / "results.jsonl", APPS)
+    assert (report.ran, report.ok, report.skipped) == (20, 20, 0)
+    again = run_offline(tmp_path / "batch.json", tmp_path / "results.jsonl", APPS)  # resumes: nothing left
+    assert (again.ran, again.skipped) == (0, 20)
+
+    first = client.checkin([tmp_path / "results.jsonl"])
+    assert (first.accepted, first.already, first.released, first.first_checkin) == (20, 0, 0, True)
+    second = client.checkin([tmp_path / "results.jsonl"])
+    assert (second.accepted, second.already, second.first_checkin) == (0, 20, False)
+    results = client.results("testapp,square")
+    assert sorted(r.payload["x"] for r in results) == sorted(xs)
+    assert all(r.output["y"] == r.payload["x"] ** 2 for r in results)
+    assert set(count_results(dsn).values()) == {1} and len(count_results(dsn)) == 20
+    assert client.status().batches == []
+    assert not any(e["event"] == "late_result" for e in client.events([t.id for t in batch.tasks]))
+
+
+def test_batch_never_checked_in_returns_to_the_queue(client, dsn, tmp_path):
+    xs = _dispatch(client, 6)
+    batch = client.checkout("sm_90", ["testapp,square"], tmp_path / "b.json", lease_s=1.0)
+    run_offline(tmp_path / "b.json", tmp_path / "r.jsonl", APPS, shard=(0, 2))  # half of it, never checked in
+    time.sleep(1.2)
+    assert [b["expired"] for b in client.status().batches] == [True]
+    assert len(client.status().expired) == 6
+    (worker,) = run_workers(dsn, pool="sm_90")
+    assert worker.stats.requeued == 6
+    results = client.results("testapp,square")
+    assert sorted(r.payload["x"] for r in results) == sorted(xs)
+    assert {r.attempt for r in results} == {2} and {r.worker_id for r in results} == {worker.id}
+    # A late check-in of the expired batch adds nothing: every task has its result.
+    late = client.checkin([tmp_path / "r.jsonl"])
+    assert (late.accepted, late.already, late.released) == (0, 3, 0)
+    assert set(count_results(dsn).values()) == {1}
+    assert {e["event"] for e in client.events([t.id for t in batch.tasks])} == {"expired", "late_result"}
+
+
+def test_expired_batch_still_counts_for_tasks_nobody_finished(client, dsn, tmp_path):
+    _dispatch(client, 4)
+    client.checkout("sm_90", ["testapp,square"], tmp_path / "b.json", lease_s=0.5)
+    run_offline(tmp_path / "b.json", tmp_path / "r.jsonl", APPS)
+    time.sleep(0.7)
+    assert client.requeue_expired() == 4
+    report = client.checkin([tmp_path / "r.jsonl"])
+    assert report.accepted == 4
+    assert {t.state for t in client.tasks()} == {"done"}
+
+
+def test_partial_results_release_the_rest_and_errors_count(client, dsn, tmp_path):
+    xs = _dispatch(client, 6)
+    client.dispatch("testapp,boom", "sm_90", [{"msg": "offline"}], max_attempts=1)
+    client.dispatch("testapp,flaky", "sm_90", [{"fail_times": 1}], max_attempts=3)
+    batch = client.checkout("sm_90", ["testapp,square", "testapp,boom", "testapp,flaky"], tmp_path / "b.json")
+    assert len(batch.tasks) == 8
+    shard0 = run_offline(tmp_path / "b.json", tmp_path / "r0.jsonl", APPS, shard=(0, 2))
+    shard1 = run_offline(tmp_path / "b.json", tmp_path / "r1.jsonl", APPS, shard=(1, 2))
+    assert shard0.ran + shard1.ran == 8
+    # Keep the boom and flaky outcomes and two squares; lose the rest (as if the host died).
+    squares = sorted(t.id for t in batch.tasks if str(t.category) == "testapp,square")
+    kept_ids = {t.id for t in batch.tasks if str(t.category) != "testapp,square"} | set(squares[:2])
+    lines = [tmp_path.joinpath("r0.jsonl").read_text().splitlines()[0]]
+    for name in ("r0.jsonl", "r1.jsonl"):
+        lines += [ln for ln in tmp_path.joinpath(name).read_text().splitlines()[1:] if json.loads(ln)["task_id"] in kept_ids]
+    tmp_path.joinpath("kept.jsonl").write_text("\n".join(lines) + "\n")
+    report = client.checkin([tmp_path / "kept.jsonl"])
+    assert (report.accepted, report.errors, report.released) == (2, 2, 4)
+    boom = client.tasks("testapp,boom")[0]
+    assert boom.state == "failed" and "ValueError: boom: offline" in boom.error
+    flaky = client.tasks("testapp,flaky")[0]
+    assert flaky.state == "queued" and flaky.attempts == 1  # a failed attempt, retried later
+    released = [t for t in client.tasks("testapp,square") if t.state == "queued"]
+    assert len(released) == 4 and {t.attempts for t in released} == {0}
+    run_workers(dsn, pool="sm_90")
+    assert sorted(r.payload["x"] for r in client.results("testapp,square")) == sorted(xs)
+    assert client.results("testapp,flaky")[0].output == {"attempt": 2}
+
+
+def test_bad_files_are_refused(client, tmp_path):
+    _dispatch(client, 3)
+    client.checkout("sm_90", ["testapp,square"], tmp_path / "b.json")
+    run_offline(tmp_path / "b.json", tmp_path / "r.jsonl", APPS)
+    header, *lines = tmp_path.joinpath("r.jsonl").read_text().splitlines()
+
+    cut = tmp_path / "cut.jsonl"  # a crash mid-line: the cut line is ignored
+    cut.write_text("\n".join([header, *lines[:2], lines[2][:15]]))
+    assert [o.task_id for o in read_results(cut)[1]] == [json.loads(ln)["task_id"] for ln in lines[:2]]
+
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join([header, "{not json}", *lines]) + "\n")
+    with pytest.raises(BatchError, match="broken.jsonl:2"):
+        client.checkin([broken])
+    stranger = tmp_path / "stranger.jsonl"
+    stranger.write_text("\n".join([header.replace(json.loads(header)["batch_id"], "f" * 32), *lines]) + "\n")
+    with pytest.raises(BatchError, match="unknown to this database"):
+        client.checkin([stranger])
+    with pytest.raises(BatchError, match="belongs to batch"):
+        client.checkin([tmp_path / "r.jsonl", stranger])
+    forged = tmp_path / "forged.jsonl"
+    line = json.loads(lines[0])
+    forged.write_text("\n".join([header, json.dumps({**line, "task_id": 10**9})]) + "\n")
+    with pytest.raises(BatchError, match="not in batch"):
+        client.checkin([forged])
+    with pytest.raises(BatchError, match="pgdef-batch/1"):
+        run_offline(tmp_path / "r.jsonl", tmp_path / "x.jsonl", APPS)
+    with pytest.raises(BatchError, match="results of batch"):
+        other = tmp_path / "other.json"
+        other.write_text(tmp_path.joinpath("b.json").read_text().replace(json.loads(header)["batch_id"], "e" * 32))
+        run_offline(other, tmp_path / "r.jsonl", APPS)
+    with pytest.raises(ConfigError, match="no handler for categories testapp,square"):
+        run_offline(tmp_path / "b.json", tmp_path / "y.jsonl", ["aotattn.pgdef.toy"])
+    assert client.checkin([tmp_path / "r.jsonl"]).accepted == 3  # the good file still checks in
+
+
+def test_nothing_to_check_out(client, tmp_path):
+    assert client.checkout("sm_90", ["testapp,square"], tmp_path / "b.json") is None
+    assert not (tmp_path / "b.json").exists()
+    with pytest.raises(ConfigError):
+        client.checkout("sm_90", [], tmp_path / "b.json")
