@@ -1,0 +1,261 @@
+"""Candidate configurations: a table's declared tuning space, pruned before compiling.
+
+The space a family declares (``tuning_space`` in its rules) is a product of knobs; for a
+flash kernel 4 x 4 x 4 x 4 = 256 configurations, most of which cannot run well or at
+all for a given functional. Pruning is a pure function of the configuration, the
+functional, the kernel's *footprint* and the target:
+
+* **shared memory**: the tiles the kernel keeps in shared memory, those reloaded every
+  loop iteration multiplied by the pipeline depth, must fit the target's per-block
+  limit (227 KB on sm_90). The estimate follows what Triton 3.6 allocates, measured on
+  compiled sm_90 kernels (docs/tuner.md): with warp-group MMAs (Hopper, the MMA's M
+  dimension at least 64 and warps a multiple of 4) a loaded tile is buffered
+  ``num_stages`` deep, otherwise ``max(num_stages - 1, 1)`` deep. It is only an
+  estimate: the build reports the exact figure, and the worker drops a compiled
+  candidate whose image needs more than the target has.
+* **registers**: fp32 accumulators alive across the loop, per thread, must not exceed
+  the 255 registers a thread can have; beyond that they spill to local memory.
+* **work per warp**: each warp needs at least one 16 x 8 MMA tile of the loop's
+  ``rows x columns`` block (fp32's FMA dots: one element per thread); more warps than
+  that only wait.
+
+The configuration the database holds today for a cell is always kept (the tuner must
+be able to say "keep it").
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aotattn.spec import Config, Functional
+
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
+MAX_REGISTERS = 255
+
+
+@dataclass(frozen=True)
+class Target:
+    """What bounds a configuration on one architecture.
+
+    Attributes:
+        shared_bytes: shared memory (LDS) one block may use, opt-in maximum.
+        warp_size: threads per warp (wavefront).
+        warpgroup_mma: Hopper's warp-group MMA (tiles buffered ``num_stages`` deep).
+        registers: 32-bit registers one thread may use.
+    """
+
+    shared_bytes: int
+    warp_size: int = 32
+    warpgroup_mma: bool = False
+    registers: int = MAX_REGISTERS
+
+
+# Per-block opt-in shared memory (CUDA programming guide, compute capabilities table;
+# AMD: LDS per workgroup) and warp sizes as the build's targets use them.
+TARGETS: dict[str, Target] = {
+    "sm_80": Target(163 * 1024),
+    "sm_86": Target(99 * 1024),
+    "sm_89": Target(99 * 1024),
+    "sm_90": Target(227 * 1024, warpgroup_mma=True),
+    "gfx90a": Target(64 * 1024, warp_size=64, registers=512),
+    "gfx942": Target(64 * 1024, warp_size=64, registers=512),
+    "gfx950": Target(160 * 1024, warp_size=64, registers=512),
+    "gfx1100": Target(64 * 1024, warp_size=32, registers=256),
+}
+
+
+def target(arch: str) -> Target:
+    if arch not in TARGETS:
+        raise ValueError(f"arch: expected one of {', '.join(TARGETS)}, got {arch!r}")
+    return TARGETS[arch]
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A 2-D tile; ``rows``/``cols`` name a knob or axis (``BLOCK_M``) or are numbers.
+
+    ``element``: ``"input"`` (the functional's dtype) or a dtype name (``"fp32"``).
+    ``when``: an axis that must be truthy in the functional for the tile to exist
+    (``BIAS``).
+    """
+
+    rows: str | int
+    cols: str | int
+    element: str = "input"
+    when: str | None = None
+
+    def elements(self, values: Mapping[str, Any]) -> int:
+        size = 1
+        for dim in (self.rows, self.cols):
+            size *= dim if isinstance(dim, int) else int(values[dim])
+        return size
+
+    def present(self, values: Mapping[str, Any]) -> bool:
+        return self.when is None or bool(values.get(self.when))
+
+    def bytes(self, values: Mapping[str, Any]) -> int:
+        element = values["dtype"] if self.element == "input" else self.element
+        return self.elements(values) * ELEMENT_BYTES[element]
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one program of a kernel holds: the basis of the estimates.
+
+    Attributes:
+        resident: tiles loaded once into shared memory.
+        pipelined: tiles loaded every loop iteration (buffered by the pipeline).
+        accumulators: fp32 tiles alive in registers across the loop.
+        mma_rows, mma_cols: the knobs giving the loop's MMA block (M and N of its dots);
+            ``mma_rows`` is also how many times each streamed tile is reused.
+        pads: (knob, tuning key): the knob's block tiles that size (``BLOCK_M`` tiles
+            ``seqlen_q``), so a block longer than the size computes padding.
+        tensor_cores: whether the functional's dots run on tensor cores (fp16/bf16).
+    """
+
+    resident: tuple[Tile, ...] = ()
+    pipelined: tuple[Tile, ...] = ()
+    accumulators: tuple[Tile, ...] = ()
+    mma_rows: str = "BLOCK_M"
+    mma_cols: str = "BLOCK_N"
+    pads: tuple[tuple[str, str], ...] = ()
+    tensor_cores: Callable[[Mapping[str, Any]], bool] = field(
+        default=lambda values: values.get("dtype") in ("fp16", "bf16"), compare=False)
+
+
+def _values(functional: Functional, config: Config) -> dict[str, Any]:
+    return {**functional.as_dict(), **config.as_dict()}
+
+
+def pipeline_depth(footprint: Footprint, values: Mapping[str, Any], tgt: Target) -> int:
+    stages = int(values.get("num_stages", 1))
+    if not footprint.tensor_cores(values):
+        return stages  # fp32 (FMA dots): measured num_stages deep
+    warpgroup = (tgt.warpgroup_mma and int(values[footprint.mma_rows]) >= 64
+                 and int(values.get("num_warps", 4)) % 4 == 0)
+    return stages if warpgroup else max(stages - 1, 1)
+
+
+def shared_bytes(footprint: Footprint, functional: Functional, config: Config, tgt: Target) -> int:
+    """Estimated shared memory of one program (bytes)."""
+    values = _values(functional, config)
+    resident = sum(t.bytes(values) for t in footprint.resident if t.present(values))
+    pipelined = sum(t.bytes(values) for t in footprint.pipelined if t.present(values))
+    return resident + pipeline_depth(footprint, values, tgt) * pipelined
+
+
+def accumulator_registers(footprint: Footprint, functional: Functional, config: Config, tgt: Target) -> float:
+    """fp32 accumulator registers per thread (elements of the accumulator tiles / threads)."""
+    values = _values(functional, config)
+    threads = int(values.get("num_warps", 4)) * tgt.warp_size
+    return sum(t.elements(values) for t in footprint.accumulators if t.present(values)) / threads
+
+
+def why_pruned(footprint: Footprint, functional: Functional, config: Config, tgt: Target) -> str | None:
+    """The reason this configuration is not worth compiling, or None when it is a candidate."""
+    values = _values(functional, config)
+    smem = shared_bytes(footprint, functional, config, tgt)
+    if smem > tgt.shared_bytes:
+        return f"shared memory ~{smem} B > {tgt.shared_bytes} B"
+    regs = accumulator_registers(footprint, functional, config, tgt)
+    if regs > tgt.registers:
+        return f"accumulators ~{regs:.0f} registers/thread > {tgt.registers}"
+    warps = int(values.get("num_warps", 4))
+    if footprint.mma_rows in values and footprint.mma_cols in values:
+        block = int(values[footprint.mma_rows]) * int(values[footprint.mma_cols])
+        # a 16 x 8 MMA tile per warp; FMA dots (fp32) need one element per thread
+        if block < (16 * 8 if footprint.tensor_cores(values) else tgt.warp_size) * warps:
+            return f"{values[footprint.mma_rows]}x{values[footprint.mma_cols]} block too small for {warps} warps"
+    return None
+
+
+# The arithmetic intensity (flops per byte streamed, = the MMA rows a streamed tile is
+# reused by) where an H200 stops being bandwidth-bound: ~990 TFLOP/s of bf16 MMAs over
+# ~4.8 TB/s of HBM is ~200; L2 hits (every program of a head streams the same tiles)
+# lower it. Only a ranking uses it.
+BALANCE = 128
+
+
+def score(footprint: Footprint, functional: Functional, config: Config, tgt: Target,
+          sizes: Mapping[str, int]) -> float:
+    """A rough speed model (higher is faster), only used to rank fitting configurations.
+
+    The product of: the MMA's efficiency (warp-group MMAs on Hopper, full; the older MMA,
+    half); how far the streamed tiles' reuse (``mma_rows``) is from the bandwidth balance
+    point; the per-iteration overhead of the loop (softmax rescaling, address updates,
+    barriers: ``cols / (cols + 16)``); the fraction of each block that is not padding at
+    these sizes; the pipelining (one stage: loads never overlap math, 0.8; two: 0.95);
+    and register pressure (over 128 accumulator registers a thread: 0.9).
+    """
+    values = _values(functional, config)
+    rows, cols = int(values[footprint.mma_rows]), int(values[footprint.mma_cols])
+    warpgroup = pipeline_depth(footprint, {**values, "num_stages": 2}, tgt) == 2
+    mma = 1.0 if warpgroup or not tgt.warpgroup_mma else 0.5
+    reuse = min(1.0, rows / BALANCE) ** 0.5
+    loop = cols / (cols + 16)
+    useful = 1.0
+    for knob, key in footprint.pads:
+        if knob in values and key in sizes:
+            block, size = int(values[knob]), int(sizes[key])
+            useful *= size / (-(-size // block) * block)
+    stages = int(values.get("num_stages", 2))
+    pipelined = 0.8 if stages == 1 else 0.95 if stages == 2 else 1.0
+    pressure = 0.9 if accumulator_registers(footprint, functional, config, tgt) > 128 else 1.0
+    return mma * reuse * loop * useful * pipelined * pressure
+
+
+def space(spec: Any) -> list[Config]:
+    """Every configuration of the declared tuning space, in declaration order."""
+    names = [name for name, _ in spec.tuning_space]
+    return [Config.of(dict(zip(names, values))) for values in itertools.product(*(c for _, c in spec.tuning_space))]
+
+
+def candidates(spec: Any, functional: Functional, arch: str, footprint: Footprint | None,
+               keep: Iterable[Config] = (), sizes: Mapping[str, int] | None = None,
+               limit: int | None = None) -> tuple[list[Config], dict[Config, str]]:
+    """(candidates, pruned -> reason) for one functional of one table on ``arch``.
+
+    Configurations that cannot fit are pruned (:func:`why_pruned`); of the rest, with a
+    ``limit``, the ``limit`` best by :func:`score` at ``sizes`` are kept (ties in
+    declaration order). ``keep``: configurations kept whatever the estimates say (the
+    database's current choices), in addition to the limit. Without a footprint (an
+    operator table: its choices are not kernels) nothing is pruned.
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit: expected at least 1 or None, got {limit}")
+    tgt = target(arch)
+    keep = list(keep)
+    fitting, pruned = [], {}
+    for config in space(spec):
+        reason = None if footprint is None else why_pruned(footprint, functional, config, tgt)
+        if reason is None:
+            fitting.append(config)
+        elif config not in keep:
+            pruned[config] = reason
+    if limit is not None and footprint is not None and len(fitting) > limit:
+        ranked = sorted(fitting, key=lambda c: -score(footprint, functional, c, tgt, sizes or {}))
+        for config in ranked[limit:]:
+            pruned[config] = f"ranked below the best {limit} by the speed model"
+        chosen = set(ranked[:limit])
+        fitting = [c for c in fitting if c in chosen]
+    kept = fitting + [c for c in keep if c not in fitting]
+    for config in keep:
+        pruned.pop(config, None)
+    return kept, pruned
+
+
+def config_name(config: Config) -> str:
+    """A name spelling the values: ``m128_n64_w8_s3``, ``split`` (an operator choice)."""
+    values = config.as_dict()
+    short = {"BLOCK_M": "m", "BLOCK_N": "n", "num_warps": "w", "num_stages": "s", "BLOCK": "b"}
+    if len(values) == 1 and isinstance(next(iter(values.values())), str):
+        return str(next(iter(values.values())))
+    return "_".join(f"{short.get(k, k.lower())}{v}" for k, v in _ordered(values))
+
+
+def _ordered(values: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    order = ("BLOCK", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+    return sorted(values.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0]))

@@ -1,0 +1,200 @@
+"""Tuning results -> ``.dbpatch`` layers of the tuning database.
+
+Each (architecture, table) gets one patch, ``<table>.<NNNN>-tuned.dbpatch``, written with
+the tuning package's writer and checked by applying it (with every other patch) before
+it replaces the old file. Its header says what made it (tuner version, GPU, dates, the
+number of cells); each tuned cell has a comment line with the winner's measured time,
+error and the current choice it replaced. Exporting again merges: the cells of the new
+results replace the same cells in the existing patch; the patch's other cells stay.
+
+A result whose task found no eligible candidate changes nothing (its comment says so).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aotattn.spec import Config, Functional
+from aotattn.tune.candidates import config_name
+from aotattn.tune.runner import RESULT_FORMAT, TUNER_VERSION
+from aotattn.tune.tasks import Task, table_spec
+from aotattn.tune.timing import CLOCK_CUDA
+from aotattn.tuning import Database, Patch, TuningError, parse_patch, write_patch
+from aotattn.tuning.format import Edit, format_functional
+
+PATCH_WHAT = "tuned"
+_CELL_PREFIX = "# cell "
+_HEADER_PREFIX = "# Tuned by aotattn tune"
+
+
+@dataclass
+class TableExport:
+    """What one export did to one table's patch."""
+
+    arch: str
+    table: str
+    path: Path
+    cells: int = 0  # cells the new results set
+    kept: int = 0  # cells of the old patch kept
+    unchanged: int = 0  # results whose winner is the current choice (written all the same)
+    empty: list[str] = field(default_factory=list)  # tasks without an eligible candidate
+
+
+def latest(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One result per task (the newest by date), each checked to be a tuner result."""
+    newest: dict[str, dict[str, Any]] = {}
+    for result in results:
+        if not isinstance(result, Mapping) or result.get("format") != RESULT_FORMAT:
+            raise ValueError(f"expected tuner results ({RESULT_FORMAT}), got {str(result)[:120]!r}")
+        task = Task.from_json(result["task"])
+        if result.get("id") != task.id:
+            raise ValueError(f"result id {result.get('id')} does not match its task ({task.id}: {task.describe()})")
+        kept = newest.get(task.id)
+        if kept is None or str(result.get("date", "")) >= str(kept.get("date", "")):
+            newest[task.id] = dict(result)
+    return list(newest.values())
+
+
+def _cell_label(spec: Any, functional: Functional, cell: tuple[int, ...]) -> str:
+    keys = " ".join(f"{name}={value}" for (name, _), value in zip(spec.tuning_keys, cell)) or "*"
+    return f"{format_functional(spec, functional)} {keys}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.4f} ms"
+
+
+def _comment(spec: Any, result: Mapping[str, Any]) -> str:
+    task = Task.from_json(result["task"])
+    label = _cell_label(spec, task.functional, task.cell)
+    by_name = {c["name"]: c for c in result["candidates"]}
+    winner = result.get("winner")
+    if winner is None:
+        return f"{_CELL_PREFIX}{label}: no eligible candidate of {len(by_name)} (kept {result.get('current')})"
+    w = by_name[winner]
+    text = f"{_CELL_PREFIX}{label}: {winner} {_ms(w.get('median_ms'))}, error {w['error']:.2e}"
+    current = by_name.get(result.get("current") or "")
+    if current is not None and current["name"] != winner and current.get("median_ms"):
+        text += f"; was {current['name']} {_ms(current['median_ms'])} ({current['median_ms'] / w['median_ms']:.2f}x)"
+    elif current is not None and current["name"] == winner:
+        text += " (the current choice)"
+    return text + f"; {result['shape']}, {result['device']}, {result['date'][:10]}"
+
+
+def _patch_path(db: Database, arch: str, table: str) -> Path:
+    existing = [p for p in db.patch_paths(arch, table) if p.name.endswith(f"-{PATCH_WHAT}.dbpatch")]
+    if existing:
+        return existing[-1]
+    numbers = [int(re.match(r".*\.(\d{4})-", p.name).group(1)) for p in db.patch_paths(arch, table)]
+    return db.arch_dir(arch) / f"{table}.{max(numbers, default=0) + 1:04d}-{PATCH_WHAT}.dbpatch"
+
+
+def build_patch(spec: Any, results: list[Mapping[str, Any]], old: Patch | None) -> tuple[Patch, int]:
+    """The merged patch for one table: the new results' cells, then the old patch's other
+    cells. Returns (patch, old cells kept)."""
+    new_cells: dict[tuple[Functional, tuple[int, ...]], tuple[str, Config, str]] = {}
+    comments: dict[str, str] = {}
+    for result in sorted(results, key=lambda r: Task.from_json(r["task"]).describe()):
+        task = Task.from_json(result["task"])
+        label = _cell_label(spec, task.functional, task.cell)
+        comments[label] = _comment(spec, result)
+        if result.get("winner") is not None:
+            config = Config.of(result["winner_config"])
+            new_cells[(task.functional, task.cell)] = (config_name(config), config, label)
+    patch = Patch(spec.qualname)
+    kept = 0
+    if old is not None:
+        for line in old.comments:
+            if line.startswith(_CELL_PREFIX):
+                label = _label_of_comment(line)
+                comments.setdefault(label, line)
+        for edit in old.edits:
+            cell = tuple(chosen[0] for chosen in edit.selection)
+            if any(len(chosen) != 1 for chosen in edit.selection):
+                raise TuningError(f"{spec.qualname}: the tuner's patch holds a range edit at line {edit.line}; "
+                                  "it writes single cells only (edit another patch instead)")
+            if (edit.functional, cell) not in new_cells:
+                new_cells[(edit.functional, cell)] = (edit.config, old.configs[edit.config], "")
+                kept += 1
+    order = {f: i for i, f in enumerate(spec.enumerate_functionals())}
+    for (functional, cell), (name, config, _) in sorted(new_cells.items(), key=lambda kv: (order.get(kv[0][0], -1),
+                                                                                           kv[0][1])):
+        patch.configs.setdefault(name, config)
+        patch.edits.append(Edit(functional, tuple((value,) for value in cell), name, 0))
+    patch.configs = dict(sorted(patch.configs.items()))
+    patch.comments = [comments[label] for label in sorted(comments)]
+    return patch, kept
+
+
+def _label_of_comment(line: str) -> str:
+    """The ``[functional] seqlen_q=.. seqlen_k=..`` label of one of our cell comments."""
+    body = line[len(_CELL_PREFIX):]
+    close = body.index("]")
+    rest = body[close + 1:].split(":", 1)[0]
+    return body[:close + 1] + rest
+
+
+def _header(results: list[Mapping[str, Any]], cells: int) -> list[str]:
+    devices = sorted({r["device"] for r in results})
+    dates = sorted(r["date"][:10] for r in results)
+    versions = sorted({f"aotattn {r['versions'].get('aotattn')}, triton {r['versions'].get('triton')}" for r in results})
+    return [f"{_HEADER_PREFIX} {TUNER_VERSION} (docs/tuner.md) on {', '.join(devices)}, "
+            f"{dates[0]}..{dates[-1]} ({', '.join(versions)}): {cells} cells.",
+            "# Each cell: the winner, its median time at the timed shape and its relative error against the "
+            "float64 reference; the choice it replaced."]
+
+
+def export(results: Iterable[Mapping[str, Any]], db: Database, *, dry_run: bool = False,
+           allow_cpu_clock: bool = False) -> list[TableExport]:
+    """Write (or with ``dry_run`` only compute) the patches for ``results``; returns what each table got.
+
+    Results timed with the CPU clock (the interpreter) are refused unless
+    ``allow_cpu_clock`` (tests): their times say nothing about a GPU.
+    """
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for result in latest(results):
+        if result.get("clock") != CLOCK_CUDA and not allow_cpu_clock:
+            raise ValueError(f"result {result['id']} was timed with {result.get('clock')!r}, not CUDA events: "
+                             "its times mean nothing for a GPU (interpreter run?); export GPU results only")
+        task = Task.from_json(result["task"])
+        groups.setdefault((task.arch, task.table), []).append(result)
+    done = []
+    for (arch, table), group in sorted(groups.items()):
+        spec = table_spec(table)
+        path = _patch_path(db, arch, table)
+        old = parse_patch(spec, path.read_text(), str(path)) if path.is_file() else None
+        patch, kept = build_patch(spec, group, old)
+        old_header = [c for c in (old.comments if old else []) if not c.startswith(_CELL_PREFIX)
+                      and not c.startswith(_HEADER_PREFIX) and not c.startswith("# Each cell:")]
+        patch.comments = _header(group, len(patch.edits)) + old_header + patch.comments
+        text = write_patch(spec, patch)
+        report = TableExport(arch, table, path, cells=sum(r.get("winner") is not None for r in group), kept=kept,
+                             unchanged=sum(r.get("winner") is not None and r.get("winner") == r.get("current")
+                                           for r in group),
+                             empty=[Task.from_json(r["task"]).describe() for r in group if r.get("winner") is None])
+        _check(db, arch, table, path, text)
+        if not dry_run:
+            tmp = path.with_suffix(".dbpatch.tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+        done.append(report)
+    return done
+
+
+def _check(db: Database, arch: str, table: str, path: Path, text: str) -> None:
+    """The database resolves with the new patch in place (every other patch included)."""
+    spec = table_spec(table)
+    patch = parse_patch(spec, text, str(path))
+    if write_patch(spec, patch) != text:
+        raise TuningError("the exported patch does not round-trip through the tuning format", str(path))
+    from aotattn.tuning.format import apply_patch
+
+    base = Database(db.root, db.specs)
+    table_now = base.effective(arch, table, patches=len([p for p in base.patch_paths(arch, table) if p != path
+                                                         and p.name < path.name]))
+    apply_patch(table_now, patch, str(path))

@@ -1,0 +1,331 @@
+"""The tuner's harness of the flash-attention family: problems, runs and references.
+
+For each tunable table it knows how to build a problem of a given size that exercises a
+functional, run one candidate configuration on it (through the same launch plans and
+launcher the operators use: from images on a GPU, in the interpreter on CPU tensors),
+and compare the outputs with the float64 reference (:mod:`aotattn.families.flash.reference`).
+
+Tables: the forward kernel, the three backward kernels (dK/dV, dQ, fused) and the
+backward operator (``flash.backward``: the backend, timed as the whole backward pass).
+Functionals with dropout, an additive bias or varlen are not tuned yet (their tables
+keep their hand-picked blocks); ``supports`` says which are.
+
+This module is the family-specific part of the tuner; everything else in
+:mod:`aotattn.tune` knows no family by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from aotattn.families.flash import planning, reference, rules
+from aotattn.families.flash.checks import check_flash
+from aotattn.runtime import launch
+from aotattn.runtime.images import entry_key
+from aotattn.spec import Config, Functional
+from aotattn.tune.candidates import Footprint, Tile
+
+MASK_KWARGS = {rules.MASK_NONE: {}, rules.MASK_TOP_LEFT: {"causal": True, "diagonal": "top_left"},
+               rules.MASK_BOTTOM_RIGHT: {"causal": True}}
+
+# What one program keeps (docs/tuner.md, "Pruning"): checked against compiled sm_90
+# kernels' shared memory in tests/tune/test_candidates.py.
+_Q, _K, _V = Tile("BLOCK_M", "BLOCK_D"), Tile("BLOCK_N", "BLOCK_D"), Tile("BLOCK_N", "BLOCK_DV")
+_DO = Tile("BLOCK_M", "BLOCK_DV")
+_BIAS = Tile("BLOCK_M", "BLOCK_N", when="BIAS")
+_ROWS = (Tile("BLOCK_M", 1, "fp32"), Tile("BLOCK_M", 1, "fp32"))  # lse and delta of the query rows
+_SCORES = (Tile("BLOCK_M", "BLOCK_N", "fp32"),)
+_PADS = (("BLOCK_M", "seqlen_q"), ("BLOCK_N", "seqlen_k"))
+FOOTPRINTS: dict[str, Footprint] = {
+    "attn_fwd": Footprint(resident=(_Q,), pipelined=(_K, _V, _BIAS),
+                          accumulators=(Tile("BLOCK_M", "BLOCK_DV", "fp32"), *_SCORES), pads=_PADS),
+    "attn_bwd_dq": Footprint(resident=(_Q, _DO), pipelined=(_K, _V, _BIAS),
+                             accumulators=(Tile("BLOCK_M", "BLOCK_D", "fp32"), *_SCORES, *_SCORES), pads=_PADS),
+    "attn_bwd_dkdv": Footprint(resident=(_K, _V), pipelined=(_Q, _DO, *_ROWS, _BIAS),
+                               accumulators=(Tile("BLOCK_N", "BLOCK_D", "fp32"), Tile("BLOCK_N", "BLOCK_DV", "fp32"),
+                                             *_SCORES, *_SCORES),
+                               mma_rows="BLOCK_N", mma_cols="BLOCK_M", pads=_PADS),
+    "attn_bwd_fused": Footprint(resident=(_K, _V), pipelined=(_Q, _DO, *_ROWS, _BIAS),
+                                accumulators=(Tile("BLOCK_N", "BLOCK_D", "fp32"),
+                                              Tile("BLOCK_N", "BLOCK_DV", "fp32"),
+                                              Tile("BLOCK_M", "BLOCK_D", "fp32"), *_SCORES, *_SCORES),
+                                mma_rows="BLOCK_N", mma_cols="BLOCK_M", pads=_PADS),
+}
+TABLES = ("flash.attn_fwd", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq", "flash.attn_bwd_fused", "flash.backward")
+_TORCH_DTYPES = {name: dtype for dtype, name in rules.DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One attention problem: ``q (batch, seqlen_q, heads, head_dim)``, k and v alike."""
+
+    batch: int
+    heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+
+    def __str__(self) -> str:
+        return f"B{self.batch} H{self.heads} Sq{self.seqlen_q} Sk{self.seqlen_k} D{self.head_dim}"
+
+
+def supports(table: str, functional: Functional) -> bool:
+    """Whether this harness can build problems for the functional (dense, no dropout, no bias)."""
+    f = functional.as_dict()
+    return table in TABLES and not f.get("VARLEN") and not f.get("DROPOUT") and not f.get("BIAS")
+
+
+def footprint(table: str) -> Footprint | None:
+    return FOOTPRINTS.get(table.split(".", 1)[1])
+
+
+def image_key(table: str, functional: Functional, config: Config) -> str:
+    """The key of the candidate's kernel in its image archive."""
+    spec = rules.KERNELS[table.split(".", 1)[1]]
+    return entry_key(functional.as_dict(), config.as_dict(), spec.variant(functional))
+
+
+def flops(table: str, shape: Shape, functional: Functional) -> float:
+    """Standard count: forward 4*B*H*Sq*Sk*D (halved when causal), backward 2.5x."""
+    fwd = 4.0 * shape.batch * shape.heads * shape.seqlen_q * shape.seqlen_k * shape.head_dim
+    fwd /= 2 if functional["MASK"] != rules.MASK_NONE else 1
+    return fwd if table == "flash.attn_fwd" else 2.5 * fwd
+
+
+def _previous(buckets: tuple[int, ...], bucket: int) -> int:
+    i = buckets.index(bucket)
+    return buckets[i - 1] if i > 0 else 0
+
+
+def _irregular(bucket: int, lower: int, step: int) -> int:
+    """A length in (lower, bucket], ``step`` below the bucket where it can be."""
+    return max(lower + 1, bucket - step)
+
+
+def head_dims(functional: Functional) -> tuple[int, int]:
+    """Head dims exercising the functional: the bucket when unpadded, two odd ones when padded."""
+    bucket = functional["BLOCK_D"]
+    if not functional.as_dict().get("PAD_HEAD", False):
+        return bucket, bucket
+    lower = _previous(rules.HEAD_DIM_BUCKETS, bucket)
+    return _irregular(bucket, lower, 7), _irregular(bucket, lower, bucket // 2 - 1)
+
+
+def timing_shape(functional: Functional, cell: tuple[int, ...], tokens: int = 2**17,
+                 memory_bytes: int = 8 << 30) -> Shape:
+    """The problem timed for a cell: ``batch x heads x seqlen_q ~ tokens`` (fills the GPU).
+
+    Heads as in a model of hidden size 2048 (``2048 / D``, as the benchmarks), batch
+    the rest; capped so q, k, v and their gradients fit ``memory_bytes``.
+    """
+    seqlen_q = cell[0]
+    seqlen_k = cell[1] if len(cell) > 1 else seqlen_q
+    head_dim = head_dims(functional)[0]
+    rows = max(1, tokens // seqlen_q)  # batch x heads
+    element = 4 if functional["dtype"] == "fp32" else 2
+    per_row = element * 2 * (2 * seqlen_q + 2 * seqlen_k) * head_dim  # q, o, k, v and their gradients
+    rows = max(1, min(rows, memory_bytes // per_row))
+    heads = max(1, min(rows, 2048 // functional["BLOCK_D"]))
+    return Shape(max(1, rows // heads), heads, seqlen_q, seqlen_k, head_dim)
+
+
+def accuracy_shapes(functional: Functional, cell: tuple[int, ...], batch: int = 3, heads: int = 5) -> list[Shape]:
+    """Batch 3 x 5 heads: the cell's own lengths, then irregular lengths (and head dims) near it."""
+    seqlen_q = cell[0]
+    seqlen_k = cell[1] if len(cell) > 1 else seqlen_q
+    low_q = _previous(rules.SEQLEN_BUCKETS, seqlen_q)
+    low_k = _previous(rules.SEQLEN_BUCKETS, seqlen_k)
+    d1, d2 = head_dims(functional)
+    return [Shape(batch, heads, seqlen_q, seqlen_k, d1),
+            Shape(batch, heads, _irregular(seqlen_q, low_q, 3), _irregular(seqlen_k, low_k, 5), d2)]
+
+
+# ----------------------------------------------------------------------------- problems
+
+
+class Problem:
+    """Tensors of one shape for one task, refilled with fresh random values on demand.
+
+    ``run(config)`` launches the table's work with that configuration (the other kernels
+    of the pass use the database's, as a user call would) and returns its outputs.
+    """
+
+    def __init__(self, table: str, functional: Functional, shape: Shape, device: torch.device,
+                 generator: torch.Generator | None = None):
+        if not supports(table, functional):
+            raise ValueError(f"the flash harness cannot build {table} [{functional}] (dropout, bias and varlen "
+                             "functionals are not tuned yet)")
+        self.table, self.kernel = table, table.split(".", 1)[1]
+        self.functional, self.shape, self.device = functional, shape, torch.device(device)
+        self.generator = generator
+        f = functional.as_dict()
+        dtype = _TORCH_DTYPES[f["dtype"]]
+        b, h, sq, sk, d = shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k, shape.head_dim
+        self.q = torch.empty(b, sq, h, d, dtype=dtype, device=self.device)
+        self.k = torch.empty(b, sk, h, d, dtype=dtype, device=self.device)
+        self.v = torch.empty(b, sk, h, d, dtype=dtype, device=self.device)
+        self.dout = torch.empty(b, sq, h, d, dtype=dtype, device=self.device)
+        p = check_flash(self.q, self.k, self.v, dropout_p=0.0, softmax_scale=None, window_size=(-1, -1),
+                        **{"causal": False, "diagonal": "bottom_right", **MASK_KWARGS[f["MASK"]]})
+        self.call = planning.Call(p)
+        self._check_functional()
+        self.out = torch.empty_like(self.dout)
+        self.lse = torch.empty(b, h, sq, dtype=torch.float32, device=self.device)
+        self.delta = torch.empty_like(self.lse)
+        self.dq = torch.empty(self.q.shape, dtype=self._dq_dtype(), device=self.device)
+        self.dk, self.dv = torch.empty_like(self.k), torch.empty_like(self.v)
+        self.refill()
+
+    def _backward_choice(self) -> tuple[str, bool]:
+        f = self.functional.as_dict()
+        if self.kernel == "attn_bwd_fused":
+            return "fused", not f["ATOMIC_DQ"]
+        if self.kernel == "backward":
+            return "", bool(f["DETERMINISTIC"])
+        return "split", False
+
+    def _dq_dtype(self) -> torch.dtype:
+        backend, deterministic = self._backward_choice()
+        return torch.float32 if backend == "fused" and not deterministic else self.q.dtype
+
+    def _check_functional(self) -> None:
+        """The problem must select exactly the task's functional (else it times another kernel)."""
+        if not self.call.tiles_aligned(self.q, self.k, self.v):
+            raise ValueError(f"{self.shape}: tensors not 16-byte aligned, the aligned variant cannot run")
+        got = self.call.functional(backward=self.kernel != "attn_fwd")
+        want = self.functional.as_dict()
+        if self.kernel == "backward":
+            got = {"dtype": got["dtype"], "BLOCK_D": got["BLOCK_D"], "MASK": got["MASK"],
+                   "DETERMINISTIC": want["DETERMINISTIC"]}
+        elif self.kernel == "attn_bwd_fused":
+            got["ATOMIC_DQ"] = want["ATOMIC_DQ"]
+        if got != want:
+            raise ValueError(f"{self.shape} selects functional {got}, not the task's {want}")
+
+    # ------------------------------------------------------------------ inputs
+    def refill(self) -> None:
+        """Fresh random q, k, v, dO; then the forward's out and lse and the preprocess's
+        delta the backward kernels read (with the database's configurations)."""
+        for t in (self.q, self.k, self.v, self.dout):
+            t.normal_(generator=self.generator)
+        if self.kernel != "attn_fwd":
+            # into the same lse: the launch plans made by runner() keep its pointer
+            launch(planning.forward_plan(self.call, self.q, self.k, self.v, self.out, self.lse))
+            if self.kernel != "backward":
+                launch(self._plans(None)[0])  # delta
+        if self._dq_dtype() == torch.float32 and self.q.dtype != torch.float32:
+            self.dq.zero_()  # the atomic fused backward accumulates into it
+
+    def reset(self) -> None:
+        """Outputs poisoned with NaN (an element the run leaves unwritten fails the check),
+        an atomically accumulated dQ zeroed; the inputs are kept."""
+        for t in self.outputs().values():
+            t.fill_(math.nan)
+        if self._dq_dtype() == torch.float32 and self.q.dtype != torch.float32:
+            self.dq.zero_()
+
+    def _plans(self, config: Config | None) -> list:
+        backend, deterministic = self._backward_choice()
+        configs = {} if config is None else {self.kernel: config}
+        return planning.backward_plans(self.call, self.dout, self.q, self.k, self.v, self.out, self.lse, self.delta,
+                                  self.dq, self.dk, self.dv, None, backend, deterministic, configs)
+
+    # ------------------------------------------------------------------ runs
+    def runner(self, config: Config) -> Callable[[], None]:
+        """A callable that runs the table's work once with ``config`` on the current tensors."""
+        if self.kernel == "attn_fwd":
+            plan = planning.forward_plan(self.call, self.q, self.k, self.v, self.out, self.lse, config)
+            return lambda: launch(plan)
+        if self.kernel == "backward":
+            backend, deterministic = config["backend"], self._backward_choice()[1]
+
+            def operator() -> None:
+                self.dq, self.dk, self.dv, _ = planning.run_backward(
+                    self.call, self.dout, self.q, self.k, self.v, self.out, self.lse, backend, deterministic)
+
+            return operator
+        plan = next(p for p in self._plans(config) if p.kernel.name == self.kernel)
+        return lambda: launch(plan)
+
+    def outputs(self) -> dict[str, torch.Tensor]:
+        """What the table's work writes (dQ accumulated in fp32 is read as is)."""
+        if self.kernel == "attn_fwd":
+            return {"out": self.out}
+        if self.kernel == "attn_bwd_dkdv":
+            return {"dk": self.dk, "dv": self.dv}
+        if self.kernel == "attn_bwd_dq":
+            return {"dq": self.dq}
+        return {"dq": self.dq, "dk": self.dk, "dv": self.dv}
+
+    def reference(self) -> dict[str, torch.Tensor]:
+        """The float64 outputs, one (batch, head) at a time (the score matrix of one head
+        at the longest lengths is 2 GiB in float64)."""
+        mask = MASK_KWARGS[self.functional["MASK"]]
+        names = tuple(self.outputs())
+        result = {name: torch.empty(t.shape, dtype=torch.float64, device=t.device)
+                  for name, t in self.outputs().items()}
+        for b in range(self.shape.batch):
+            for h in range(self.shape.heads):
+                part = (slice(b, b + 1), slice(None), slice(h, h + 1))
+                q, k, v = (t[part].to(torch.float64).requires_grad_(self.kernel != "attn_fwd")
+                           for t in (self.q, self.k, self.v))
+                out, _ = reference.attention(q, k, v, **mask)
+                if self.kernel == "attn_fwd":
+                    result["out"][part] = out.detach()
+                    continue
+                grads = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v),
+                                                                         self.dout[part].to(torch.float64))))
+                for name in names:
+                    result[name][part] = grads[name]
+        return result
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64; NaN or inf anywhere in ``out`` gives NaN."""
+    out = out.to(torch.float64)
+    if not torch.isfinite(out).all():
+        return math.nan
+    denom = ref.norm().item()
+    diff = (out - ref).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def errors(outputs: Mapping[str, torch.Tensor], references: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    return {name: relative_error(outputs[name], references[name]) for name in references}
+
+
+def current_config(db: Any, arch: str, table: str, functional: Functional, cell: tuple[int, ...]) -> Config | None:
+    """The database's configuration for the cell today, or None when it has none."""
+    from aotattn.tuning import TuningError
+
+    spec = rules.BACKWARD if table == "flash.backward" else rules.KERNELS[table.split(".", 1)[1]]
+    try:
+        return db.lookup(arch, spec, functional, dict(zip((k for k, _ in spec.tuning_keys), cell)))
+    except TuningError:
+        return None
+
+
+def auxiliary(table: str, functional: Functional) -> list[tuple[str, Functional]]:
+    """The (table, functional) pairs of the other kernels a problem of this table launches
+    with the database's configurations: their images must be built too."""
+    f = functional.as_dict()
+    kernel = table.split(".", 1)[1]
+    attention = {k: v for k, v in f.items() if k not in ("ATOMIC_DQ", "DETERMINISTIC")}
+    if kernel == "backward":
+        attention.update(BLOCK_DV=f["BLOCK_D"], PAD_HEAD=False, VARLEN=False, DROPOUT=False, BIAS=0)
+    forward = {**attention, "BIAS": min(attention.get("BIAS", 0), 1)}
+    pre = {"dtype": f["dtype"], "BLOCK_DV": attention["BLOCK_DV"], "PAD_HEAD": attention["PAD_HEAD"],
+           "VARLEN": attention["VARLEN"]}
+    pairs: list[tuple[str, dict]] = []
+    if kernel == "attn_fwd":
+        return []
+    pairs += [("flash.attn_fwd", forward), ("flash.attn_bwd_preprocess", pre)]
+    if kernel == "backward":
+        pairs += [("flash.attn_bwd_dkdv", attention), ("flash.attn_bwd_dq", attention),
+                  ("flash.attn_bwd_fused", {**attention, "ATOMIC_DQ": not f["DETERMINISTIC"]})]
+    return [(t, Functional.of(v)) for t, v in pairs]

@@ -1,0 +1,221 @@
+"""Tuning tasks: one per (architecture, table, functional, cell), and their selection.
+
+A task names one cell of one tuning table: the table (``flash.attn_fwd``, or an
+operator table such as ``flash.backward``), the functional (every compile-time axis),
+and one bucket per tuning key (``seqlen_q=4096 seqlen_k=4096``). Tasks are plain data:
+they serialize to JSON payloads for a task queue or an offline batch file and back.
+
+Selection is family-agnostic: ``--category flash[,kernel]`` picks tables, ``--where``
+restricts any axis to a list of values, ``--seqlen`` the buckets; by default only the
+*root* functionals are tuned: those the family's fallback leaves unchanged (for flash:
+unpadded, dense, no dropout, no bias, causal on the bottom-right diagonal or no mask),
+since the others are refinements that reuse their root's tuning unless tuned apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aotattn.spec import Functional
+
+CELLS = ("diagonal", "grid")
+
+
+class SelectionError(ValueError):
+    """A selection of tasks that names no table, axis or bucket the families declare."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One cell of one table on one architecture.
+
+    Attributes:
+        arch: ``sm_90``, ...
+        table: ``family.name`` of a kernel or operator table.
+        functional: the block's functional.
+        cell: one bucket per tuning key of the table, in the keys' order (``()`` when the
+            table has no keys).
+    """
+
+    arch: str
+    table: str
+    functional: Functional
+    cell: tuple[int, ...]
+
+    @property
+    def family(self) -> str:
+        return self.table.split(".", 1)[0]
+
+    @property
+    def kernel(self) -> str:
+        return self.table.split(".", 1)[1]
+
+    @property
+    def category(self) -> str:
+        """``family,name``: what ``--category`` selects."""
+        return f"{self.family},{self.kernel}"
+
+    def describe(self) -> str:
+        cell = " ".join(f"{k}={v}" for k, v in zip(_key_names(self.table), self.cell)) or "*"
+        return f"{self.arch} {self.table} [{self.functional}] {cell}"
+
+    @property
+    def id(self) -> str:
+        """A stable name: the same task always gets the same id (results replace, never add)."""
+        return hashlib.sha256(self.describe().encode()).hexdigest()[:20]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"arch": self.arch, "table": self.table, "functional": self.functional.as_dict(),
+                "cell": list(self.cell)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Task":
+        """A task from its payload, validated against the family's declaration."""
+        try:
+            arch, table, functional, cell = data["arch"], data["table"], data["functional"], data["cell"]
+        except (KeyError, TypeError) as exc:
+            raise SelectionError(f"a tune task payload needs arch, table, functional and cell, got {data!r}") from exc
+        spec = table_spec(table)
+        if not isinstance(functional, Mapping):
+            raise SelectionError(f"functional: expected an object, got {functional!r}")
+        spec.check_functional(functional)
+        keys = spec.tuning_keys
+        if not isinstance(cell, (list, tuple)) or len(cell) != len(keys):
+            raise SelectionError(f"cell: expected {len(keys)} bucket(s) ({', '.join(k for k, _ in keys)}), got {cell!r}")
+        for value, (name, buckets) in zip(cell, keys):
+            if value not in buckets:
+                raise SelectionError(f"cell: {name}={value!r} is not a bucket of {table} ({buckets})")
+        return cls(str(arch), table, Functional.of(functional), tuple(int(v) for v in cell))
+
+
+def table_spec(table: str) -> Any:
+    from aotattn import families
+
+    specs = families.tables()
+    if table not in specs:
+        raise SelectionError(f"table: no family declares {table!r} (have: {', '.join(specs)})")
+    return specs[table]
+
+
+def _key_names(table: str) -> tuple[str, ...]:
+    return tuple(name for name, _ in table_spec(table).tuning_keys)
+
+
+def parse_category(text: str) -> tuple[str, str | None]:
+    """``flash`` or ``flash,attn_fwd`` -> (family, kernel or None)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not 1 <= len(parts) <= 2 or not all(parts):
+        raise SelectionError(f"--category: expected family or family,kernel (e.g. flash,attn_fwd), got {text!r}")
+    return parts[0], parts[1] if len(parts) == 2 else None
+
+
+def parse_where(text: str | None) -> dict[str, tuple[str, ...]]:
+    """``"dtype=fp16,bf16 BLOCK_D=64"`` -> {axis: allowed values as written}."""
+    allowed: dict[str, tuple[str, ...]] = {}
+    for token in (text or "").split():
+        axis, eq, values = token.partition("=")
+        if not eq or not axis or not values:
+            raise SelectionError(f"--where: expected axis=value[,value...], got {token!r}")
+        if axis in allowed:
+            raise SelectionError(f"--where: axis {axis} given twice")
+        allowed[axis] = tuple(v for v in values.split(",") if v)
+    return allowed
+
+
+def is_root(spec: Any, functional: Functional) -> bool:
+    """True when the family's fallback leaves this functional as it is."""
+    return spec.fallback is None or spec.fallback(functional.as_dict()) is None
+
+
+def select_tables(categories: Sequence[str], tunable: Iterable[str]) -> list[str]:
+    """The tunable tables the categories name, in declaration order."""
+    tunable = list(tunable)
+    chosen = []
+    for text in categories:
+        family, kernel = parse_category(text)
+        names = [t for t in tunable if t.split(".", 1)[0] == family and (kernel is None or t.split(".", 1)[1] == kernel)]
+        if not names:
+            raise SelectionError(f"--category {text}: no tunable table matches (tunable: {', '.join(tunable)})")
+        chosen += [n for n in names if n not in chosen]
+    return chosen
+
+
+def _cells(spec: Any, seqlens: Sequence[int] | None, layout: str) -> list[tuple[int, ...]]:
+    keys = spec.tuning_keys
+    if not keys:
+        return [()]
+    chosen = []
+    for name, buckets in keys:
+        picked = tuple(buckets) if not seqlens else tuple(b for b in buckets if b in set(seqlens))
+        bad = [s for s in (seqlens or ()) if s not in buckets]
+        if bad:
+            raise SelectionError(f"--seqlen: {', '.join(map(str, bad))} not a bucket of {name} "
+                                 f"({', '.join(map(str, buckets))})")
+        chosen.append(picked)
+    if layout == "diagonal" and len(keys) == 2:
+        return [(b, b) for b in chosen[0] if b in chosen[1]]
+    if layout not in CELLS:
+        raise SelectionError(f"--cells: expected one of {', '.join(CELLS)}, got {layout!r}")
+    return list(itertools.product(*chosen))
+
+
+def enumerate_tasks(arch: str, tables: Sequence[str], where: Mapping[str, Sequence[str]] | None = None,
+                    seqlens: Sequence[int] | None = None, cells: str = "diagonal",
+                    all_functionals: bool = False) -> Iterator[Task]:
+    """Every task of the selection: tables x functionals x cells.
+
+    Args:
+        arch: the target architecture.
+        tables: ``family.name`` of each table (see :func:`select_tables`).
+        where: axis -> allowed values (as written in the database, ``fp16``, ``True``); an
+            axis a table does not have is ignored for that table, a value it never takes
+            is an error.
+        seqlens: buckets kept on every tuning key (default: all).
+        cells: ``diagonal`` (seqlen_q = seqlen_k, the square problems) or ``grid``
+            (every pair of the chosen buckets).
+        all_functionals: also the refinements (padded heads, varlen, ...), not only roots.
+    """
+    where = dict(where or {})
+    for table in tables:
+        spec = table_spec(table)
+        choices = {axis: {str(v) for v in values} for axis, values in spec.functionals}
+        for axis, values in where.items():
+            unknown = [v for v in values if axis in choices and v not in choices[axis]]
+            if unknown:
+                raise SelectionError(f"--where {axis}: {', '.join(unknown)} not one of "
+                                     f"{', '.join(sorted(choices[axis]))} ({table})")
+        table_cells = _cells(spec, seqlens, cells)
+        for functional in spec.enumerate_functionals():
+            values = {axis: str(v) for axis, v in functional.items}
+            if any(axis in values and values[axis] not in allowed for axis, allowed in where.items()):
+                continue
+            if not all_functionals and not is_root(spec, functional):
+                continue
+            for cell in table_cells:
+                yield Task(arch, table, functional, cell)
+
+
+def write_batch(tasks: Iterable[Task]) -> str:
+    """JSON lines, one task payload each (the offline batch format of the tuner's core)."""
+    return "".join(json.dumps({"id": t.id, **t.to_json()}, sort_keys=True) + "\n" for t in tasks)
+
+
+def read_batch(text: str, where: str = "<batch>") -> list[Task]:
+    tasks = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SelectionError(f"{where}:{number}: not JSON: {exc}") from exc
+        task = Task.from_json(data)
+        if "id" in data and data["id"] != task.id:
+            raise SelectionError(f"{where}:{number}: id {data['id']} does not match the task ({task.id})")
+        tasks.append(task)
+    return tasks

@@ -1,0 +1,121 @@
+"""Pruning and ranking of candidate configurations (pure, CPU), and the shared-memory
+estimate against what Triton really allocates for a compiled sm_90 kernel."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from aotattn.families.flash import rules
+from aotattn.spec import Config, Functional
+from aotattn.tune import candidates as cand
+from aotattn.tune import flash
+from aotattn.tuning import Database
+
+SM90 = cand.target("sm_90")
+
+
+def _functional(kernel: str, dtype: str = "bf16", d: int = 128, **extra) -> Functional:
+    f = dict(dtype=dtype, BLOCK_D=d, BLOCK_DV=d, PAD_HEAD=False, MASK=0, VARLEN=False, DROPOUT=False, BIAS=0)
+    if kernel == "attn_bwd_fused":
+        f["ATOMIC_DQ"] = True
+    return Functional.of({**f, **extra})
+
+
+def _cfg(m, n, w, s) -> Config:
+    return Config.of(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+
+
+def test_shared_memory_by_hand():
+    # forward, bf16, D=128, 128x128 tiles, warp-group MMA (8 warps): Q resident + 3 stages of K and V
+    f, c = _functional("attn_fwd"), _cfg(128, 128, 8, 3)
+    expected = 128 * 128 * 2 + 3 * (128 * 128 * 2 * 2)
+    assert cand.shared_bytes(flash.FOOTPRINTS["attn_fwd"], f, c, SM90) == expected
+    assert expected <= SM90.shared_bytes and cand.why_pruned(flash.FOOTPRINTS["attn_fwd"], f, c, SM90) is None
+    assert cand.why_pruned(flash.FOOTPRINTS["attn_fwd"], f, _cfg(128, 128, 8, 4), SM90).startswith("shared memory")
+    # two warps: no warp-group MMA, the loads are buffered one stage less
+    c2 = _cfg(64, 64, 2, 3)
+    assert cand.shared_bytes(flash.FOOTPRINTS["attn_fwd"], f, c2, SM90) == 64 * 128 * 2 + 2 * (64 * 128 * 2 * 2)
+    # fp32 (no tensor cores): num_stages deep again, 4-byte elements
+    f32 = _functional("attn_fwd", "fp32", 64)
+    assert cand.shared_bytes(flash.FOOTPRINTS["attn_fwd"], f32, c2, SM90) == 64 * 64 * 4 + 3 * (64 * 64 * 4 * 2)
+    # a bias tile exists only when the functional has a bias
+    fb = _functional("attn_fwd", BIAS=1)
+    assert cand.shared_bytes(flash.FOOTPRINTS["attn_fwd"], fb, c2, SM90) - \
+        cand.shared_bytes(flash.FOOTPRINTS["attn_fwd"], f, c2, SM90) == 2 * 64 * 64 * 2
+
+
+def test_registers_and_warps():
+    fp = flash.FOOTPRINTS["attn_fwd"]
+    f = _functional("attn_fwd", d=256)
+    # 128 rows x 256 fp32 accumulators + 128x64 scores over 4 warps: 320 a thread
+    assert cand.accumulator_registers(fp, f, _cfg(128, 64, 4, 2), SM90) == (128 * 256 + 128 * 64) / 128
+    assert "registers" in cand.why_pruned(fp, f, _cfg(128, 64, 4, 2), SM90)
+    assert "too small" in cand.why_pruned(fp, _functional("attn_fwd", d=64), _cfg(16, 16, 4, 2), SM90)
+    assert cand.why_pruned(fp, _functional("attn_fwd", d=64), _cfg(64, 64, 4, 2), SM90) is None
+
+
+@pytest.mark.parametrize("table", ["flash.attn_fwd", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq",
+                                   "flash.attn_bwd_fused"])
+def test_candidates_fit_and_respect_limit(table):
+    spec = rules.KERNELS[table.split(".")[1]]
+    fp = flash.footprint(table)
+    f = _functional(spec.name, d=random.choice(rules.HEAD_DIM_BUCKETS))
+    everything, pruned_all = cand.candidates(spec, f, "sm_90", fp)
+    assert len(everything) + len(pruned_all) == 256 and everything
+    for config in everything:
+        assert cand.shared_bytes(fp, f, config, SM90) <= SM90.shared_bytes
+    keep = next(iter(pruned_all))  # a configuration the estimates refuse, kept on request
+    size = random.choice(rules.SEQLEN_BUCKETS)
+    kept, pruned = cand.candidates(spec, f, "sm_90", fp, keep=[keep], sizes={"seqlen_q": size, "seqlen_k": size},
+                                   limit=5)
+    assert len(kept) == 6 and keep in kept and keep not in pruned
+    assert set(kept) | set(pruned) == set(cand.space(spec))
+    scores = [cand.score(fp, f, c, SM90, {"seqlen_q": size, "seqlen_k": size}) for c in kept if c != keep]
+    assert min(scores) >= max(cand.score(fp, f, c, SM90, {"seqlen_q": size, "seqlen_k": size})
+                              for c in pruned if "ranked" in pruned[c])
+
+
+def test_ranking_prefers_unpadded_blocks_for_short_sequences():
+    fp, f = flash.FOOTPRINTS["attn_fwd"], _functional("attn_fwd", d=64)
+    short = {"seqlen_q": 16, "seqlen_k": 16}
+    assert cand.score(fp, f, _cfg(16, 16, 1, 2), SM90, short) > cand.score(fp, f, _cfg(128, 128, 8, 2), SM90, short)
+    long = {"seqlen_q": 4096, "seqlen_k": 4096}
+    assert cand.score(fp, f, _cfg(128, 128, 8, 2), SM90, long) > cand.score(fp, f, _cfg(16, 16, 1, 2), SM90, long)
+
+
+def test_every_configuration_the_sm90_database_uses_fits():
+    """The hand-picked configurations ran on the H200: the estimates must not refuse them."""
+    db = Database()
+    for table, fp in (("flash." + k, v) for k, v in flash.FOOTPRINTS.items()):
+        spec = rules.KERNELS[table.split(".")[1]]
+        effective = db.effective("sm_90", table)
+        for functional, grid in effective.blocks.items():
+            for name in {n for row in grid for n in row} - {"."}:
+                reason = cand.why_pruned(fp, functional, effective.configs[name], SM90)
+                assert reason is None, f"{table} [{functional}] {name}: {reason}"
+
+
+def test_operator_tables_are_not_pruned_and_names():
+    kept, pruned = cand.candidates(rules.BACKWARD, Functional.of(dict(dtype="bf16", BLOCK_D=64, MASK=0,
+                                                                      DETERMINISTIC=False)), "sm_90", None, limit=1)
+    assert [cand.config_name(c) for c in kept] == ["split", "fused"] and not pruned
+    assert cand.config_name(_cfg(128, 64, 8, 3)) == "m128_n64_w8_s3"
+    with pytest.raises(ValueError, match="arch"):
+        cand.target("sm_99")
+    with pytest.raises(ValueError, match="limit"):
+        cand.candidates(rules.ATTN_FWD, _functional("attn_fwd"), "sm_90", None, limit=0)
+
+
+def test_estimate_matches_a_compiled_kernel():
+    """One real sm_90 compile (no GPU needed): the estimate is Triton's figure within 8 KB."""
+    pytest.importorskip("triton")
+    from aotattn.build.compiler import Job, compile_job
+
+    kernel, d, config = random.choice([("attn_fwd", 64, _cfg(64, 64, 4, 2)), ("attn_bwd_dq", 64, _cfg(64, 64, 4, 3)),
+                                       ("attn_bwd_dkdv", 64, _cfg(32, 64, 4, 2))])
+    f = _functional(kernel, d=d)
+    entry, _ = compile_job(Job("sm_90", f"flash.{kernel}", f, config))
+    estimate = cand.shared_bytes(flash.FOOTPRINTS[kernel], f, config, SM90)
+    assert abs(estimate - entry.shared) <= 8192, (kernel, config, estimate, entry.shared)

@@ -1,0 +1,82 @@
+"""Task selection and serialization."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from aotattn.families.flash import rules
+from aotattn.spec import Functional
+from aotattn.tune import harnesses, tasks
+
+
+def test_category_selects_tables():
+    tunable = harnesses.tunable()
+    assert tasks.select_tables(["flash"], tunable) == tunable
+    assert tasks.select_tables(["flash,attn_fwd", "flash,backward", "flash,attn_fwd"], tunable) == \
+        ["flash.attn_fwd", "flash.backward"]
+    for bad in ("nosuch", "flash,nosuch", "flash,attn_fwd,x", ",attn_fwd"):
+        with pytest.raises(tasks.SelectionError):
+            tasks.select_tables([bad], tunable)
+
+
+def test_roots_diagonal_default():
+    found = list(tasks.enumerate_tasks("sm_90", ["flash.attn_fwd"], where={"dtype": ("fp16", "bf16")}))
+    # roots: unpadded, dense, no dropout; MASK 0 or 2 (1 falls back to 2); BIAS 0 or 1; 5 head dims
+    functionals = {t.functional for t in found}
+    assert len(functionals) == 2 * 5 * 2 * 2
+    assert all(not f["PAD_HEAD"] and not f["VARLEN"] and not f["DROPOUT"] and f["MASK"] != 1 for f in functionals)
+    assert {t.cell for t in found} == {(b, b) for b in rules.SEQLEN_BUCKETS}
+    assert len(found) == len(functionals) * len(rules.SEQLEN_BUCKETS)
+    assert len({t.id for t in found}) == len(found)
+
+
+def test_where_seqlen_grid_and_all_functionals():
+    where = tasks.parse_where("dtype=bf16 BLOCK_D=64,128 MASK=0")
+    found = list(tasks.enumerate_tasks("sm_90", ["flash.attn_bwd_fused", "flash.backward"], where=where,
+                                       seqlens=[1024, 4096], cells="grid"))
+    fused = [t for t in found if t.table == "flash.attn_bwd_fused"]
+    assert {t.cell for t in fused} == {(1024, 1024), (1024, 4096), (4096, 1024), (4096, 4096)}
+    assert {t.functional["ATOMIC_DQ"] for t in fused} == {False, True}
+    assert {t.functional["DETERMINISTIC"] for t in found if t.table == "flash.backward"} == {False, True}
+    every = list(tasks.enumerate_tasks("sm_90", ["flash.attn_fwd"], where=where, seqlens=[64], all_functionals=True))
+    assert any(t.functional["PAD_HEAD"] for t in every) and len(every) > len(
+        list(tasks.enumerate_tasks("sm_90", ["flash.attn_fwd"], where=where, seqlens=[64])))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"where": {"dtype": ("fp64",)}}, "fp64"), ({"seqlens": [100]}, "100"), ({"cells": "square"}, "cells")])
+def test_bad_selections(bad, message):
+    with pytest.raises(tasks.SelectionError, match=message):
+        list(tasks.enumerate_tasks("sm_90", ["flash.attn_fwd"], **bad))
+    with pytest.raises(tasks.SelectionError, match="where"):
+        tasks.parse_where("dtype")
+
+
+def test_payload_round_trip_and_validation():
+    all_tasks = list(tasks.enumerate_tasks("sm_90", harnesses.tunable(), seqlens=[256, 2048]))
+    sample = random.sample(all_tasks, 20)
+    text = tasks.write_batch(sample)
+    assert tasks.read_batch(text) == sample
+    payload = sample[0].to_json()
+    assert tasks.Task.from_json(json.loads(json.dumps(payload))) == sample[0]
+    for broken, message in [({**payload, "cell": [100, 100]}, "bucket"), ({**payload, "cell": [256]}, "cell"),
+                            ({**payload, "table": "flash.nosuch"}, "table"), ({"arch": "sm_90"}, "payload"),
+                            ({**payload, "functional": {**payload["functional"], "dtype": "fp64"}}, "dtype")]:
+        with pytest.raises(ValueError, match=message):
+            tasks.Task.from_json(broken)
+    line = json.dumps({**json.loads(text.splitlines()[0]), "id": "0" * 20})
+    with pytest.raises(tasks.SelectionError, match="id"):
+        tasks.read_batch(line)
+    with pytest.raises(tasks.SelectionError, match=":1: not JSON"):
+        tasks.read_batch("{")
+
+
+def test_describe_names_the_cell():
+    f = Functional.of(dict(dtype="bf16", BLOCK_D=64, MASK=2, DETERMINISTIC=False))
+    t = tasks.Task("sm_90", "flash.backward", f, (512, 1024))
+    assert t.describe() == "sm_90 flash.backward [BLOCK_D=64,DETERMINISTIC=False,MASK=2,dtype=bf16] " \
+                           "seqlen_q=512 seqlen_k=1024"
+    assert t.category == "flash,backward"
