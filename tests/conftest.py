@@ -1,14 +1,32 @@
-"""Shared test machinery: NaN-poisoned allocations, the GPU marker, error norms."""
+"""pytest wiring: a mutant when ``AOTATTN_MUTANT`` names one, the GPU marker, hypothesis
+profiles, NaN-poisoned allocations. Helpers live in :mod:`tests.helpers`."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+# Before anything imports aotattn: with AOTATTN_MUTANT set, the named mutant's module
+# source replaces the real one for this whole run (tests/mutants; never shipped).
+from tests.mutants.loader import install_from_environment
 
-# Relative error norms ||out - ref|| / ||ref|| against the float64 reference.
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-5}
+install_from_environment()
 
-HAS_CUDA = torch.cuda.is_available()
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from tests.helpers import DEVICES, HAS_CUDA, TOLERANCE, rel_err  # noqa: E402,F401  (see below)
+
+# DEVICES, TOLERANCE and rel_err are re-exported only for tests/families/flash/test_hardening.py,
+# which still imports them from here; import them from tests.helpers.
+
+# Fuzzing budgets (tests/test_fuzz.py). "ci" is the default: a fixed, small set of
+# examples (derandomized, so CI is reproducible). "long" explores: run it with
+# `python -m pytest tests/test_fuzz.py --hypothesis-profile=long` (add `-m gpu` with
+# AOTATTN_MODE=jit on the GPU).
+_FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                                   HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=12, derandomize=True, print_blob=True, **_FUZZ)
+settings.register_profile("long", max_examples=400, print_blob=True, **_FUZZ)
+settings.load_profile("ci")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,29 +38,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def poison_allocations(monkeypatch):
-    """Every buffer an operator allocates starts as NaN, so an unwritten element fails."""
-    from aotattn.families.flash import ops
+_FACTORIES = ((torch, "empty"), (torch, "empty_like"), (torch, "empty_strided"), (torch.Tensor, "new_empty"))
 
-    def nan_empty(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        if dtype.is_floating_point:
-            t.fill_(float("nan"))
+
+def _poisoned(factory):
+    def allocate(*args, **kwargs):
+        t = factory(*args, **kwargs)
+        if t.dtype.is_floating_point or t.dtype.is_complex:
+            with torch.no_grad():
+                t.fill_(float("nan"))
         return t
 
-    monkeypatch.setattr(ops, "_empty", nan_empty)
+    return allocate
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref||; NaN anywhere gives inf so it never passes."""
-    out = out.to(torch.float64)
-    ref = ref.to(torch.float64)
-    if torch.isnan(out).any():
-        return float("inf")
-    denom = ref.norm().item()
-    diff = (out - ref).norm().item()
-    return diff / denom if denom > 0 else diff
-
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+@pytest.fixture(autouse=True)
+def poison_allocations(monkeypatch):
+    """Every float tensor from ``torch.empty``, ``empty_like``, ``empty_strided`` and
+    ``Tensor.new_empty`` starts as NaN, in the operators and in the tests alike, so an
+    element a kernel leaves unwritten fails loudly instead of passing on stale zeros."""
+    for owner, name in _FACTORIES:
+        monkeypatch.setattr(owner, name, _poisoned(getattr(owner, name)))

@@ -7,7 +7,7 @@ import zlib
 import torch
 
 from aotattn import reference
-from tests.conftest import TOLERANCE, rel_err
+from tests.helpers import TOLERANCE, rel_err
 
 
 def seed_from(name: str) -> None:

@@ -9,7 +9,7 @@ import torch
 
 import aotattn
 from aotattn import reference
-from tests.conftest import DEVICES, TOLERANCE, rel_err
+from tests.helpers import DEVICES, TOLERANCE, rel_err
 from tests.families.flash.helpers import make_qkv, seed_from
 from tests.families.flash.test_varlen import make_varlen
 

@@ -11,7 +11,7 @@ from aotattn import reference
 from aotattn.families.flash import rules
 from aotattn.runtime import launch
 from aotattn.spec import Config, Functional, LaunchPlan
-from tests.conftest import DEVICES, TOLERANCE, rel_err
+from tests.helpers import DEVICES, TOLERANCE, rel_err
 from tests.families.flash.helpers import make_qkv, seed_from
 from tests.families.flash.test_varlen import make_varlen
 

@@ -7,7 +7,7 @@ import torch
 
 import aotattn
 from aotattn import reference
-from tests.conftest import DEVICES, TOLERANCE, rel_err
+from tests.helpers import DEVICES, TOLERANCE, rel_err
 from tests.families.flash.helpers import assert_forward_matches, make_qkv, seed_from
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -22,7 +22,7 @@ import torch
 import aotattn
 from aotattn import reference
 from aotattn.families.flash import ops
-from tests.conftest import DEVICES, TOLERANCE, rel_err
+from tests.helpers import DEVICES, TOLERANCE, rel_err
 from tests.families.flash.helpers import assert_forward_matches, make_qkv, seed_from
 
 

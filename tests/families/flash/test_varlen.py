@@ -7,7 +7,7 @@ import torch
 
 import aotattn
 from aotattn import reference
-from tests.conftest import DEVICES, TOLERANCE, rel_err
+from tests.helpers import DEVICES, TOLERANCE, rel_err
 from tests.families.flash.helpers import assert_lse_close, seed_from
 
 # lengths 0 and 1, primes, and one long sequence

@@ -7,7 +7,7 @@ import torch
 
 import aotattn
 from aotattn.families.rmsnorm.reference import rms_norm
-from tests.conftest import DEVICES, TOLERANCE, rel_err
+from tests.helpers import DEVICES, TOLERANCE, rel_err
 from tests.families.flash.helpers import seed_from
 
 

@@ -1,0 +1,75 @@
+"""Loading a mutant: ``AOTATTN_MUTANT=<name>`` puts the mutated source in place of the module.
+
+The mutated file is written to a temporary folder and an import hook placed first on
+``sys.meta_path`` answers for the module's name with it, before anything imports
+aotattn. Everything that loads the module by name then gets the mutant: the operators
+(``from aotattn.families.flash.checks import ...``), Triton's JIT through
+``aotattn.runtime.launcher.jit_function`` (``importlib.import_module``) and the
+interpreter's second copy (``aotattn.runtime.interpreter`` loads the file that
+``importlib.util.find_spec`` names). A mutant exists only as source, so a run with one
+compiles with the JIT on GPUs (``AOTATTN_MODE=jit``); prebuilt images hold the real kernels.
+
+Used from ``tests/conftest.py`` only; nothing under ``aotattn/`` knows about mutants.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.mutants import BY_NAME, Mutant
+
+VAR = "AOTATTN_MUTANT"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class MutantError(RuntimeError):
+    """A mutant that cannot be applied: unknown, or its anchor drifted."""
+
+
+def mutated_source(mutant: Mutant) -> str:
+    """The file's source with the mutant's snippet replaced (the snippet must occur once)."""
+    source = (ROOT / mutant.path).read_text()
+    count = source.count(mutant.original)
+    if count != 1:
+        raise MutantError(f"mutant {mutant.name}: its snippet occurs {count} times in {mutant.path}, expected 1; "
+                          f"update it in tests/mutants/__init__.py to match the code")
+    return source.replace(mutant.original, mutant.replacement)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, module: str, path: Path) -> None:
+        self.module = module
+        self.path = path
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.module:
+            return None
+        return importlib.util.spec_from_file_location(fullname, self.path)
+
+
+def install(name: str) -> Mutant:
+    """Make later imports of the mutant's module load its mutated source."""
+    mutant = BY_NAME.get(name)
+    if mutant is None:
+        raise MutantError(f"{VAR}: expected one of {sorted(BY_NAME)}, got {name!r}")
+    if mutant.module in sys.modules:
+        raise MutantError(f"{VAR}={name}: {mutant.module} was imported before the mutant could be installed")
+    folder = Path(tempfile.mkdtemp(prefix=f"aotattn-mutant-{name}-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = folder / Path(mutant.path).name
+    path.write_text(mutated_source(mutant))
+    sys.meta_path.insert(0, _Finder(mutant.module, path))
+    os.environ["AOTATTN_MODE"] = "jit"
+    return mutant
+
+
+def install_from_environment() -> Mutant | None:
+    name = os.environ.get(VAR)
+    return install(name) if name else None
