@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import string
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,16 +63,45 @@ class Functional:
     def __str__(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.items)
 
-    def matches(self, where: str | None) -> bool:
-        """``where`` like ``"dtype=bf16 BLOCK_D=128"``: every named axis it has, with that value."""
+    def matches(self, where: str | Mapping[str, str] | None) -> bool:
+        """Whether every axis ``where`` names that this functional has holds that value.
+
+        ``where``: ``"dtype=bf16 BLOCK_D=128"``, or its :func:`parse_where` mapping (which
+        callers build first, to refuse axes and values no kernel has).
+        """
         if not where:
             return True
+        wanted = where if not isinstance(where, str) else dict(t.partition("=")[::2] for t in where.split())
         values = {k: str(v) for k, v in self.items}
-        for token in where.split():
-            axis, _, value = token.partition("=")
-            if axis in values and values[axis] != value:
-                return False
-        return True
+        return all(values[axis] == value for axis, value in wanted.items() if axis in values)
+
+
+def parse_where(where: str | None, tables: Sequence["_Table"]) -> dict[str, str]:
+    """A ``--where`` filter (``"dtype=bf16 BLOCK_D=128"``) checked against the axes of
+    ``tables``: each axis must be an axis of one of them and each value one of its choices.
+    An axis that some of the tables lack does not filter those (see :meth:`Functional.matches`).
+
+    Raises ValueError naming what is wrong and the valid axes or values.
+    """
+    choices: dict[str, list[str]] = {}
+    for table in tables:
+        for axis, values in table.functionals:
+            known = choices.setdefault(axis, [])
+            known += [str(v) for v in values if str(v) not in known]
+    names = ", ".join(t.qualname for t in tables)
+    parsed: dict[str, str] = {}
+    for token in (where or "").split():
+        axis, eq, value = token.partition("=")
+        if not eq or not axis or not value:
+            raise ValueError(f"--where: expected axis=value, got {token!r} (e.g. \"dtype=bf16 BLOCK_D=128\")")
+        if axis not in choices:
+            raise ValueError(f"--where: {names} has no axis {axis!r} (axes: {', '.join(choices) or 'none'})")
+        if value not in choices[axis]:
+            raise ValueError(f"--where: {axis}={value} is not a choice ({axis}: {', '.join(choices[axis])})")
+        if axis in parsed:
+            raise ValueError(f"--where: axis {axis} given twice")
+        parsed[axis] = value
+    return parsed
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 from aotattn import families
 from aotattn.build.compiler import TARGETS, Job, cache_key, compile_job, source_hash
 from aotattn.runtime.images import Archive, Entry, ImageError, archive_path, write_archive
-from aotattn.spec import Functional
+from aotattn.spec import Functional, parse_where
 from aotattn.tuning import Database, TuningError
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -23,15 +23,29 @@ DEFAULT_OUT = PROJECT / "images"
 DEFAULT_CACHE = PROJECT / "build" / "cache"
 
 
+def check_archs(archs: Sequence[str]) -> None:
+    for arch in archs:
+        if arch not in TARGETS:
+            raise ValueError(f"--arch: no target {arch!r}; expected one of {', '.join(TARGETS)}")
+
+
 def enumerate_jobs(db: Database, archs: Sequence[str], tables: Sequence[str], where: str | None = None) -> list[Job]:
-    """Every functional of the selected kernels x every configuration its table names for it."""
+    """Every functional of the selected kernels x every configuration its table names for it.
+
+    ``where`` (``"dtype=bf16 BLOCK_D=128"``) selects functionals; an axis or value none of
+    the kernels has, or a filter that matches nothing, is a ValueError.
+    """
+    specs = [families.kernels()[name] for name in tables]
+    wanted = parse_where(where, specs)
+    if not any(f.matches(wanted) for spec in specs for f in spec.enumerate_functionals()):
+        raise ValueError(f"--where {where!r} matches no functional of {', '.join(tables)} (some combinations "
+                         "are never built: see the family's rules)")
     jobs = []
     for arch in archs:
-        for name in tables:
-            spec = families.kernels()[name]
+        for name, spec in zip(tables, specs):
             table = db.effective(arch, name)
             for functional in spec.enumerate_functionals():
-                if not functional.matches(where):
+                if not functional.matches(wanted):
                     continue
                 resolved = functional
                 while resolved not in table.blocks:
@@ -83,7 +97,10 @@ def _store(cache_dir: Path, job: Job, entry: Entry, binary: bytes) -> None:
 def _cached(cache_dir: Path, job: Job) -> tuple[Entry, bytes] | None:
     meta, blob = _cache_paths(cache_dir, job)
     if meta.is_file() and blob.is_file():
-        return Entry(**json.loads(meta.read_text())), blob.read_bytes()
+        try:
+            return Entry(**json.loads(meta.read_text())), blob.read_bytes()
+        except (ValueError, TypeError):  # a damaged cache entry is compiled again
+            return None
     return None
 
 
@@ -180,9 +197,7 @@ def build(archs: Sequence[str], tables: Sequence[str], where: str | None, out: P
           workers: int, timeout: float, db: Database,
           on_outcome: Callable[[Outcome], None] = lambda o: None,
           on_plan: Callable[[list[Job]], None] = lambda jobs: None) -> BuildReport:
-    for arch in archs:
-        if arch not in TARGETS:
-            raise ValueError(f"arch: expected one of {', '.join(TARGETS)}, got {arch!r}")
+    check_archs(archs)
     start = time.monotonic()
     jobs = enumerate_jobs(db, archs, tables, where)
     on_plan(jobs)

@@ -11,9 +11,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table as RichTable
 
-from aotattn.runtime.images import SUFFIX, Archive, ImageError
+from aotattn.runtime.images import ENV_VAR, SUFFIX, Archive, ImageError, images_root
 
-console = Console()
+console = Console(soft_wrap=True)  # one problem, one line, whatever the terminal's width
 images_app = typer.Typer(help="List, extract and verify kernel image archives (docs/image-archive-format.md).",
                          no_args_is_help=True)
 
@@ -39,7 +39,7 @@ def build_command(
     where: str = typer.Option(None, help='only functionals matching, e.g. "dtype=bf16 BLOCK_D=128"'),
     jobs: int = typer.Option(os.cpu_count() or 1, help="parallel compiler processes"),
     timeout: float = typer.Option(600.0, help="seconds before one kernel's compilation is abandoned"),
-    out: Path = typer.Option(None, help="where the archives go (default: images/)"),
+    out: Path = typer.Option(None, help="where the archives go (default: $AOTATTN_IMAGES, else images/)"),
     cache: Path = typer.Option(None, help="compiled-kernel cache (default: build/cache/)"),
     tuning_db: Path = typer.Option(None, "--tuning-db", help="tuning database root (default: tuning/)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="only list what would be compiled"),
@@ -50,19 +50,21 @@ def build_command(
     cache. A failing or hanging kernel is reported and does not stop the others.
     """
     from aotattn import families
-    from aotattn.build.builder import DEFAULT_CACHE, DEFAULT_OUT, build, enumerate_jobs
-    from aotattn.tuning import Database, TuningError
+    from aotattn.build.builder import DEFAULT_CACHE, build, check_archs, enumerate_jobs
+    from aotattn.tuning import Database
 
     archs = arch or [_default_arch()]
-    tables = [name for name in families.kernels()
+    check_archs(archs)
+    known = families.kernels()
+    tables = [name for name in known
               if (not family or name.split(".")[0] in family)
               and (not kernel or name in kernel or name.split(".", 1)[1] in kernel)]
     if not tables:
-        console.print("[red]no kernel matches --family/--kernel[/red]")
-        raise typer.Exit(2)
+        raise ValueError(f"--family/--kernel: no kernel matches {' '.join(family or [])} {' '.join(kernel or [])} "
+                         f"(kernels: {', '.join(known)})")
     db = Database(tuning_db) if tuning_db else Database()
+    planned = enumerate_jobs(db, archs, tables, where)  # refuses a bad --where before anything starts
     if dry_run:
-        planned = enumerate_jobs(db, archs, tables, where)
         for job in planned:
             console.print(f"{job.arch} {job.table} [{job.functional}] {job.config} ({job.variant})", markup=False)
         console.print(f"{len(planned)} kernel(s)")
@@ -71,10 +73,7 @@ def build_command(
                         console=console)
     failures = []
     with progress:
-        task = progress.add_task("compiling", total=None)
-
-        def planned(all_jobs):
-            progress.update(task, total=len(all_jobs))
+        task = progress.add_task("compiling", total=len(planned))
 
         def done(outcome):
             progress.advance(task)
@@ -84,12 +83,8 @@ def build_command(
                                               f" {outcome.job.config}: {outcome.message.splitlines()[-1] if outcome.message else ''}"),
                                        style="red")
 
-        try:
-            report = build(archs, tables, where, out or DEFAULT_OUT, cache or DEFAULT_CACHE, jobs, timeout, db,
-                           on_outcome=done, on_plan=planned)
-        except (TuningError, ValueError) as exc:
-            console.print(escape(str(exc)), style="red")
-            raise typer.Exit(2) from exc
+        report = build(archs, tables, where, out or images_root(), cache or DEFAULT_CACHE, jobs, timeout, db,
+                       on_outcome=done)
     counts = {}
     for outcome in report.outcomes:
         counts[outcome.status] = counts.get(outcome.status, 0) + 1
@@ -102,21 +97,29 @@ def build_command(
         raise typer.Exit(1)
 
 
-def _archives(paths: list[Path]) -> list[Path]:
+def _archives(paths: list[Path] | None) -> list[Path]:
+    """The archives under ``paths`` (default: $AOTATTN_IMAGES, else images/). A named path
+    that is not a folder is taken as an archive (the reader refuses what is not a plain file)."""
     found = []
-    for path in paths:
-        found += sorted(path.rglob(f"*{SUFFIX}")) if path.is_dir() else [path]
+    for path in paths or [images_root()]:
+        if path.is_dir():
+            found += sorted(path.rglob(f"*{SUFFIX}"))
+        elif os.path.lexists(path):
+            found.append(path)
+        else:
+            raise ImageError(f"no image folder or archive {path}: build images with aotattn build --arch <arch> "
+                             f"(--out, or {ENV_VAR}, says where they go)")
     return found
 
 
 @images_app.command("ls")
-def ls(paths: list[Path] = typer.Argument(None, help="archives or folders (default: images/)")) -> None:
+def ls(paths: list[Path] = typer.Argument(None, help="archives or folders (default: $AOTATTN_IMAGES, else images/)")
+       ) -> None:
     """List archives and the kernels inside them."""
-    from aotattn.build.builder import DEFAULT_OUT
-
     table = RichTable("archive", "arch", "table", "kernels", "triton", "size")
     bad = 0
-    for path in _archives(paths or [DEFAULT_OUT]):
+    found = _archives(paths)
+    for path in found:
         try:
             archive = Archive(path)
         except ImageError as exc:
@@ -127,32 +130,41 @@ def ls(paths: list[Path] = typer.Argument(None, help="archives or folders (defau
         table.add_row(str(path), h.arch, h.table, str(len(h.entries)), h.triton_version,
                       f"{path.stat().st_size / 1024:.0f} KiB")
     console.print(table)
+    console.print(f"{len(found)} archive(s)")
     if bad:
         raise typer.Exit(1)
 
 
 @images_app.command()
 def extract(archive: Path = typer.Argument(..., help="an archive"),
-            target: Path = typer.Argument(..., help="folder to write into")) -> None:
-    """Write an archive's kernels (and index.json) into a folder; never outside it."""
-    try:
-        written = Archive(archive).extract(target)
-    except ImageError as exc:
-        console.print(escape(str(exc)), style="red")
-        raise typer.Exit(1) from exc
+            target: Path = typer.Argument(..., help="a new or empty folder to write into")) -> None:
+    """Write an archive's kernels (and index.json) into a new or empty folder; never outside it."""
+    written = Archive(archive).extract(target)
     console.print(f"{len(written)} file(s) under {target}")
 
 
 @images_app.command()
-def verify(paths: list[Path] = typer.Argument(None, help="archives or folders (default: images/)")) -> None:
-    """Check every archive: header, index checksum, each kernel's size and checksum, entry paths."""
-    from aotattn.build.builder import DEFAULT_OUT
+def verify(paths: list[Path] = typer.Argument(None, help="archives or folders (default: $AOTATTN_IMAGES, "
+                                               "else images/)")) -> None:
+    """Check every archive: header, index schema and checksum, each kernel's size and checksum,
+    entry paths, and that this aotattn would load it (Triton version, kernel source)."""
+    from aotattn import families
+    from aotattn.runtime.aot import check_loadable
 
+    archives = _archives(paths)
+    if not archives:
+        raise ImageError(f"no image archives under {' '.join(map(str, paths or [images_root()]))}: build them with "
+                         "aotattn build --arch <arch>")
     problems = []
-    archives = _archives(paths or [DEFAULT_OUT])
     for path in archives:
         try:
-            problems += Archive(path).verify()
+            archive = Archive(path)
+            problems += archive.verify()
+            spec = families.kernels().get(archive.header.table)
+            if spec is None:
+                problems.append(f"{path}: no kernel family declares {archive.header.table}")
+            else:
+                check_loadable(archive, archive.header.arch, archive.header.table, spec.module)
         except ImageError as exc:
             problems.append(str(exc))
     for problem in problems:

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from aotattn.runtime import images
 from aotattn.runtime.images import Entry, entry_key
 from aotattn.spec import Config, Functional
 
@@ -51,9 +52,9 @@ class Job:
 
 
 def source_hash(spec: Any) -> str:
-    """Triton's hash of the kernel's source and every jit function it calls."""
-    module = importlib.import_module(spec.module)
-    return getattr(module, spec.function).cache_key
+    """The hash an archive records for the kernel's source: the one the runtime recomputes,
+    without Triton, to refuse images of another source (:func:`aotattn.runtime.images.source_hash`)."""
+    return images.source_hash(spec.module)
 
 
 def _triton_inputs(job: Job) -> tuple[Any, dict, dict, dict, dict]:

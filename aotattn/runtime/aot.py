@@ -11,7 +11,6 @@ driver calls are the ctypes bindings of :mod:`aotattn.runtime.driver`.
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
 import threading
 from pathlib import Path
@@ -21,17 +20,15 @@ import torch
 
 from aotattn.runtime import driver as cuda
 from aotattn.runtime.device import arch_of
-from aotattn.runtime.images import Archive, Entry, ImageError, archive_path, entry_key
+from aotattn.runtime.images import (Archive, Entry, ImageError, archive_path, entry_key, images_root, source_hash,
+                                    triton_abi)
 from aotattn.spec import LaunchPlan
 
-ENV_VAR = "AOTATTN_IMAGES"
-PROJECT_IMAGES = Path(__file__).resolve().parents[2] / "images"
+# The argument layout LoadedKernel packs: Triton 3.6's (runtime arguments, then the global
+# and profile scratch pointers). Images compiled by another Triton minor are refused.
+TRITON_ABI = "3.6"
 _SLOT = {"i32": "i4x", "i64": "q", "fp32": "f4x", "u32": "I4x", "u64": "Q", "i1": "?7x"}
 DriverError = cuda.DriverError
-
-
-def images_root() -> Path:
-    return Path(os.environ.get(ENV_VAR) or PROJECT_IMAGES)
 
 
 def _driver() -> cuda.Driver:
@@ -93,6 +90,22 @@ class LoadedKernel:
         del keep
 
 
+def check_loadable(archive: Archive, arch: str, table: str, module: str) -> None:
+    """Refuse an archive this runtime must not launch from: another arch or kernel, another
+    Triton minor (another argument layout), or another source of the kernel's module (a
+    stale image whose arguments may no longer match the host code)."""
+    header, rebuild = archive.header, f"rebuild with: aotattn build --arch {arch} --kernel {table}"
+    if header.arch != arch or header.table != table:
+        raise ImageError(f"{archive.path}: holds {header.arch} / {header.table}, expected {arch} / {table}")
+    if triton_abi(header.triton_version) != TRITON_ABI:
+        raise ImageError(f"{archive.path}: compiled by Triton {header.triton_version}, but this aotattn launches "
+                         f"Triton {TRITON_ABI} kernels; {rebuild}")
+    expected = source_hash(module)
+    if header.source_hash != expected:
+        raise ImageError(f"{archive.path}: compiled from another version of {module} (source hash "
+                         f"{header.source_hash[:12]}, installed {expected[:12]}); {rebuild} (or set AOTATTN_MODE=jit)")
+
+
 class ImageStore:
     """Archives under one root, opened on first use."""
 
@@ -131,9 +144,7 @@ class ImageStore:
             if not path.is_file():
                 raise ImageError(self._missing(arch, plan, f"no archive {path}"))
             archive = Archive(path)
-            if archive.header.arch != arch or archive.header.table != table:
-                raise ImageError(f"{path}: holds {archive.header.arch} / {archive.header.table}, "
-                                 f"expected {arch} / {table}")
+            check_loadable(archive, arch, table, plan.kernel.module)
             self._archives[(arch, table)] = archive
         return archive
 

@@ -12,31 +12,59 @@ An archive holds the compiled kernels of one kernel of one family for one archit
 Each index entry names its functional, configuration and variant, the metadata a launch
 needs (symbol, shared memory, warps, scratch sizes), the Triton version, and where its
 blob lies; blobs are addressed by the sha256 of their uncompressed bytes, so identical
-binaries are stored once. Reading checks the index checksum and every blob's size and
-checksum: a truncated or altered archive is reported, never loaded. Nothing here imports
-Triton or touches a GPU.
+binaries are stored once.
+
+An archive is input from outside: reading it trusts nothing. Only a regular file below
+:data:`MAX_ARCHIVE_BYTES` is read; the index must match its checksum and then the schema
+(:func:`_header_from_json`: exact keys, types, ranges of the launch fields, unique keys);
+a blob is inflated at most to its declared size. Every failure is one :class:`ImageError`
+line naming the file. Nothing here imports Triton or touches a GPU.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import lzma
 import os
+import re
+import shutil
+import stat
 import struct
 import tempfile
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 MAGIC = b"AOTIMG\r\n"
 VERSION = 1
 _HEAD = struct.Struct("<8sIQ32s")
 SUFFIX = ".aotimg"
+ENV_VAR = "AOTATTN_IMAGES"
+PROJECT_IMAGES = Path(__file__).resolve().parents[2] / "images"
+
+# Limits the reader enforces (docs/image-archive-format.md, "Limits"). The full sm_90 set
+# is about 3500 kernels in 231 MB over nine archives; its largest cubin is under 2 MB.
+MAX_ARCHIVE_BYTES = 1 << 30
+MAX_INDEX_BYTES = 64 << 20
+MAX_ENTRIES = 100_000
+MAX_KERNEL_BYTES = 64 << 20  # one uncompressed binary
+MAX_SHARED_BYTES = 1 << 20  # dynamic shared memory of one launch (H100: 227 KB)
+MAX_SCRATCH_BYTES = 1 << 30  # per program
+MAX_THREADS = 1024  # per block, on every supported GPU
+_LZMA_MEMLIMIT = 128 << 20  # the writer's preset 6 needs about 9 MiB to inflate
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_TABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_VARIANTS = ("aligned", "generic")
+_BINARIES = ("cubin", "hsaco")
 
 
 class ImageError(Exception):
-    """An archive that is malformed, truncated, altered, or lacks a kernel."""
+    """An archive that is malformed, truncated, altered, hostile, stale, or lacks a kernel."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +93,13 @@ class Header:
     arch: str
     table: str  # "family.kernel"
     triton_version: str
-    source_hash: str
+    source_hash: str  # source_hash() of the kernel's module when it was compiled
     entries: tuple[Entry, ...]
+
+
+def images_root() -> Path:
+    """Where the runtime and ``aotattn images`` look: ``$AOTATTN_IMAGES`` or the project's images/."""
+    return Path(os.environ.get(ENV_VAR) or PROJECT_IMAGES)
 
 
 def entry_key(functional: dict, config: dict, variant: str) -> str:
@@ -77,6 +110,20 @@ def entry_key(functional: dict, config: dict, variant: str) -> str:
 
 def archive_path(root: Path, arch: str, table: str) -> Path:
     return Path(root) / arch / f"{table}{SUFFIX}"
+
+
+def source_hash(module: str) -> str:
+    """SHA-256 of the source file of the module holding a kernel, found without importing
+    it (so without Triton): what an archive records, and what the runtime compares."""
+    found = importlib.util.find_spec(module)
+    if found is None or not found.origin or not os.path.isfile(found.origin):
+        raise ImageError(f"cannot find the source of kernel module {module}")
+    return hashlib.sha256(Path(found.origin).read_bytes()).hexdigest()
+
+
+def triton_abi(version: str) -> str:
+    """``major.minor`` of a Triton version: what decides a compiled kernel's argument layout."""
+    return ".".join(version.split(".")[:2])
 
 
 def write_archive(path: Path, arch: str, table: str, triton_version: str, source_hash: str,
@@ -97,6 +144,7 @@ def write_archive(path: Path, arch: str, table: str, triton_version: str, source
                   for e, d, n in sorted(entries, key=lambda x: x[0].key))
     header = Header(arch, table, triton_version, source_hash, final)
     index = json.dumps(asdict(header), sort_keys=True, separators=(",", ":")).encode()
+    _header_from_json(json.loads(index), str(path), position)  # never write what the reader refuses
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
         tmp.write(_HEAD.pack(MAGIC, VERSION, len(index), hashlib.sha256(index).digest()))
@@ -108,74 +156,272 @@ def write_archive(path: Path, arch: str, table: str, triton_version: str, source
     return header
 
 
+# ----------------------------------------------------------------------------- reading
+
+
+def _read_regular_file(path: Path, limit: int) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes; anything else is refused
+    unread (a FIFO would block, a device never ends). Links to regular files are followed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ImageError(f"{path}: cannot read: {exc.strerror}") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ImageError(f"{path}: not a regular file: an archive is a plain file")
+        if info.st_size > limit:
+            raise ImageError(f"{path}: larger than the {limit >> 20} MiB an archive may be")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(limit + 1)
+    except OSError as exc:
+        raise ImageError(f"{path}: cannot read: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+    if len(raw) > limit:
+        raise ImageError(f"{path}: larger than the {limit >> 20} MiB an archive may be")
+    return raw
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"a JSON object repeats the key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_index(index: bytes, where: str) -> Any:
+    try:
+        text = index.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ImageError(f"{where}: the index is not UTF-8 (byte {exc.start}): the archive is damaged") from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant)
+    except RecursionError:
+        raise ImageError(f"{where}: the index nests too deeply: the archive is damaged or hostile") from None
+    except ValueError as exc:  # JSONDecodeError included
+        raise ImageError(f"{where}: the index is not valid JSON ({exc}): the archive is damaged") from None
+
+
+_INT_FIELDS = {name for name, kind in Entry.__annotations__.items() if kind == "int"}
+_ENTRY_FIELDS = tuple(f.name for f in fields(Entry))
+_HEADER_FIELDS = tuple(f.name for f in fields(Header))
+
+# entry field -> (lowest, highest) accepted value
+_RANGES = {
+    "shared": (0, MAX_SHARED_BYTES),
+    "num_warps": (1, MAX_THREADS // 32),
+    "warp_size": (32, 64),
+    "global_scratch_size": (0, MAX_SCRATCH_BYTES),
+    "global_scratch_align": (1, 1 << 16),
+    "profile_scratch_size": (0, MAX_SCRATCH_BYTES),
+    "offset": (0, MAX_ARCHIVE_BYTES),
+    "length": (1, MAX_ARCHIVE_BYTES),
+    "size": (1, MAX_KERNEL_BYTES),
+}
+
+
+def _object(value: Any, keys: tuple[str, ...], what: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is a {type(value).__name__}, expected an object")
+    missing = [k for k in keys if k not in value]
+    extra = sorted(set(value) - set(keys))
+    if missing or extra:
+        raise ValueError(f"{what}: " + "; ".join(
+            ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unknown key(s) {', '.join(extra)}"] if extra
+                                                                      else [])))
+    return value
+
+
+def _entry_from_json(raw: Any, what: str) -> Entry:
+    data = _object(raw, _ENTRY_FIELDS, what)
+    for name in _ENTRY_FIELDS:
+        value = data[name]
+        if name in _INT_FIELDS:
+            if type(value) is not int:
+                raise ValueError(f"{what}: {name} is {value!r}, expected an integer")
+            lo, hi = _RANGES.get(name, (0, 0))
+            if not lo <= value <= hi:
+                raise ValueError(f"{what}: {name} is {value}, expected {lo}..{hi}")
+        elif name in ("functional", "config"):
+            if not isinstance(value, dict) or not all(
+                    _NAME.fullmatch(k) and type(v) in (str, int, bool) for k, v in value.items()):
+                raise ValueError(f"{what}: {name} must map names to strings, integers or booleans")
+        elif not isinstance(value, str):
+            raise ValueError(f"{what}: {name} is {value!r}, expected a string")
+    entry = Entry(**data)
+    if entry.variant not in _VARIANTS:
+        raise ValueError(f"{what}: variant is {entry.variant!r}, expected one of {', '.join(_VARIANTS)}")
+    if entry.binary not in _BINARIES:
+        raise ValueError(f"{what}: binary is {entry.binary!r}, expected one of {', '.join(_BINARIES)}")
+    if not _NAME.fullmatch(entry.symbol):
+        raise ValueError(f"{what}: symbol {entry.symbol!r} is not a kernel name")
+    if not _SHA256.fullmatch(entry.blob):
+        raise ValueError(f"{what}: blob {entry.blob!r} is not a SHA-256 in hex")
+    if entry.warp_size not in (32, 64):
+        raise ValueError(f"{what}: warp_size is {entry.warp_size}, expected 32 or 64")
+    if entry.num_warps * entry.warp_size > MAX_THREADS:
+        raise ValueError(f"{what}: num_warps {entry.num_warps} x warp_size {entry.warp_size} exceeds "
+                         f"{MAX_THREADS} threads")
+    if entry.global_scratch_align & (entry.global_scratch_align - 1):
+        raise ValueError(f"{what}: global_scratch_align is {entry.global_scratch_align}, expected a power of two")
+    expected = entry_key(entry.functional, entry.config, entry.variant)
+    if entry.key != expected:
+        raise ValueError(f"{what}: key {entry.key!r} does not spell its functional, config and variant "
+                         f"({expected!r})")
+    return entry
+
+
+def _header_from_json(raw: Any, where: str, data_size: int) -> Header:
+    """The index, checked against the schema of docs/image-archive-format.md."""
+    try:
+        data = _object(raw, _HEADER_FIELDS, "the index")
+        for name in _HEADER_FIELDS[:-1]:
+            if not isinstance(data[name], str):
+                raise ValueError(f"the index: {name} is {data[name]!r}, expected a string")
+        if not _NAME.fullmatch(data["arch"]) or not _TABLE.fullmatch(data["table"]):
+            raise ValueError(f"the index names arch {data['arch']!r} / table {data['table']!r}")
+        entries = data["entries"]
+        if not isinstance(entries, list) or len(entries) > MAX_ENTRIES:
+            raise ValueError(f"the index: entries must be a list of at most {MAX_ENTRIES}")
+        parsed = tuple(_entry_from_json(e, f"entry {i}") for i, e in enumerate(entries))
+        seen: set[str] = set()
+        for entry in parsed:
+            if entry.key in seen:
+                raise ValueError(f"key {entry.key!r} is given twice (which one would load is undefined)")
+            seen.add(entry.key)
+            if entry.offset + entry.length > data_size:
+                raise ValueError(f"truncated: the blob of {entry.key} runs past the end")
+    except ValueError as exc:
+        raise ImageError(f"{where}: {exc}: the archive is damaged or hostile; rebuild it with aotattn build") from None
+    return Header(data["arch"], data["table"], data["triton_version"], data["source_hash"], parsed)
+
+
+def _file_problems(entries: Iterable[Entry]) -> list[str]:
+    """Why ``extract`` would refuse these entry paths: unsafe names, repeats, a name that is
+    both a file and a folder, or the index's own name."""
+    problems, names = [], {}
+    for entry in entries:
+        name = entry.file
+        path = PurePosixPath(name)
+        if (not name or len(name) > 1024 or any(ord(c) < 32 for c in name) or "\\" in name or path.is_absolute()
+                or path.as_posix() != name or any(part in ("", ".", "..") for part in name.split("/"))):
+            problems.append(f"entry {entry.key} names an unsafe path {name!r} (extract writes only plain relative "
+                            "paths inside its folder)")
+        elif name == "index.json":
+            problems.append(f"entry {entry.key} is named index.json, which extract writes itself")
+        elif name in names:
+            problems.append(f"entry {entry.key} names the same file {name!r} as entry {names[name]}")
+        else:
+            names[name] = entry.key
+    for name, key in names.items():
+        for parent in PurePosixPath(name).parents:
+            if parent.as_posix() in names:
+                problems.append(f"{parent.as_posix()!r} is both a file and a folder (of {name!r}, entry {key})")
+    return problems
+
+
 class Archive:
     """An opened archive: its index is read and checked; blobs are read on demand."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        try:
-            raw = self.path.read_bytes()
-        except OSError as exc:
-            raise ImageError(f"{self.path}: cannot read: {exc}") from exc
+        raw = _read_regular_file(self.path, MAX_ARCHIVE_BYTES)
         if len(raw) < _HEAD.size:
             raise ImageError(f"{self.path}: truncated (no header)")
         magic, version, length, digest = _HEAD.unpack_from(raw)
         if magic != MAGIC:
             raise ImageError(f"{self.path}: not an aotattn image archive")
         if version != VERSION:
-            raise ImageError(f"{self.path}: archive format {version}, this aotattn reads {VERSION}")
+            raise ImageError(f"{self.path}: archive format {version}, this aotattn reads {VERSION}: rebuild it with "
+                             "aotattn build")
+        if length > MAX_INDEX_BYTES:
+            raise ImageError(f"{self.path}: an index of {length} bytes, above the {MAX_INDEX_BYTES >> 20} MiB limit")
         index = raw[_HEAD.size:_HEAD.size + length]
         if len(index) != length:
             raise ImageError(f"{self.path}: truncated index")
         if hashlib.sha256(index).digest() != digest:
             raise ImageError(f"{self.path}: index checksum mismatch (altered or corrupted)")
-        data = json.loads(index)
-        self.header = Header(**{**data, "entries": tuple(Entry(**e) for e in data["entries"])})
         self._data = memoryview(raw)[_HEAD.size + length:]
-        for entry in self.header.entries:
-            if entry.offset < 0 or entry.offset + entry.length > len(self._data):
-                raise ImageError(f"{self.path}: truncated (blob of {entry.key} runs past the end)")
+        self.header = _header_from_json(_parse_index(index, str(self.path)), str(self.path), len(self._data))
         self.entries = {e.key: e for e in self.header.entries}
 
     def binary(self, entry: Entry) -> bytes:
-        compressed = bytes(self._data[entry.offset:entry.offset + entry.length])
+        """The entry's binary, inflated at most to its declared size and checked."""
+        inflater = lzma.LZMADecompressor(format=lzma.FORMAT_XZ, memlimit=_LZMA_MEMLIMIT)
         try:
-            binary = lzma.decompress(compressed)
+            binary = inflater.decompress(self._data[entry.offset:entry.offset + entry.length],
+                                         max_length=entry.size + 1)
         except lzma.LZMAError as exc:
-            raise ImageError(f"{self.path}: blob of {entry.key} does not decompress: {exc}") from exc
+            raise ImageError(f"{self.path}: blob of {entry.key} does not decompress: {exc}") from None
+        if len(binary) > entry.size:
+            raise ImageError(f"{self.path}: blob of {entry.key} inflates past its declared size of {entry.size} "
+                             "bytes (altered or hostile)")
+        if not inflater.eof or inflater.unused_data:
+            raise ImageError(f"{self.path}: blob of {entry.key} "
+                             f"{'ends early' if not inflater.eof else 'carries trailing data'} (altered or corrupted)")
         if len(binary) != entry.size or hashlib.sha256(binary).hexdigest() != entry.blob:
             raise ImageError(f"{self.path}: blob of {entry.key} fails its checksum (altered or corrupted)")
         return binary
 
     def verify(self) -> list[str]:
-        """Every problem found: blob checksums, and entry paths that would leave a folder."""
+        """Every problem found: blob checksums, and entry paths ``extract`` would refuse."""
         problems = []
         for entry in self.header.entries:
             try:
                 self.binary(entry)
             except ImageError as exc:
                 problems.append(str(exc))
-            if not _safe_relative(entry.file):
-                problems.append(f"{self.path}: entry {entry.key} names an unsafe path {entry.file!r}")
+        problems += [f"{self.path}: {problem}" for problem in _file_problems(self.header.entries)]
         return problems
 
     def extract(self, target: Path) -> list[Path]:
-        """Write each binary (and an index.json) under ``target``; never outside it."""
-        target = Path(target).resolve()
-        for entry in self.header.entries:
-            if not _safe_relative(entry.file) or not (target / entry.file).resolve().is_relative_to(target):
-                raise ImageError(f"{self.path}: entry {entry.key} would write outside {target}: {entry.file!r}")
-        written = []
-        for entry in self.header.entries:
-            out = target / entry.file
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_bytes(self.binary(entry))
-            written.append(out)
-        index = target / "index.json"
-        index.write_text(json.dumps(asdict(self.header), indent=1, sort_keys=True))
-        return written + [index]
+        """Write each binary (and an index.json) into ``target``, a new or empty folder.
+
+        Everything is written into a fresh staging folder beside ``target`` (no link can be
+        there), each binary checked, and the folder renamed into place at the end: on any
+        failure nothing is left, and nothing outside ``target`` is ever written.
+        """
+        problems = _file_problems(self.header.entries)
+        if problems:
+            raise ImageError(f"{self.path}: {problems[0]}" + (f" (and {len(problems) - 1} more problem(s))"
+                                                               if len(problems) > 1 else ""))
+        target = Path(os.path.abspath(target))
+        if target.is_symlink() or (target.exists() and not target.is_dir()):
+            raise ImageError(f"{self.path}: {target} is not a folder: extract into a new or empty folder")
+        if target.is_dir() and any(target.iterdir()):
+            raise ImageError(f"{self.path}: {target} is not empty: extract into a new or empty folder")
+        created = [p for p in reversed(target.parents) if not p.exists()]
+        staging = None
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+            for entry in self.header.entries:
+                out = staging / entry.file
+                out.parent.mkdir(parents=True, exist_ok=True)
+                _write_new(out, self.binary(entry))
+            _write_new(staging / "index.json", json.dumps(asdict(self.header), indent=1, sort_keys=True).encode())
+            os.chmod(staging, 0o755)
+            os.rename(staging, target)  # replaces an empty folder, never follows a link
+        except BaseException as exc:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            for folder in reversed(created):
+                try:
+                    folder.rmdir()
+                except OSError:
+                    pass
+            if isinstance(exc, OSError):
+                raise ImageError(f"{self.path}: cannot extract into {target}: {exc}") from None
+            raise
+        return [target / e.file for e in self.header.entries] + [target / "index.json"]
 
 
-def _safe_relative(name: str) -> bool:
-    path = PurePosixPath(name)
-    return bool(name) and not path.is_absolute() and ".." not in path.parts and "\\" not in name
+def _write_new(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)

@@ -11,12 +11,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table as RichTable
 
+from aotattn.spec import parse_where
 from aotattn.tuning.database import Database, default_root, diff
-from aotattn.tuning.format import NO_ENTRY, TuningError, format_config, format_functional, write_table
+from aotattn.tuning.format import NO_ENTRY, TuningError, format_config, format_functional
 
 app = typer.Typer(help="Inspect and maintain the tuning database (docs/tuning-database-format.md).",
                   no_args_is_help=True)
-console = Console()
+console = Console(soft_wrap=True)  # one problem, one line, whatever the terminal's width
 
 TUNING_DB = typer.Option(None, "--tuning-db", help="database root (default: $AOTATTN_TUNING_DB or tuning/)")
 
@@ -35,13 +36,13 @@ def show(
 ) -> None:
     """Print the effective table (after bases and patches) as grids of configuration names."""
     db = _db(tuning_db)
-    try:
-        spec = db.spec(table)
-        effective = db.effective(arch, table)
-    except TuningError as exc:
-        console.print(escape(str(exc)), style="red")
-        raise typer.Exit(1) from exc
-    chosen = [f for f in effective.blocks if f.matches(where)]
+    spec = db.spec(table)
+    wanted = parse_where(where, [spec])
+    effective = db.effective(arch, table)
+    chosen = [f for f in effective.blocks if f.matches(wanted)]
+    if not chosen:
+        raise TuningError(f"--where {where!r} matches none of the {len(effective.blocks)} functionals of {arch} / "
+                          f"{table}")
     console.print(f"{arch} / {table}: {len(effective.blocks)} functionals, {len(chosen)} match; "
                   f"base {effective.base or '-'}; patches: "
                   f"{', '.join(p.name for p in db.patch_paths(arch, table)) or '-'}")
@@ -99,9 +100,8 @@ def diff_command(
             b = db.effective(arch, table)
         else:
             a, b = db.effective(arch, table), db.effective(against or arch, table)
-    except (TuningError, subprocess.CalledProcessError) as exc:
-        console.print(escape(str(exc)), style="red")
-        raise typer.Exit(1) from exc
+    except subprocess.CalledProcessError as exc:
+        raise TuningError(f"--rev {rev}: git failed: {(exc.stderr or b'').decode(errors='replace').strip()}") from exc
     lines = diff(spec, a, b)
     for line in lines:
         console.print(line, markup=False)
@@ -110,21 +110,17 @@ def diff_command(
 
 @app.command()
 def lint(tuning_db: Path = TUNING_DB,
-         fix: bool = typer.Option(False, help="rewrite valid tables in canonical form")) -> None:
-    """Validate every table and patch (line-numbered errors); exit 1 on any problem."""
+         fix: bool = typer.Option(False, help="rewrite in canonical form the tables that are valid and lose no "
+                                  "comment; a file it does not fully understand is left alone")) -> None:
+    """Validate every table and patch: every error of each file, each once, with the
+    architectures it affects (``path:line``); exit 1 on any problem or an empty database."""
     db = _db(tuning_db)
     if fix:
-        for arch in db.archs():
-            for path in sorted(db.arch_dir(arch).glob("*.txt")):
-                try:
-                    table = db.own_table(arch, path.stem)
-                    path.write_text(write_table(db.spec(path.stem), table))
-                except TuningError:
-                    pass
-        db = _db(tuning_db)
+        for path in db.fix():
+            console.print(f"rewrote {path}", markup=False)
     problems = db.lint()
     for problem in problems:
-        console.print(escape(str(problem)), style="red", highlight=False)
+        console.print(escape(f"{problem}  (affects {', '.join(problem.archs)})"), style="red", highlight=False)
     console.print(f"{len(problems)} problem(s) in {db.root}")
     if problems:
         raise typer.Exit(1)
@@ -136,9 +132,5 @@ def squash(arch: str = typer.Option(..., help="architecture"),
            tuning_db: Path = TUNING_DB) -> None:
     """Fold a table's patches into its file and delete them (for a release)."""
     db = _db(tuning_db)
-    try:
-        removed = db.squash(arch, table)
-    except TuningError as exc:
-        console.print(escape(str(exc)), style="red")
-        raise typer.Exit(1) from exc
+    removed = db.squash(arch, table)
     console.print(f"folded {len(removed)} patch(es) into {db.table_path(arch, table)}")

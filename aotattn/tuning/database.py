@@ -21,6 +21,7 @@ from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, bu
                                    parse_table, write_table)
 
 ENV_VAR = "AOTATTN_TUNING_DB"
+MAX_BASE_DEPTH = 16  # `#! base` hops from a table to its root (the project's longest is 1)
 PROJECT_ROOT = Path(__file__).resolve().parents[2] / "tuning"
 _PATCH_NAME = re.compile(r"^(?P<table>[A-Za-z0-9_]+\.[A-Za-z0-9_]+)\.(?P<number>\d{4})-(?P<what>[A-Za-z0-9_.-]+)\.dbpatch$")
 
@@ -84,7 +85,7 @@ class Database:
         path = self.table_path(arch, table)
         if not path.is_file():
             raise TuningError(f"no table file for {arch} / {table}: expected {path}")
-        return parse_table(self.spec(table), path.read_text(), str(path), only)
+        return parse_table(self.spec(table), read_text(path), str(path), only, arch=arch)
 
     def effective(self, arch: str, table: str, patches: int | None = None, _stack: tuple[str, ...] = (),
                   only: frozenset[Functional] | None = None) -> Table:
@@ -103,6 +104,10 @@ class Database:
             where = f"{path}:{_directive_line(path, 'base')}"
             if own.base in _stack + (arch,):
                 raise TuningError(f"#! base cycle: {' -> '.join(_stack + (arch, own.base))}", where)
+            if len(_stack) >= MAX_BASE_DEPTH:
+                chain = _stack + (arch, own.base)
+                raise TuningError(f"#! base chain deeper than {MAX_BASE_DEPTH} ({' -> '.join(chain[:3])} -> ... -> "
+                                  f"{' -> '.join(chain[-2:])}): base this table on a nearer relative", where)
             if own.base not in self.archs():
                 raise TuningError(f"#! base {own.base}: no such architecture in {self.root}", where)
             base = self.effective(own.base, table, None, _stack + (arch,), only)
@@ -114,7 +119,7 @@ class Database:
             merged = own
         spec = self.spec(table)
         for patch_path in self.patch_paths(arch, table)[:patches]:
-            patch = parse_patch(spec, patch_path.read_text(), str(patch_path))
+            patch = parse_patch(spec, read_text(patch_path), str(patch_path))
             merged = apply_patch(merged, patch, str(patch_path), only)
         with self._lock:
             self._effective[key] = merged
@@ -148,34 +153,108 @@ class Database:
 
     # ------------------------------------------------------------------ maintenance
     def lint(self) -> list[TuningError]:
-        """Every problem in the database (each table resolved with its bases and patches)."""
-        problems: list[TuningError] = []
-        for arch in self.archs():
+        """Every problem in the database, each once, with ``archs`` set to the architectures
+        whose effective tables it affects (a table's own and those that inherit it).
+
+        Every error of each file is found (not only the first); then each table is resolved
+        with its bases and patches. A missing or empty database is an error, not a pass.
+        """
+        if not self.root.exists():
+            raise TuningError(f"no tuning database at {self.root}: name one with --tuning-db or {ENV_VAR}")
+        if not self.root.is_dir():
+            raise TuningError(f"{self.root} is not a folder: a tuning database is a folder of <vendor>/<arch>/ tables")
+        archs = self.archs()
+        tables = {arch: sorted(p.stem for p in self.arch_dir(arch).glob("*.txt")) for arch in archs}
+        if not any(tables.values()):
+            raise TuningError(f"no tables in {self.root}: expected <vendor>/<arch>/<family>.<kernel>.txt files")
+        found: dict[str, TuningError] = {}
+
+        def add(problem: TuningError, affected) -> None:
+            kept = found.setdefault(str(problem), problem)
+            kept.archs = tuple(sorted(set(kept.archs) | set(affected)))
+
+        for arch in archs:
             directory = self.arch_dir(arch)
             for path in sorted(directory.iterdir()):
-                name = path.name
-                if name.endswith(".txt"):
-                    table = name[:-4]
-                elif name.endswith(".dbpatch"):
-                    match = _PATCH_NAME.match(name)
-                    if not match:
-                        problems.append(TuningError("a patch is named <family>.<name>.<NNNN>-<what>.dbpatch", str(path)))
-                    elif not (directory / f"{match['table']}.txt").is_file():
-                        problems.append(TuningError(f"a patch of {match['table']}, which has no table here", str(path)))
-                    continue
-                else:
-                    problems.append(TuningError("not a table (.txt) or a patch (.dbpatch)", str(path)))
-                    continue
+                table, errors = self._lint_file(arch, path)
+                for error in errors:
+                    add(error, self._inheritors(arch, table) if table else (arch,))
+        for arch, names in tables.items():
+            for table in names:
+                if table in self.specs:
+                    try:
+                        self.effective(arch, table)
+                    except TuningError as exc:
+                        add(exc, (arch,))
+        return list(found.values())
+
+    def _lint_file(self, arch: str, path: Path) -> tuple[str | None, list[TuningError]]:
+        """The table a file belongs to (None if none) and every error inside the file."""
+        name = path.name
+        if name.endswith(".dbpatch"):
+            match = _PATCH_NAME.match(name)
+            if not match:
+                return None, [TuningError("a patch is named <family>.<name>.<NNNN>-<what>.dbpatch", str(path))]
+            table = match["table"]
+            if not (path.parent / f"{table}.txt").is_file():
+                return table, [TuningError(f"a patch of {table}, which has no table here", str(path))]
+        elif name.endswith(".txt"):
+            table = name[:-4]
+        else:
+            return None, [TuningError("not a table (.txt) or a patch (.dbpatch)", str(path))]
+        errors: list[TuningError] = []
+        try:
+            spec = self.spec(table)
+            text = read_text(path)
+            if name.endswith(".dbpatch"):
+                parse_patch(spec, text, str(path), errors=errors)
+            else:
+                own = parse_table(spec, text, str(path), arch=arch, errors=errors)
+                if not errors and write_table(spec, own) != text:
+                    lost = _lost_comments(text, write_table(spec, own))
+                    errors.append(TuningError(
+                        "not in canonical form" + (f"; --fix would drop the comment on line(s) {', '.join(lost)}: "
+                                                   "move it above the #! lines (the only place comments are kept), "
+                                                   "then run aotattn tuning lint --fix" if lost else
+                                                   " (aotattn tuning lint --fix rewrites it)"), str(path)))
+        except TuningError as exc:
+            errors.append(exc)
+        return table, errors
+
+    def _inheritors(self, arch: str, table: str) -> set[str]:
+        """``arch`` and every architecture whose ``#! base`` chain for ``table`` reaches it."""
+        bases = {a: _declared_base(self.arch_dir(a) / f"{table}.txt") for a in self.archs()}
+        reached = {arch}
+        for start in bases:
+            seen, current = [], start
+            while current is not None and current not in seen and len(seen) <= MAX_BASE_DEPTH:
+                seen.append(current)
+                if current == arch:
+                    reached.add(start)
+                    break
+                current = bases.get(current)
+        return reached
+
+    def fix(self) -> list[Path]:
+        """Rewrite in canonical form every table that parses without error and loses no
+        comment in the rewrite; returns the files rewritten. A file it does not fully
+        understand is left as it is (``lint`` says why)."""
+        fixed = []
+        for arch in self.archs():
+            for path in sorted(self.arch_dir(arch).glob("*.txt")):
+                errors: list[TuningError] = []
                 try:
-                    resolved = self.effective(arch, table)
-                    text = path.read_text()
-                    if write_table(self.spec(table), self.own_table(arch, table)) != text:
-                        problems.append(TuningError("not in canonical form (aotattn tuning lint --fix rewrites it)",
-                                                    str(path)))
-                    del resolved
-                except TuningError as exc:
-                    problems.append(exc)
-        return problems
+                    spec = self.spec(path.stem)
+                    text = read_text(path)
+                    canonical = write_table(spec, parse_table(spec, text, str(path), arch=arch, errors=errors))
+                except TuningError:
+                    continue
+                if not errors and canonical != text and not _lost_comments(text, canonical):
+                    _write_atomically(path, canonical)
+                    fixed.append(path)
+        self._effective.clear()
+        self._lookups.clear()
+        return fixed
 
     def squash(self, arch: str, table: str) -> list[Path]:
         """Fold the patches into the table file; returns the patch files, now deleted."""
@@ -229,10 +308,42 @@ def diff(spec: Any, a: Table, b: Table) -> list[str]:
 
 
 def _directive_line(path: Path, directive: str) -> int:
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(read_text(path).splitlines(), start=1):
         if line.startswith(f"#! {directive}"):
             return number
     return 1
+
+
+def _declared_base(path: Path) -> str | None:
+    """The ``#! base`` a table file names, read leniently (for lint, whatever else is wrong)."""
+    try:
+        for line in path.read_bytes().decode("utf-8", "replace").splitlines():
+            if line.startswith("#! base "):
+                return line.split()[2] if len(line.split()) > 2 else None
+            if line.startswith("["):
+                break
+    except OSError:
+        pass
+    return None
+
+
+def _lost_comments(text: str, rewritten: str) -> list[str]:
+    """Line numbers of the comments in ``text`` that ``rewritten`` no longer has."""
+    kept = set(rewritten.splitlines())
+    return [str(n) for n, line in enumerate(text.splitlines(), start=1)
+            if line.lstrip().startswith("#") and not line.startswith("#!") and line.rstrip() not in kept]
+
+
+def read_text(path: Path) -> str:
+    """A tuning file's text; bytes that are not UTF-8 are an error at their line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - data.rfind(b"\n", 0, exc.start)
+        raise TuningError(f"not valid UTF-8 (byte 0x{data[exc.start]:02x} at column {column}): save the file as "
+                          "UTF-8", f"{path}:{line}") from None
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -28,6 +28,7 @@ entry. A patch file holds a ``[configs]`` section and single-config edits::
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,11 +40,34 @@ NO_ENTRY = "."
 
 
 class TuningError(ValueError):
-    """A tuning file that cannot be used; ``where`` is ``path:line`` when known."""
+    """A tuning file that cannot be used; ``where`` is ``path:line`` when known.
+
+    ``archs``: set by ``Database.lint``, the architectures whose effective tables the
+    problem affects.
+    """
 
     def __init__(self, message: str, where: str | None = None):
         self.where = where
+        self.archs: tuple[str, ...] = ()
         super().__init__(f"{where}: {message}" if where else message)
+
+
+class _Report:
+    """Where parse errors go: raised at once (the default), or collected so that one pass
+    finds every error of a file (``aotattn tuning lint``)."""
+
+    def __init__(self, collect: list[TuningError] | None):
+        self.found = collect
+
+    def __call__(self, error: TuningError) -> None:
+        if self.found is None:
+            raise error
+        self.found.append(error)
+
+
+# The directives each kind of file may have: a typo or a misplaced one is an error, never
+# ignored (an ignored "#! bsae" would silently drop the table's inheritance).
+DIRECTIVES = {"tuning": ("aotattn-tuning", "table", "arch", "base", "keys"), "patch": ("aotattn-patch", "table")}
 
 
 @dataclass
@@ -211,18 +235,34 @@ def _selection(spec: Any, text: str, where: str, allow_ranges: bool) -> tuple[tu
     return tuple(selection)
 
 
-def _header(spec: Any, text: str, path: str, kind: str) -> tuple[dict[str, str], list[str], list]:
-    """Directives (``#! key value``), leading comments, and the remaining numbered lines."""
+def _header(spec: Any, text: str, path: str, kind: str) -> tuple[dict[str, str], dict[str, str], list[str], list]:
+    """Directives (``#! key value``), where each was given (``path:line``), leading
+    comments, and the remaining numbered lines.
+
+    The directives are ``DIRECTIVES[kind]``, each once and with a value; anything else is
+    an error at its line.
+    """
     directives: dict[str, str] = {}
+    given: dict[str, str] = {}
     comments: list[str] = []
     rest = []
     in_header = True
+    allowed = DIRECTIVES[kind]
     for number, line, where in _lines(text, path):
         if in_header and line.startswith("#!"):
             key, _, value = line[2:].strip().partition(" ")
+            if key not in allowed:
+                near = difflib.get_close_matches(key, allowed, n=1)
+                other = [k for k, names in DIRECTIVES.items() if key in names]
+                raise TuningError(f"unknown directive '#! {key}'" + (f" in a {kind} file" if other else "")
+                                  + (f" (did you mean '{near[0]}'?)" if near and not other else "")
+                                  + f"; a {kind} file's directives are {', '.join(allowed)}", where)
             if key in directives:
                 raise TuningError(f"directive #! {key} given twice", where)
+            if not value.strip() and key != "keys":  # a table without tuning keys writes "#! keys"
+                raise TuningError(f"directive #! {key} has no value", where)
             directives[key] = value.strip()
+            given[key] = where
             continue
         if in_header and line.startswith("#"):
             comments.append(line)
@@ -235,39 +275,52 @@ def _header(spec: Any, text: str, path: str, kind: str) -> tuple[dict[str, str],
     if directives.get(magic) != str(FORMAT_VERSION):
         raise TuningError(f"expected '#! {magic} {FORMAT_VERSION}' in the header", f"{path}:1")
     if directives.get("table") != spec.qualname:
-        raise TuningError(f"expected '#! table {spec.qualname}', got {directives.get('table')!r}", f"{path}:1")
-    return directives, comments, rest
+        raise TuningError(f"expected '#! table {spec.qualname}', got {directives.get('table')!r}",
+                          given.get("table", f"{path}:1"))
+    return directives, given, comments, rest
 
 
-def _sections(rest, spec: Any, path: str):
-    """Yield (header, header_where, [(number, line, where), ...]) per ``[...]`` section."""
+def _sections(rest, spec: Any, path: str, report: _Report):
+    """Yield (header, header_where, [(number, line, where), ...]) per ``[...]`` section; a
+    line that belongs to no section is reported (with a bad header, its whole section)."""
     current = None
     for number, line, where in rest:
+        if line.startswith("#!"):
+            report(TuningError(f"directive '#! {(line[2:].split() or [''])[0]}' after the header: directives come "
+                               "first, before [configs]", where))
+            continue
         if not line or line.startswith("#"):
             continue
         if line.startswith("["):
-            if not line.endswith("]"):
-                raise TuningError(f"unclosed section header {line!r}", where)
-            if current is not None:
+            if current:
                 yield current
-            current = (line[1:-1], where, [])
+            current = (line[1:-1], where, []) if line.endswith("]") else ()
+            if not current:
+                report(TuningError(f"unclosed section header {line!r}", where))
             continue
         if current is None:
-            raise TuningError(f"expected a [section] before {line!r}", where)
-        current[2].append((number, line, where))
-    if current is not None:
+            report(TuningError(f"expected a [section] before {line!r}", where))
+        elif current:
+            current[2].append((number, line, where))
+    if current:
         yield current
 
 
-def _parse_configs(spec: Any, body, configs: dict[str, Config]) -> None:
+def _parse_configs(spec: Any, body, configs: dict[str, Config], report: _Report, broken: set[str]) -> None:
+    """``broken``: names whose definition is in error (so their uses are not errors too)."""
     for _, line, where in body:
         name, eq, values = line.partition("=")
         name = name.strip()
-        if not eq or not name or not _is_name(name) or name == NO_ENTRY:
-            raise TuningError(f"expected 'name = knob=value ...', got {line!r}", where)
-        if name in configs:
-            raise TuningError(f"configuration {name!r} defined twice", where)
-        configs[name] = parse_config(spec, values, where)
+        try:
+            if not eq or not name or not _is_name(name) or name == NO_ENTRY:
+                raise TuningError(f"expected 'name = knob=value ...', got {line!r}", where)
+            if name in configs or name in broken:
+                raise TuningError(f"configuration {name!r} defined twice", where)
+            broken.add(name)
+            configs[name] = parse_config(spec, values, where)
+            broken.discard(name)
+        except TuningError as exc:
+            report(exc)
 
 
 def header_key(text: str) -> tuple[str, ...]:
@@ -279,84 +332,133 @@ def functional_key(functional: Functional) -> tuple[str, ...]:
     return tuple(sorted(f"{axis}={format_value(value)}" for axis, value in functional.items))
 
 
-def parse_table(spec: Any, text: str, path: str = "<table>", only: Collection[Functional] | None = None) -> Table:
+def parse_table(spec: Any, text: str, path: str = "<table>", only: Collection[Functional] | None = None,
+                arch: str | None = None, errors: list[TuningError] | None = None) -> Table:
     """Parse and validate a table file.
 
     ``only``: parse just the blocks of these functionals (the runtime's lookup, which
     needs one block of a table of hundreds); the other blocks are skipped unread, so
     errors inside them surface in ``aotattn tuning lint``, not here.
+    ``arch``: the architecture of the file's folder, which ``#! arch`` must name.
+    ``errors``: collect the errors of the body (each config line, section and row) here
+    and go on, instead of raising the first; the blocks in error are left out. Header
+    errors always raise.
     """
+    report = _Report(errors)
     wanted = None if only is None else {functional_key(f) for f in only}
     if wanted is not None:
         text = _blank_other_sections(text, wanted)
-    directives, comments, rest = _header(spec, text, path, "tuning")
-    arch = directives.get("arch")
-    if not arch:
+    directives, given, comments, rest = _header(spec, text, path, "tuning")
+    table_arch = directives.get("arch")
+    if not table_arch:
         raise TuningError("expected '#! arch <arch>' in the header", f"{path}:1")
+    if arch is not None and table_arch != arch:
+        raise TuningError(f"#! arch {table_arch} in the folder of {arch}: a table's arch is its folder's name "
+                          "(move the file, or correct the line)", given["arch"])
     keys_text = directives.get("keys", "")
     if keys_text != _keys_line(spec.tuning_keys):
         raise TuningError(f"expected '#! keys {_keys_line(spec.tuning_keys)}' (the keys {spec.qualname} declares), "
-                          f"got {keys_text!r}", f"{path}:1")
-    table = Table(spec.qualname, arch, spec.tuning_keys, directives.get("base") or None, comments=comments)
+                          f"got {keys_text!r}", given.get("keys", f"{path}:1"))
+    table = Table(spec.qualname, table_arch, spec.tuning_keys, directives.get("base"), comments=comments)
+    broken: set[str] = set()
+    for header, where, body in _sections(rest, spec, path, report):
+        if header == "configs":
+            _parse_configs(spec, body, table.configs, report, broken)
+            continue
+        try:
+            functional = parse_functional(spec, header, where)
+            if functional in table.blocks:
+                raise TuningError(f"functional [{header}] appears twice", where)
+        except TuningError as exc:
+            report(exc)
+            continue
+        grid = _parse_grid(spec, table, header, where, body, report, broken)
+        if grid is not None:
+            table.blocks[functional] = grid
+    return table
+
+
+def _parse_grid(spec: Any, table: Table, header: str, where: str, body, report: _Report,
+                broken: set[str]) -> list[list[str]] | None:
+    """One block's rows; None when any of them is in error (each reported)."""
     rows_n, cols_n = table.shape
     row_buckets = spec.tuning_keys[0][1] if spec.tuning_keys else (None,)
-    for header, where, body in _sections(rest, spec, path):
-        if header == "configs":
-            _parse_configs(spec, body, table.configs)
-            continue
-        functional = parse_functional(spec, header, where)
-        if functional in table.blocks:
-            raise TuningError(f"functional [{header}] appears twice", where)
-        grid: list[list[str] | None] = [None] * rows_n
-        for _, line, lwhere in body:
+    grid: list[list[str] | None] = [None] * rows_n
+    failed = False
+    for _, line, lwhere in body:
+        try:
             selector, colon, cells_text = line.partition(":")
             if not colon:
                 raise TuningError(f"expected 'row: cells', got {line!r}", lwhere)
             rows = _selection(spec, selector, lwhere, allow_ranges=False)
-            cells: list[str] = []
-            for token in cells_text.split():
-                name, star, count = token.partition("*")
-                try:
-                    n = int(count) if star else 1
-                except ValueError:
-                    raise TuningError(f"expected name*count, got {token!r}", lwhere) from None
-                if n < 1:
-                    raise TuningError(f"a run must repeat at least once, got {token!r}", lwhere)
-                cells += [name] * n
+            cells = _cells(spec, cells_text, cols_n, lwhere)
             for name in cells:
-                if name != NO_ENTRY and name not in table.configs:
+                if name != NO_ENTRY and name not in table.configs and name not in broken:
                     raise TuningError(f"unknown configuration {name!r} (not defined in [configs] above)", lwhere)
-            if len(cells) != cols_n:
-                raise TuningError(f"expected {cols_n} cells (one per "
-                                  f"{spec.tuning_keys[1][0] if len(spec.tuning_keys) > 1 else 'row'}), "
-                                  f"got {len(cells)}", lwhere)
             for bucket in (rows[0] if rows else (None,)):
                 index = row_buckets.index(bucket)
                 if grid[index] is not None:
                     raise TuningError(f"row {spec.tuning_keys[0][0]}={bucket} given twice", lwhere)
                 grid[index] = list(cells)
-        missing = [str(row_buckets[i]) for i, row in enumerate(grid) if row is None]
-        if missing:
-            raise TuningError(f"functional [{header}] has no rows for {spec.tuning_keys[0][0] if spec.tuning_keys else '*'}"
-                              f"={', '.join(missing)}", where)
-        table.blocks[functional] = grid  # type: ignore[assignment]
-    return table
+        except TuningError as exc:
+            report(exc)
+            failed = True
+    if failed:
+        return None
+    missing = [str(row_buckets[i]) for i, row in enumerate(grid) if row is None]
+    if missing:
+        report(TuningError(f"functional [{header}] has no rows for "
+                           f"{spec.tuning_keys[0][0] if spec.tuning_keys else '*'}={', '.join(missing)}", where))
+        return None
+    return grid  # type: ignore[return-value]
 
 
-def parse_patch(spec: Any, text: str, path: str = "<patch>") -> Patch:
-    _, comments, rest = _header(spec, text, path, "patch")
+def _cells(spec: Any, text: str, width: int, where: str) -> list[str]:
+    """A row's cells, ``name*count`` runs expanded. The counts are summed and checked against
+    the row's width first: ``big*100000000`` must be an error, not a billion cells."""
+    runs = []
+    for token in text.split():
+        name, star, count = token.partition("*")
+        try:
+            n = int(count) if star else 1
+        except ValueError:
+            raise TuningError(f"expected name*count, got {token!r}", where) from None
+        if n < 1:
+            raise TuningError(f"a run must repeat at least once, got {token!r}", where)
+        runs.append((name, n))
+    total = sum(n for _, n in runs)
+    if total != width:
+        raise TuningError(f"expected {width} cells (one per "
+                          f"{spec.tuning_keys[1][0] if len(spec.tuning_keys) > 1 else 'row'}), "
+                          f"got {total if total < 10**12 else 'far more'}", where)
+    return [name for name, n in runs for _ in range(n)]
+
+
+def parse_patch(spec: Any, text: str, path: str = "<patch>", errors: list[TuningError] | None = None) -> Patch:
+    """Parse a patch; ``errors`` as in :func:`parse_table` (edits in error are left out)."""
+    report = _Report(errors)
+    _, _, comments, rest = _header(spec, text, path, "patch")
     patch = Patch(spec.qualname, comments=comments)
-    for header, where, body in _sections(rest, spec, path):
+    broken: set[str] = set()
+    for header, where, body in _sections(rest, spec, path, report):
         if header == "configs":
-            _parse_configs(spec, body, patch.configs)
+            _parse_configs(spec, body, patch.configs, report, broken)
             continue
-        functional = parse_functional(spec, header, where)
+        try:
+            functional = parse_functional(spec, header, where)
+        except TuningError as exc:
+            report(exc)
+            continue
         for number, line, lwhere in body:
             selector, colon, name = line.partition(":")
             name = name.strip()
-            if not colon or not name or " " in name:
-                raise TuningError(f"expected 'selection: config', got {line!r}", lwhere)
-            selection = _selection(spec, selector, lwhere, allow_ranges=True)
+            try:
+                if not colon or not name or " " in name:
+                    raise TuningError(f"expected 'selection: config', got {line!r}", lwhere)
+                selection = _selection(spec, selector, lwhere, allow_ranges=True)
+            except TuningError as exc:
+                report(exc)
+                continue
             patch.edits.append(Edit(functional, selection, name, number))
     return patch
 

@@ -136,8 +136,8 @@ BAD_TABLES = [
     ("missing axis", TABLE.replace("[dtype=fp16 PAD=False]", "[dtype=fp16]"), 11, "lacks axes PAD"),
     ("functional twice", TABLE.replace("[dtype=bf16 PAD=False]", "[dtype=fp16 PAD=False]"), 15, "appears twice"),
     ("bad run", TABLE.replace("small*2 big", "small*x big"), 12, "expected name*count"),
-    ("keys mismatch", TABLE.replace("seqlen_k=16,32,64", "seqlen_k=16,32"), 1, "expected '#! keys"),
-    ("wrong table", TABLE.replace("#! table toy.k", "#! table toy.j"), 1, "expected '#! table toy.k'"),
+    ("keys mismatch", TABLE.replace("seqlen_k=16,32,64", "seqlen_k=16,32"), 5, "expected '#! keys"),
+    ("wrong table", TABLE.replace("#! table toy.k", "#! table toy.j"), 3, "expected '#! table toy.k'"),
     ("no version", TABLE.replace("#! aotattn-tuning 1\n", ""), 1, "expected '#! aotattn-tuning 1'"),
 ]
 

@@ -1,0 +1,445 @@
+"""Hostile and broken image archives (issue 10, items 3-7): each ends as one clear
+``ImageError`` line, in the reader, ``aotattn images`` and the runtime loader, with no
+internal traceback, no unbounded memory, no write outside the target folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import os
+import struct
+import subprocess
+import sys
+import threading
+import tracemalloc
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from aotattn import families
+from aotattn.cli import app
+from aotattn.runtime import aot, images
+from aotattn.runtime.images import Archive, Entry, ImageError, write_archive
+
+HEAD = struct.Struct("<8sIQ32s")
+TABLE = "flash.dropout_mask"
+
+
+def kernel_entry(name: str, **fields) -> Entry:
+    functional = {"dtype": "bf16", "BLOCK_D": int(name)} if name.isdigit() else {"name": name}
+    config = {"BLOCK_M": 64, "num_warps": 4}
+    values = dict(key=images.entry_key(functional, config, "generic"), functional=functional, config=config,
+                  variant="generic", symbol="kern", shared=1024, num_warps=4, warp_size=32, global_scratch_size=0,
+                  global_scratch_align=1, profile_scratch_size=0, binary="cubin", file=f"{TABLE}/{name}.cubin",
+                  blob="")
+    values.update(fields)
+    return Entry(**values)
+
+
+def make_archive(path: Path, names=("a", "b"), table: str = TABLE, triton_version: str = "3.6.0",
+                 source_hash: str | None = None, **fields) -> dict[str, bytes]:
+    """A valid archive with one random binary per name; returns name -> binary."""
+    binaries = {name: b"\x7fELF" + os.urandom(300) for name in names}
+    spec = families.kernels()[table]
+    write_archive(path, "sm_90", table, triton_version,
+                  source_hash if source_hash is not None else images.source_hash(spec.module),
+                  [(kernel_entry(name, **fields), binary) for name, binary in binaries.items()])
+    return binaries
+
+
+def split(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    _, _, length, _ = HEAD.unpack_from(raw)
+    return json.loads(raw[HEAD.size:HEAD.size + length]), raw[HEAD.size + length:]
+
+
+def rewrite(path: Path, index: bytes | dict, blobs: bytes) -> None:
+    """Write ``index`` (with a valid checksum: only the schema stands between it and the reader)."""
+    data = index if isinstance(index, bytes) else json.dumps(index).encode()
+    path.write_bytes(HEAD.pack(images.MAGIC, images.VERSION, len(data), hashlib.sha256(data).digest()) + data + blobs)
+
+
+def mutate(path: Path, change) -> None:
+    index, blobs = split(path)
+    change(index)
+    rewrite(path, index, blobs)
+
+
+def one_line_error(exc: BaseException, path: Path) -> str:
+    text = str(exc)
+    assert "\n" not in text and str(path) in text, text
+    return text
+
+
+def cli(*args: str):
+    result = CliRunner().invoke(app, list(args))
+    assert not isinstance(result.exception, (TypeError, KeyError, AttributeError, ValueError, RecursionError,
+                                             UnicodeDecodeError, OSError)), result.exception
+    return result
+
+
+# --------------------------------------------------------------------------- item 3: bombs
+
+
+def test_a_decompression_bomb_stops_at_the_declared_size(tmp_path):
+    """64 MiB of zeros (10 KB compressed) behind an entry that declares 304 bytes: the
+    reader must stop after the declared size, not inflate the whole blob first."""
+    path = tmp_path / "bomb.aotimg"
+    make_archive(path, names=("a",))
+    index, _ = split(path)
+    bomb = lzma.compress(bytes(64 << 20), preset=0)
+    index["entries"][0]["length"] = len(bomb)
+    rewrite(path, index, bomb)
+    archive = Archive(path)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ImageError, match="declared size") as info:
+            archive.binary(archive.header.entries[0])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    one_line_error(info.value, path)
+    assert peak < 4 << 20, f"peak {peak / 2**20:.0f} MiB while refusing a bomb"
+    result = cli("images", "verify", str(path))
+    assert result.exit_code == 1 and "declared size" in result.output
+
+
+def test_a_declared_size_beyond_the_limit_is_refused_before_decompressing(tmp_path):
+    path = tmp_path / "big.aotimg"
+    make_archive(path, names=("a",))
+    mutate(path, lambda index: index["entries"][0].update(size=images.MAX_KERNEL_BYTES + 1))
+    with pytest.raises(ImageError, match="size") as info:
+        Archive(path)
+    one_line_error(info.value, path)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "trailing"])
+def test_a_blob_that_ends_early_or_carries_more_is_refused(tmp_path, damage):
+    path = tmp_path / "x.aotimg"
+    binaries = make_archive(path, names=("a",))
+    index, blobs = split(path)
+    if damage == "truncated":
+        blobs = blobs[:-7]
+    else:
+        blobs = blobs + lzma.compress(b"more")
+    index["entries"][0]["length"] = len(blobs)
+    rewrite(path, index, blobs)
+    archive = Archive(path)
+    with pytest.raises(ImageError) as info:
+        archive.binary(archive.header.entries[0])
+    one_line_error(info.value, path)
+    assert len(binaries["a"]) == archive.header.entries[0].size
+
+
+# --------------------------------------------------------------------------- item 4: the index schema
+
+
+def _drop(key):
+    return lambda index: index["entries"][0].pop(key)
+
+
+def _set(key, value):
+    return lambda index: index["entries"][0].__setitem__(key, value)
+
+
+SCHEMA_CASES = {
+    "extra header key": lambda index: index.__setitem__("extra", 1),
+    "extra entry key": _set("surprise", "x"),
+    "missing header key": lambda index: index.pop("source_hash"),
+    "missing entry field": _drop("num_warps"),
+    "wrong type": _set("shared", "1024"),
+    "bool for int": _set("offset", True),
+    "float for int": _set("size", 304.0),
+    "entries not a list": lambda index: index.__setitem__("entries", {"a": 1}),
+    "entry not an object": lambda index: index["entries"].__setitem__(0, [1, 2]),
+    "nested functional value": lambda index: index["entries"][0]["functional"].__setitem__("dtype", {"x": [1]}),
+    "arch not a string": lambda index: index.__setitem__("arch", 90),
+    "bad blob digest": _set("blob", "zz"),
+    "unknown variant": _set("variant", "fast"),
+    "unknown binary kind": _set("binary", "ptx"),
+    "symbol with NUL": _set("symbol", "kern\x00evil"),
+    "negative offset": _set("offset", -5),
+}
+
+
+@pytest.mark.parametrize("change", SCHEMA_CASES.values(), ids=SCHEMA_CASES.keys())
+def test_an_index_outside_the_schema_is_refused_in_one_line(tmp_path, change):
+    path = tmp_path / "x.aotimg"
+    make_archive(path)
+    mutate(path, change)
+    with pytest.raises(ImageError) as info:
+        Archive(path)
+    one_line_error(info.value, path)
+    for command in (["images", "ls", str(path)], ["images", "verify", str(path)],
+                    ["images", "extract", str(path), str(tmp_path / "out")]):
+        result = cli(*command)
+        assert result.exit_code == 1 and str(path.name) in result.output, (command, result.output)
+    assert not (tmp_path / "out").exists()
+
+
+RAW_INDEXES = {
+    "invalid UTF-8": b'{"arch": "sm_\xff90"}',
+    "deeply nested": b"[" * 200_000 + b"]" * 200_000,
+    "not an object": b"[1, 2, 3]",
+    "not JSON": b"hello",
+    "NaN": b'{"arch": NaN}',
+    "duplicate JSON key": b'{"arch": "sm_90", "arch": "sm_80"}',
+}
+
+
+@pytest.mark.parametrize("raw", RAW_INDEXES.values(), ids=RAW_INDEXES.keys())
+def test_an_index_that_is_not_valid_json_text_is_refused_in_one_line(tmp_path, raw):
+    path = tmp_path / "x.aotimg"
+    rewrite(path, raw, b"")
+    with pytest.raises(ImageError) as info:
+        Archive(path)
+    one_line_error(info.value, path)
+    result = cli("images", "verify", str(path))
+    assert result.exit_code == 1 and "1 problem(s)" in result.output
+
+
+def test_the_runtime_loader_reports_archive_errors_as_one_image_error(tmp_path, monkeypatch):
+    spec = families.kernels()[TABLE]
+    plan = SimpleNamespace(kernel=spec, functional=None, config=None)
+    path = images.archive_path(tmp_path, "sm_90", TABLE)
+    path.parent.mkdir(parents=True)
+    make_archive(path)
+    mutate(path, SCHEMA_CASES["wrong type"])
+    with pytest.raises(ImageError) as info:
+        aot.ImageStore(tmp_path)._archive("sm_90", TABLE, plan)
+    assert "shared" in one_line_error(info.value, path)
+
+
+# --------------------------------------------------------------------------- item 5: extract
+
+
+def test_extract_writes_every_binary_and_the_index(tmp_path):
+    path = tmp_path / "x.aotimg"
+    binaries = make_archive(path)
+    written = Archive(path).extract(tmp_path / "new" / "out")
+    out = tmp_path / "new" / "out"
+    assert sorted(p.relative_to(out).as_posix() for p in written) == [f"{TABLE}/a.cubin", f"{TABLE}/b.cubin",
+                                                                       "index.json"]
+    assert {name: (out / TABLE / f"{name}.cubin").read_bytes() for name in binaries} == binaries
+    assert json.loads((out / "index.json").read_text())["table"] == TABLE
+    assert sorted(os.listdir(tmp_path / "new")) == ["out"]  # no staging folder left behind
+
+
+def test_extract_never_follows_a_link_in_the_target(tmp_path):
+    path = tmp_path / "x.aotimg"
+    make_archive(path)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "index.json").symlink_to(victim)
+    with pytest.raises(ImageError, match="not empty") as info:
+        Archive(path).extract(target)
+    one_line_error(info.value, path)
+    assert victim.read_text() == "precious" and os.listdir(target) == ["index.json"]
+    linked = tmp_path / "linked"
+    linked.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(ImageError, match="folder"):
+        Archive(path).extract(linked)
+    assert not (tmp_path / "elsewhere").exists()
+
+
+FILE_CASES = {
+    "same file twice": ("a.cubin", "a.cubin", "names the same file"),
+    "named index.json": ("index.json", "b.cubin", "index.json"),
+    "dot": (".", "b.cubin", "unsafe path"),
+    "NUL": ("a\x00.cubin", "b.cubin", "unsafe path"),
+    "parent": ("../a.cubin", "b.cubin", "unsafe path"),
+    "absolute": ("/tmp/a.cubin", "b.cubin", "unsafe path"),
+    "file and folder": ("x/a", "x/a/b", "both a file and a folder"),
+    "empty": ("", "b.cubin", "unsafe path"),
+    "not normalised": ("x//a", "b.cubin", "unsafe path"),
+}
+
+
+@pytest.mark.parametrize("first, second, message", FILE_CASES.values(), ids=FILE_CASES.keys())
+def test_extract_refuses_unsafe_or_colliding_names_and_writes_nothing(tmp_path, first, second, message):
+    path = tmp_path / "x.aotimg"
+    make_archive(path)
+
+    def rename(index):
+        index["entries"][0]["file"], index["entries"][1]["file"] = first, second
+
+    mutate(path, rename)
+    target = tmp_path / "deep" / "out"
+    with pytest.raises(ImageError, match=message) as info:
+        Archive(path).extract(target)
+    one_line_error(info.value, path)
+    assert not (tmp_path / "deep").exists()
+    assert any(message in problem for problem in Archive(path).verify())
+    result = cli("images", "extract", str(path), str(target))
+    assert result.exit_code == 1 and message in result.output
+    assert not (tmp_path / "deep").exists()
+
+
+def test_a_non_string_file_name_is_a_schema_error(tmp_path):
+    path = tmp_path / "x.aotimg"
+    make_archive(path)
+    mutate(path, _set("file", 7))
+    with pytest.raises(ImageError, match="file"):
+        Archive(path)
+
+
+def test_a_corrupt_later_binary_leaves_nothing_on_disk(tmp_path):
+    path = tmp_path / "x.aotimg"
+    make_archive(path, names=("a", "b", "c"))
+    index, blobs = split(path)
+    last = max(index["entries"], key=lambda e: e["offset"])
+    damaged = bytearray(blobs)
+    damaged[last["offset"] + last["length"] // 2] ^= 0xFF
+    rewrite(path, index, bytes(damaged))
+    target = tmp_path / "out"
+    with pytest.raises(ImageError, match=last["key"].replace("|", r"\|")):
+        Archive(path).extract(target)
+    assert os.listdir(tmp_path) == ["x.aotimg"]
+
+
+# --------------------------------------------------------------------------- item 6: keys and launch fields
+
+
+def test_a_duplicate_key_is_refused(tmp_path):
+    path = tmp_path / "x.aotimg"
+    make_archive(path)
+
+    def duplicate(index):
+        second = index["entries"][1]
+        second.update(key=index["entries"][0]["key"], functional=index["entries"][0]["functional"])
+
+    mutate(path, duplicate)
+    with pytest.raises(ImageError, match="twice") as info:
+        Archive(path)
+    one_line_error(info.value, path)
+    result = cli("images", "verify", str(path))
+    assert result.exit_code == 1 and "twice" in result.output
+
+
+def test_a_key_that_does_not_spell_its_functional_is_refused(tmp_path):
+    path = tmp_path / "x.aotimg"
+    make_archive(path)
+    mutate(path, lambda index: index["entries"][0]["functional"].__setitem__("name", "other"))
+    with pytest.raises(ImageError, match="key"):
+        Archive(path)
+
+
+LAUNCH_CASES = {
+    "negative shared": ("shared", -1),
+    "huge shared": ("shared", 2**32),
+    "zero warps": ("num_warps", 0),
+    "too many threads": ("num_warps", 64),
+    "odd warp size": ("warp_size", 48),
+    "negative scratch": ("global_scratch_size", -8),
+    "scratch align not a power of two": ("global_scratch_align", 3),
+    "negative profile scratch": ("profile_scratch_size", -1),
+    "empty symbol": ("symbol", ""),
+    "zero size": ("size", 0),
+}
+
+
+@pytest.mark.parametrize("field, value", LAUNCH_CASES.values(), ids=LAUNCH_CASES.keys())
+def test_launch_fields_outside_their_range_are_refused(tmp_path, field, value):
+    path = tmp_path / "x.aotimg"
+    make_archive(path)
+    mutate(path, _set(field, value))
+    with pytest.raises(ImageError, match=field) as info:
+        Archive(path)
+    one_line_error(info.value, path)
+
+
+def _open_for_runtime(tmp_path, **kwargs):
+    spec = families.kernels()[TABLE]
+    path = images.archive_path(tmp_path, "sm_90", TABLE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    make_archive(path, **kwargs)
+    return aot.ImageStore(tmp_path)._archive("sm_90", TABLE, SimpleNamespace(kernel=spec)), path
+
+
+def test_the_runtime_refuses_another_triton_abi_naming_both_versions(tmp_path):
+    archive, _ = _open_for_runtime(tmp_path)  # the current one loads
+    assert archive.header.table == TABLE
+    with pytest.raises(ImageError, match=r"Triton 3\.5\.1.*Triton 3\.6") as info:
+        _open_for_runtime(tmp_path / "old", triton_version="3.5.1")
+    assert "aotattn build --arch sm_90 --kernel flash.dropout_mask" in one_line_error(
+        info.value, images.archive_path(tmp_path / "old", "sm_90", TABLE))
+
+
+def test_the_runtime_refuses_images_of_another_kernel_source_naming_both_hashes(tmp_path):
+    expected = images.source_hash(families.kernels()[TABLE].module)
+    with pytest.raises(ImageError, match="source") as info:
+        _open_for_runtime(tmp_path, source_hash="0" * 64)
+    text = info.value.args[0]
+    assert "0" * 12 in text and expected[:12] in text and "aotattn build" in text and "\n" not in text
+    result = cli("images", "verify", str(tmp_path))
+    assert result.exit_code == 1 and expected[:12] in result.output
+
+
+def test_the_source_hash_is_computed_without_importing_triton():
+    code = ("import sys; from aotattn.runtime import images; "
+            "h = images.source_hash('aotattn.families.flash.kernels'); "
+            "print(len(h), 'triton' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["64", "False"], run.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- item 7: regular files only
+
+
+def test_ls_and_verify_do_not_hang_on_a_fifo(tmp_path):
+    folder = tmp_path / "images" / "sm_90"
+    folder.mkdir(parents=True)
+    fifo = folder / "flash.attn_fwd.aotimg"
+    os.mkfifo(fifo)
+    make_archive(folder / f"{TABLE}.aotimg")
+    results = {}
+
+    def run():
+        results["ls"] = cli("images", "ls", str(tmp_path / "images"))
+        results["verify"] = cli("images", "verify", str(tmp_path / "images"))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():  # release the blocked reader, then fail
+        for _ in range(2):
+            with open(fifo, "wb"):
+                pass
+        thread.join(10)
+        pytest.fail("images ls/verify blocked on a FIFO")
+    for result in results.values():
+        assert result.exit_code == 1 and "not a regular file" in result.output
+    assert "2 archive(s), 1 problem(s)" in results["verify"].output
+
+
+def test_an_archive_above_the_size_limit_is_refused_unread(tmp_path):
+    path = tmp_path / "huge.aotimg"
+    with open(path, "wb") as f:
+        f.truncate(images.MAX_ARCHIVE_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(ImageError, match="larger than") as info:
+        Archive(path)
+    one_line_error(info.value, path)
+
+
+def test_a_link_to_dev_zero_is_refused_without_reading(tmp_path):
+    """In a child with 1 GiB of address space: a reader that reads /dev/zero dies there, not here."""
+    link = tmp_path / "zero.aotimg"
+    link.symlink_to("/dev/zero")
+    code = f"""
+import importlib.util, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+spec = importlib.util.spec_from_file_location("images", {str(Path(images.__file__))!r})
+module = sys.modules["images"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+try:
+    module.Archive({str(link)!r})
+except module.ImageError as exc:
+    print("refused:", exc)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "refused:" in run.stdout and "not a regular file" in run.stdout, run.stderr[-2000:]

@@ -1,0 +1,187 @@
+"""Hostile and careless tuning files (issue 10, items 8-11; issue 16's lint): each ends as a
+clear TuningError with ``path:line``, never a MemoryError, UnicodeDecodeError or
+RecursionError, and ``lint --fix`` never deletes what it does not understand."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import pytest
+from typer.testing import CliRunner
+
+from aotattn import families
+from aotattn.cli import app
+from aotattn.tuning import Database, TuningError, parse_patch, parse_table
+from aotattn.tuning.database import MAX_BASE_DEPTH
+from tests.tuning.test_tuning import HEADER, SPECS, TABLE, TOY, f, make_db
+
+PATCH = "#! aotattn-patch 1\n#! table toy.k\n\n[dtype=fp16 PAD=False]\nseqlen_q=16 seqlen_k=*: big\n"
+
+
+def lint_cli(root):
+    return CliRunner().invoke(app, ["tuning", "lint", "--tuning-db", str(root)])
+
+
+# --------------------------------------------------------------------------- item 8: run lengths
+
+
+@pytest.mark.parametrize("count", [4, 100_000_000, 1_000_000_000_000, 10**400], ids=["4", "1e8", "1e12", "1e400"])
+def test_a_run_longer_than_the_row_is_refused_before_it_is_expanded(count):
+    text = TABLE.replace("seqlen_q=64: big*3", f"seqlen_q=64: big*{count}")
+    tracemalloc.start()
+    try:
+        with pytest.raises(TuningError) as info:
+            parse_table(TOY, text, "t.txt")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert info.value.where == "t.txt:13" and "expected 3 cells" in str(info.value)
+    assert peak < 1 << 20, f"{peak / 2**20:.0f} MiB to refuse one row"
+
+
+def test_runs_that_together_overflow_the_row_are_refused():
+    text = TABLE.replace("seqlen_q=64: big*3", "seqlen_q=64: big*2 small*99999999999")
+    with pytest.raises(TuningError, match="expected 3 cells"):
+        parse_table(TOY, text, "t.txt")
+
+
+# --------------------------------------------------------------------------- item 9: UTF-8
+
+
+def test_a_file_that_is_not_utf8_is_reported_with_path_and_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(families, "tables", lambda: SPECS)
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE})
+    path = tmp_path / "nvidia/sm_90/toy.k.txt"
+    path.write_bytes(TABLE.replace("# a comment", "# caf\xe9 comment").encode("latin-1"))
+    with pytest.raises(TuningError, match="UTF-8") as info:
+        db.lookup("sm_90", TOY, f(), {"seqlen_q": 16, "seqlen_k": 16})
+    assert info.value.where == f"{path}:1"
+    assert [p.where for p in Database(tmp_path, SPECS).lint()] == [f"{path}:1"]
+    runner = CliRunner()
+    for args in (["tuning", "lint"], ["tuning", "show", "--arch", "sm_90", "--table", "toy.k"]):
+        result = runner.invoke(app, args + ["--tuning-db", str(tmp_path)])
+        assert result.exit_code == 1 and f"{path}:1" in result.output and "UTF-8" in result.output, result.output
+        assert isinstance(result.exception, SystemExit)
+
+
+def test_a_patch_that_is_not_utf8_is_reported_with_its_line(tmp_path):
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE})
+    patch = tmp_path / "nvidia/sm_90/toy.k.0001-x.dbpatch"
+    patch.write_bytes(PATCH.replace("[dtype", "# \xff\n[dtype").encode("latin-1"))
+    with pytest.raises(TuningError, match="UTF-8") as info:
+        db.effective("sm_90", "toy.k")
+    assert info.value.where == f"{patch}:4"
+
+
+# --------------------------------------------------------------------------- item 10: directives
+
+
+def test_an_unknown_directive_is_an_error_naming_the_likely_one():
+    text = TABLE.replace("#! arch sm_90\n", "#! arch sm_90\n#! bsae sm_80\n")
+    with pytest.raises(TuningError, match=r"unknown directive '#! bsae'.*did you mean 'base'") as info:
+        parse_table(TOY, text, "t.txt")
+    assert info.value.where == "t.txt:5"
+
+
+def test_a_directive_after_the_header_is_an_error():
+    text = TABLE.replace("[dtype=bf16 PAD=False]", "#! base sm_80\n[dtype=bf16 PAD=False]")
+    with pytest.raises(TuningError, match="directive") as info:
+        parse_table(TOY, text, "t.txt")
+    assert info.value.where == "t.txt:15"
+
+
+def test_an_empty_directive_is_an_error():
+    text = TABLE.replace("#! arch sm_90\n", "#! arch sm_90\n#! base\n")
+    with pytest.raises(TuningError, match="base") as info:
+        parse_table(TOY, text, "t.txt")
+    assert info.value.where == "t.txt:5"
+
+
+def test_base_inside_a_patch_is_an_error():
+    with pytest.raises(TuningError, match="#! base") as info:
+        parse_patch(TOY, PATCH.replace("#! table toy.k\n", "#! table toy.k\n#! base sm_80\n"), "p.dbpatch")
+    assert info.value.where == "p.dbpatch:3"
+
+
+def test_an_arch_directive_must_name_its_folder(tmp_path):
+    db = make_db(tmp_path, {"nvidia/sm_80/toy.k.txt": TABLE.replace("#! arch sm_90", "#! arch gfx942")})
+    with pytest.raises(TuningError, match="gfx942.*sm_80") as info:
+        db.effective("sm_80", "toy.k")
+    assert info.value.where.endswith("sm_80/toy.k.txt:4")
+    assert any("gfx942" in str(p) for p in db.lint())
+
+
+def test_lint_fix_never_deletes_what_it_does_not_understand(tmp_path, monkeypatch):
+    monkeypatch.setattr(families, "tables", lambda: SPECS)
+    typo = TABLE.replace("#! arch sm_90\n", "#! arch sm_90\n#! bsae sm_80\n").replace("small*2 big", "small small big")
+    commented = TABLE.replace("[dtype=bf16 PAD=False]", "# why bf16 differs\n[dtype=bf16 PAD=False]").replace(
+        "big*3\n", "big big big\n", 1)
+    uncanonical = TABLE.replace("small*2 big", "small small big")
+    make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": typo, "nvidia/sm_80/toy.k.txt": commented.replace("sm_90", "sm_80"),
+                       "nvidia/sm_86/toy.k.txt": uncanonical.replace("sm_90", "sm_86")})
+    before = {p: p.read_text() for p in tmp_path.rglob("*.txt")}
+    result = CliRunner().invoke(app, ["tuning", "lint", "--fix", "--tuning-db", str(tmp_path)])
+    assert result.exit_code == 1
+    after = {p: p.read_text() for p in tmp_path.rglob("*.txt")}
+    sm90, sm80, sm86 = (tmp_path / f"nvidia/{a}/toy.k.txt" for a in ("sm_90", "sm_80", "sm_86"))
+    assert after[sm90] == before[sm90] and after[sm80] == before[sm80]  # not understood: untouched
+    assert after[sm86] == TABLE.replace("sm_90", "sm_86")  # understood: made canonical
+    assert "unknown directive '#! bsae'" in result.output
+    assert "# why bf16 differs" in after[sm80] and "drop the comment" in result.output, result.output
+
+
+# --------------------------------------------------------------------------- item 11: base depth
+
+
+def test_a_long_base_chain_ends_in_a_clear_error(tmp_path):
+    files = {f"nvidia/a{i}/toy.k.txt": HEADER.format(arch=f"a{i}", base=f"#! base a{i + 1}\n") for i in range(1000)}
+    files["nvidia/a1000/toy.k.txt"] = TABLE.replace("sm_90", "a1000")
+    db = make_db(tmp_path, files)
+    with pytest.raises(TuningError, match=rf"#! base chain deeper than {MAX_BASE_DEPTH}") as info:
+        db.effective("a0", "toy.k")
+    assert "a0 -> a1 -> " in str(info.value) and "\n" not in str(info.value)
+    shallow = f"a{1000 - MAX_BASE_DEPTH}"
+    assert db.lookup(shallow, TOY, f(), {"seqlen_q": 64, "seqlen_k": 64})["BLOCK"] == 64
+
+
+# --------------------------------------------------------------------------- lint (issue 16)
+
+
+def test_lint_reports_every_error_of_a_file(tmp_path):
+    broken = (TABLE.replace("big = BLOCK=64", "big = BLOCK=48\nbig2 = BLOK=64")
+              .replace("small*2 big", "small*2 huge").replace("[dtype=bf16 PAD=False]", "[dtype=bf16 PAD=Nope]"))
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": broken})
+    where = [p.where.rsplit(":", 1)[1] for p in db.lint()]
+    assert where == ["8", "9", "13", "16"], [str(p) for p in db.lint()]
+
+
+def test_lint_names_each_problem_once_with_the_archs_it_affects(tmp_path):
+    derived = HEADER.format(arch="sm_80", base="#! base sm_90\n")
+    patch_of_absent = PATCH.replace("dtype=fp16", "dtype=bf16").replace("seqlen_q=16", "seqlen_q=32")
+    only_fp16 = TABLE.split("\n[dtype=bf16")[0].replace("small*2 big", "small*2 huge")
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": only_fp16, "nvidia/sm_80/toy.k.txt": derived,
+                            "nvidia/sm_90/toy.k.0001-x.dbpatch": patch_of_absent,
+                            "nvidia/sm_86/toy.k.txt": TABLE.replace("sm_90", "sm_86")})
+    problems = db.lint()
+    assert len(problems) == 1, [str(p) for p in problems]
+    assert problems[0].archs == ("sm_80", "sm_90") and "unknown configuration 'huge'" in str(problems[0])
+    (tmp_path / "nvidia/sm_90/toy.k.txt").write_text(only_fp16.replace("huge", "big"))
+    problems = Database(tmp_path, SPECS).lint()
+    assert len(problems) == 1 and problems[0].archs == ("sm_80", "sm_90")
+    assert "edits a functional the table does not have" in str(problems[0])
+
+
+def test_lint_of_a_missing_or_empty_database_is_an_error(tmp_path):
+    with pytest.raises(TuningError, match="no tuning database"):
+        Database(tmp_path / "nowhere", SPECS).lint()
+    with pytest.raises(TuningError, match="no tables"):
+        Database(tmp_path, SPECS).lint()
+    (tmp_path / "nvidia/sm_90").mkdir(parents=True)
+    with pytest.raises(TuningError, match="no tables"):
+        Database(tmp_path, SPECS).lint()
+
+
+def test_lint_refuses_a_table_no_family_declares(tmp_path):
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE, "nvidia/sm_90/toy.zz.txt": TABLE})
+    problems = db.lint()
+    assert len(problems) == 1 and "toy.zz" in str(problems[0]) and "toy.k" in str(problems[0])
