@@ -92,9 +92,11 @@ def _options(
 
 def _register_subcommands() -> None:
     from aotattn.build.cli import build_command, images_app
+    from aotattn.tune.cli import app as tune_app
     from aotattn.tuning.cli import app as tuning_app
 
     app.add_typer(tuning_app, name="tuning")
+    app.add_typer(tune_app, name="tune")
     app.command("build")(build_command)
     app.add_typer(images_app, name="images")
 
