@@ -168,7 +168,10 @@ def render_status(status) -> Group:
     """The rich tables of ``aotattn pgdef status``."""
     progress = Table(title="progress", title_justify="left")
     for column in ("category", "pool", "queued", "running", "done", "failed", "cancelled", "expired", "per s", "ETA"):
-        progress.add_column(column, justify="left" if column in ("category", "pool") else "right")
+        if column in ("category", "pool"):
+            progress.add_column(column, overflow="fold")
+        else:
+            progress.add_column(column, justify="right", min_width=len(column))
     for p in status.progress:
         progress.add_row(escape(p.category), escape(p.pool), str(p.queued), str(p.running), str(p.done),
                          str(p.failed), str(p.cancelled), str(p.expired),

@@ -1,0 +1,116 @@
+"""The CLI end to end: the toy application on the embedded default with two worker
+processes and one offline batch; one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from typer.testing import CliRunner
+
+from aotattn.pgdef import EmbeddedServer, cli
+from aotattn.pgdef.cli import app
+
+REPO = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+@pytest.fixture
+def embedded_env(tmp_path, monkeypatch):
+    """No DSN anywhere: every command uses the embedded server in a private work folder."""
+    home = tmp_path / "home"
+    monkeypatch.delenv("AOTATTN_PGDEF_DSN", raising=False)
+    monkeypatch.setenv("AOTATTN_PGDEF_HOME", str(home))
+    yield home
+    EmbeddedServer(home).destroy()
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    monkeypatch.setattr(cli.console, "width", 200)
+
+
+def _stopped_workers(home: Path) -> set[str]:
+    with psycopg.connect(EmbeddedServer(home).dsn) as conn:
+        return {row[0] for row in conn.execute("SELECT id FROM pgdef_worker WHERE stopped_at IS NOT NULL")}
+
+
+def _ok(*args: str, input: str | None = None) -> str:
+    result = runner.invoke(app, list(args), input=input)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_toy_end_to_end_on_the_embedded_default(embedded_env, tmp_path):
+    # fsync off keeps the test fast; without `server start`, `init` would start it with fsync on.
+    assert _ok("server", "start", "--fast").startswith("postgresql://postgres@127.0.0.1:")
+    assert "migrations 1" in _ok("init")
+    payloads = "".join(json.dumps({"x": x}) + "\n" for x in range(-20, 40))
+    assert "60 queued, 0 already" in _ok("dispatch", "-c", "toy,square", "-p", "cpu", "--payloads", "-",
+                                         "--app", "aotattn.pgdef.toy", input=payloads)
+    assert "0 queued, 60 already" in _ok("dispatch", "-c", "toy,square", "-p", "cpu", "--payloads", "-",
+                                         input=payloads)
+    _ok("dispatch", "-c", "toy,square", "-p", "sm_90", "--payload", '{"x": 1000}', "--payload", '{"x": 1001}')
+    env = {k: v for k, v in os.environ.items() if k != "AOTATTN_PGDEF_DSN"}
+    start = time.monotonic()
+    workers = subprocess.run(
+        [sys.executable, "-m", "aotattn.pgdef", "worker", "--app", "aotattn.pgdef.toy", "--processes", "2",
+         "--exit-when-idle", "--poll", "0.1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert workers.returncode == 0, workers.stderr
+    assert "2 workers finished, exit codes [0, 0]" in workers.stdout
+    print(f"two worker processes took {time.monotonic() - start:.1f} s")
+    lines = [json.loads(line) for line in _ok("results", "-c", "toy,square", "-p", "cpu").splitlines()]
+    assert sorted(r["payload"]["x"] for r in lines) == list(range(-20, 40))
+    assert all(r["output"]["y"] == r["payload"]["x"] ** 2 for r in lines)
+    done = [int(line.split()[2]) for line in workers.stdout.splitlines() if line.startswith("worker done:")]
+    assert len(done) == 2 and sum(done) == 60  # two workers ran (a fast one may take every task)
+    stopped = _stopped_workers(embedded_env)
+    assert len(stopped) == 2 and {r["worker"] for r in lines} <= stopped
+
+    # The sm_90 tasks go through one offline batch, checked in twice.
+    batch, results = tmp_path / "batch.json", tmp_path / "results.jsonl"
+    assert "2 tasks in" in _ok("checkout", "-c", "toy,square", "-p", "sm_90", "-o", str(batch))
+    assert "2 tasks run (2 ok" in _ok("run-offline", str(batch), "--app", "aotattn.pgdef.toy", "-r", str(results))
+    assert "2 results accepted" in _ok("checkin", str(results))
+    assert "0 results accepted, 2 already had one" in _ok("checkin", str(results))
+    offline = [json.loads(line) for line in _ok("results", "-p", "sm_90").splitlines()]
+    assert sorted(r["output"]["y"] for r in offline) == [1000 ** 2, 1001 ** 2]
+
+    status = _ok("status")
+    assert "toy,square" in status and "sm_90" in status and "live workers (0)" in status
+    assert "running: postgresql://" in _ok("server", "status")
+    assert "stopped" in _ok("server", "stop")
+    assert "not running" in _ok("server", "status")
+
+
+def test_cli_errors_are_one_line(dsn, tmp_path):
+    bad = runner.invoke(app, ["dispatch", "-c", "toy,square", "-p", "cpu", "--payload", "{x", "--dsn", dsn])
+    assert bad.exit_code == 1 and "not JSON" in bad.output and "Traceback" not in bad.output
+    assert "give --category" in runner.invoke(app, ["cancel", "--dsn", dsn]).output
+    unknown = runner.invoke(app, ["worker", "--app", "no.such.module", "--dsn", dsn])
+    assert unknown.exit_code == 1 and "cannot import application module" in unknown.output
+    shard = runner.invoke(app, ["run-offline", str(tmp_path / "b.json"), "--app", "aotattn.pgdef.toy",
+                                "-r", str(tmp_path / "r"), "--shard", "2"])
+    assert shard.exit_code == 1 and "I/N" in shard.output
+    missing = runner.invoke(app, ["checkin", str(tmp_path / "nothing.jsonl"), "--dsn", dsn])
+    assert missing.exit_code == 1 and "cannot read results file" in missing.output
+
+
+def test_cli_retry_cancel_and_status_on_a_dsn(dsn):
+    _ok("dispatch", "-c", "testapp,boom", "-p", "cpu", "--payload", '{"msg": "cli"}', "--max-attempts", "1",
+        "--dsn", dsn)
+    _ok("dispatch", "-c", "testapp,square", "-p", "cpu", "--payload", '{"x": 2}', "--dsn", dsn)
+    assert "1 tasks cancelled" in _ok("cancel", "-c", "testapp,square", "--dsn", dsn)
+    from tests.pgdef.conftest import run_workers
+
+    run_workers(dsn)
+    status = _ok("status", "--dsn", dsn)
+    assert "failures" in status and "boom: cli" in status
+    assert "1 tasks re-queued" in _ok("retry", "-c", "testapp", "--dsn", dsn)
+    assert "1 tasks re-queued" in _ok("retry", "--cancelled", "--dsn", dsn)
