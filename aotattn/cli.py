@@ -92,6 +92,7 @@ def _options(
 
 def _register_subcommands() -> None:
     from aotattn.build.cli import build_command, images_app
+    from aotattn.pgdef.cli import app as pgdef_app
     from aotattn.tune.cli import app as tune_app
     from aotattn.tuning.cli import app as tuning_app
 
@@ -99,6 +100,7 @@ def _register_subcommands() -> None:
     app.add_typer(tune_app, name="tune")
     app.command("build")(build_command)
     app.add_typer(images_app, name="images")
+    app.add_typer(pgdef_app, name="pgdef")
 
 
 _register_subcommands()
