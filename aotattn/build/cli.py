@@ -160,11 +160,11 @@ def verify(paths: list[Path] = typer.Argument(None, help="archives or folders (d
         try:
             archive = Archive(path)
             problems += archive.verify()
-            spec = families.kernels().get(archive.header.table)
+            spec = families.kernels().get(archive.table)
             if spec is None:
-                problems.append(f"{path}: no kernel family declares {archive.header.table}")
+                problems.append(f"{path}: no kernel family declares {archive.table}")
             else:
-                check_loadable(archive, archive.header.arch, archive.header.table, spec.module)
+                check_loadable(archive, archive.arch, archive.table, spec.module)
         except ImageError as exc:
             problems.append(str(exc))
     for problem in problems:

@@ -94,16 +94,16 @@ def check_loadable(archive: Archive, arch: str, table: str, module: str) -> None
     """Refuse an archive this runtime must not launch from: another arch or kernel, another
     Triton minor (another argument layout), or another source of the kernel's module (a
     stale image whose arguments may no longer match the host code)."""
-    header, rebuild = archive.header, f"rebuild with: aotattn build --arch {arch} --kernel {table}"
-    if header.arch != arch or header.table != table:
-        raise ImageError(f"{archive.path}: holds {header.arch} / {header.table}, expected {arch} / {table}")
-    if triton_abi(header.triton_version) != TRITON_ABI:
-        raise ImageError(f"{archive.path}: compiled by Triton {header.triton_version}, but this aotattn launches "
+    rebuild = f"rebuild with: aotattn build --arch {arch} --kernel {table}"
+    if archive.arch != arch or archive.table != table:
+        raise ImageError(f"{archive.path}: holds {archive.arch} / {archive.table}, expected {arch} / {table}")
+    if triton_abi(archive.triton_version) != TRITON_ABI:
+        raise ImageError(f"{archive.path}: compiled by Triton {archive.triton_version}, but this aotattn launches "
                          f"Triton {TRITON_ABI} kernels; {rebuild}")
     expected = source_hash(module)
-    if header.source_hash != expected:
+    if archive.source_hash != expected:
         raise ImageError(f"{archive.path}: compiled from another version of {module} (source hash "
-                         f"{header.source_hash[:12]}, installed {expected[:12]}); {rebuild} (or set AOTATTN_MODE=jit)")
+                         f"{archive.source_hash[:12]}, installed {expected[:12]}); {rebuild} (or set AOTATTN_MODE=jit)")
 
 
 class ImageStore:
@@ -128,7 +128,7 @@ class ImageStore:
                 arch = arch_of(device)
                 archive = self._archive(arch, spec.qualname, plan)
                 variant = spec.variant(plan.functional)
-                entry = archive.entries.get(entry_key(plan.functional.as_dict(), plan.config.as_dict(), variant))
+                entry = archive.entry(entry_key(plan.functional.as_dict(), plan.config.as_dict(), variant))
                 if entry is None:
                     raise ImageError(self._missing(arch, plan, f"{archive.path} has no such kernel"))
                 with torch.cuda.device(device):

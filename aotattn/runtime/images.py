@@ -16,13 +16,15 @@ binaries are stored once.
 
 An archive is input from outside: reading it trusts nothing. Only a regular file below
 :data:`MAX_ARCHIVE_BYTES` is read; the index must match its checksum and then the schema
-(:func:`_header_from_json`: exact keys, types, ranges of the launch fields, unique keys);
-a blob is inflated at most to its declared size. Every failure is one :class:`ImageError`
-line naming the file. Nothing here imports Triton or touches a GPU.
+(exact keys, types, ranges of the launch fields, unique keys): the index's frame when the
+archive is opened, each entry before it is used. A blob is inflated at most to its
+declared size. Every failure is one :class:`ImageError` line naming the file. Nothing
+here imports Triton or touches a GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -143,7 +145,7 @@ def write_archive(path: Path, arch: str, table: str, triton_version: str, source
     final = tuple(Entry(**{**asdict(e), "blob": d, "offset": offsets[d], "length": len(blobs[d]), "size": n})
                   for e, d, n in sorted(entries, key=lambda x: x[0].key))
     header = Header(arch, table, triton_version, source_hash, final)
-    index = json.dumps(asdict(header), sort_keys=True, separators=(",", ":")).encode()
+    index = _canonical(asdict(header))
     _header_from_json(json.loads(index), str(path), position)  # never write what the reader refuses
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
@@ -183,15 +185,13 @@ def _read_regular_file(path: Path, limit: int) -> bytes:
     return raw
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"a JSON object repeats the key {next(k for k in keys if keys.count(k) > 1)!r}")
-    return dict(pairs)
-
-
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _canonical(data: Any) -> bytes:
+    """The index exactly as :func:`write_archive` writes it."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _parse_index(index: bytes, where: str) -> Any:
@@ -200,29 +200,32 @@ def _parse_index(index: bytes, where: str) -> Any:
     except UnicodeDecodeError as exc:
         raise ImageError(f"{where}: the index is not UTF-8 (byte {exc.start}): the archive is damaged") from None
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant)
+        return json.loads(text, parse_constant=_no_constant)
     except RecursionError:
         raise ImageError(f"{where}: the index nests too deeply: the archive is damaged or hostile") from None
     except ValueError as exc:  # JSONDecodeError included
         raise ImageError(f"{where}: the index is not valid JSON ({exc}): the archive is damaged") from None
 
 
-_INT_FIELDS = {name for name, kind in Entry.__annotations__.items() if kind == "int"}
 _ENTRY_FIELDS = tuple(f.name for f in fields(Entry))
+_ENTRY_KEYS = frozenset(_ENTRY_FIELDS)
 _HEADER_FIELDS = tuple(f.name for f in fields(Header))
+_STR_FIELDS = tuple(name for name, kind in Entry.__annotations__.items() if kind == "str")
+_SCALARS = (str, int, bool)
 
-# entry field -> (lowest, highest) accepted value
-_RANGES = {
-    "shared": (0, MAX_SHARED_BYTES),
-    "num_warps": (1, MAX_THREADS // 32),
-    "warp_size": (32, 64),
-    "global_scratch_size": (0, MAX_SCRATCH_BYTES),
-    "global_scratch_align": (1, 1 << 16),
-    "profile_scratch_size": (0, MAX_SCRATCH_BYTES),
-    "offset": (0, MAX_ARCHIVE_BYTES),
-    "length": (1, MAX_ARCHIVE_BYTES),
-    "size": (1, MAX_KERNEL_BYTES),
-}
+# integer field of an entry, lowest and highest accepted value
+_INT_BOUNDS = (
+    ("shared", 0, MAX_SHARED_BYTES),
+    ("num_warps", 1, MAX_THREADS // 32),
+    ("warp_size", 32, 64),
+    ("global_scratch_size", 0, MAX_SCRATCH_BYTES),
+    ("global_scratch_align", 1, 1 << 16),
+    ("profile_scratch_size", 0, MAX_SCRATCH_BYTES),
+    ("offset", 0, MAX_ARCHIVE_BYTES),
+    ("length", 1, MAX_ARCHIVE_BYTES),
+    ("size", 1, MAX_KERNEL_BYTES),
+)
+_checked_names: set[str] = set()  # names in functionals and configs already matched against _NAME
 
 
 def _object(value: Any, keys: tuple[str, ...], what: str) -> dict:
@@ -237,23 +240,31 @@ def _object(value: Any, keys: tuple[str, ...], what: str) -> dict:
     return value
 
 
-def _entry_from_json(raw: Any, what: str) -> Entry:
-    data = _object(raw, _ENTRY_FIELDS, what)
-    for name in _ENTRY_FIELDS:
-        value = data[name]
-        if name in _INT_FIELDS:
-            if type(value) is not int:
-                raise ValueError(f"{what}: {name} is {value!r}, expected an integer")
-            lo, hi = _RANGES.get(name, (0, 0))
-            if not lo <= value <= hi:
-                raise ValueError(f"{what}: {name} is {value}, expected {lo}..{hi}")
-        elif name in ("functional", "config"):
-            if not isinstance(value, dict) or not all(
-                    _NAME.fullmatch(k) and type(v) in (str, int, bool) for k, v in value.items()):
-                raise ValueError(f"{what}: {name} must map names to strings, integers or booleans")
-        elif not isinstance(value, str):
-            raise ValueError(f"{what}: {name} is {value!r}, expected a string")
-    entry = Entry(**data)
+def _names(mapping: dict) -> bool:
+    if _checked_names.issuperset(mapping):
+        return True
+    if not all(isinstance(k, str) and _NAME.fullmatch(k) for k in mapping):
+        return False
+    _checked_names.update(mapping)
+    return True
+
+
+def _entry_from_json(raw: Any, what: str, data_size: int) -> Entry:
+    """One entry, checked field by field against the schema."""
+    if type(raw) is not dict or raw.keys() != _ENTRY_KEYS:
+        _object(raw, _ENTRY_FIELDS, what)
+    for name, lo, hi in _INT_BOUNDS:
+        value = raw[name]
+        if type(value) is not int or not lo <= value <= hi:
+            raise ValueError(f"{what}: {name} is {value!r}, expected an integer {lo}..{hi}")
+    for name in _STR_FIELDS:
+        if type(raw[name]) is not str:
+            raise ValueError(f"{what}: {name} is {raw[name]!r}, expected a string")
+    for name in ("functional", "config"):
+        mapping = raw[name]
+        if type(mapping) is not dict or not _names(mapping) or not all(type(v) in _SCALARS for v in mapping.values()):
+            raise ValueError(f"{what}: {name} must map names to strings, integers or booleans")
+    entry = Entry(**raw)
     if entry.variant not in _VARIANTS:
         raise ValueError(f"{what}: variant is {entry.variant!r}, expected one of {', '.join(_VARIANTS)}")
     if entry.binary not in _BINARIES:
@@ -273,32 +284,48 @@ def _entry_from_json(raw: Any, what: str) -> Entry:
     if entry.key != expected:
         raise ValueError(f"{what}: key {entry.key!r} does not spell its functional, config and variant "
                          f"({expected!r})")
+    if entry.offset + entry.length > data_size:
+        raise ValueError(f"truncated: the blob of {entry.key} runs past the end")
     return entry
 
 
-def _header_from_json(raw: Any, where: str, data_size: int) -> Header:
-    """The index, checked against the schema of docs/image-archive-format.md."""
+def _frame(data: Any, data_size: int) -> dict[str, Any]:
+    """The index's own fields checked, and its entries by key: each an object with a string
+    ``key``, every key once (which of two would load is undefined), its blob inside the
+    file (a truncated archive is refused when opened). Raises ValueError."""
+    _object(data, _HEADER_FIELDS, "the index")
+    for name in _HEADER_FIELDS[:-1]:
+        if not isinstance(data[name], str):
+            raise ValueError(f"the index: {name} is {data[name]!r}, expected a string")
+    if not _NAME.fullmatch(data["arch"]) or not _TABLE.fullmatch(data["table"]):
+        raise ValueError(f"the index names arch {data['arch']!r} / table {data['table']!r}")
+    entries = data["entries"]
+    if not isinstance(entries, list) or len(entries) > MAX_ENTRIES:
+        raise ValueError(f"the index: entries must be a list of at most {MAX_ENTRIES}")
+    by_key: dict[str, Any] = {}
+    for i, raw in enumerate(entries):
+        if type(raw) is not dict or type(raw.get("key")) is not str:
+            raise ValueError(f"entry {i} is not an object with a string key")
+        if by_key.setdefault(raw["key"], raw) is not raw:
+            raise ValueError(f"key {raw['key']!r} is given twice (which one would load is undefined)")
+        offset, length = raw.get("offset"), raw.get("length")
+        if type(offset) is int and type(length) is int and offset + length > data_size:
+            raise ValueError(f"truncated: the blob of {raw['key']} runs past the end")
+    return by_key
+
+
+def _refuse(where: str, exc: ValueError) -> ImageError:
+    return ImageError(f"{where}: {exc}: the archive is damaged or hostile; rebuild it with aotattn build")
+
+
+def _header_from_json(data: Any, where: str, data_size: int) -> Header:
+    """The whole index, checked against the schema of docs/image-archive-format.md."""
     try:
-        data = _object(raw, _HEADER_FIELDS, "the index")
-        for name in _HEADER_FIELDS[:-1]:
-            if not isinstance(data[name], str):
-                raise ValueError(f"the index: {name} is {data[name]!r}, expected a string")
-        if not _NAME.fullmatch(data["arch"]) or not _TABLE.fullmatch(data["table"]):
-            raise ValueError(f"the index names arch {data['arch']!r} / table {data['table']!r}")
-        entries = data["entries"]
-        if not isinstance(entries, list) or len(entries) > MAX_ENTRIES:
-            raise ValueError(f"the index: entries must be a list of at most {MAX_ENTRIES}")
-        parsed = tuple(_entry_from_json(e, f"entry {i}") for i, e in enumerate(entries))
-        seen: set[str] = set()
-        for entry in parsed:
-            if entry.key in seen:
-                raise ValueError(f"key {entry.key!r} is given twice (which one would load is undefined)")
-            seen.add(entry.key)
-            if entry.offset + entry.length > data_size:
-                raise ValueError(f"truncated: the blob of {entry.key} runs past the end")
+        _frame(data, data_size)
+        entries = tuple(_entry_from_json(e, f"entry {i}", data_size) for i, e in enumerate(data["entries"]))
     except ValueError as exc:
-        raise ImageError(f"{where}: {exc}: the archive is damaged or hostile; rebuild it with aotattn build") from None
-    return Header(data["arch"], data["table"], data["triton_version"], data["source_hash"], parsed)
+        raise _refuse(where, exc) from None
+    return Header(data["arch"], data["table"], data["triton_version"], data["source_hash"], entries)
 
 
 def _file_problems(entries: Iterable[Entry]) -> list[str]:
@@ -326,7 +353,14 @@ def _file_problems(entries: Iterable[Entry]) -> list[str]:
 
 
 class Archive:
-    """An opened archive: its index is read and checked; blobs are read on demand."""
+    """An opened archive.
+
+    Opening reads the file, checks the checksum and the index's frame (its own fields, the
+    entry list, unique keys); each entry is checked in full against the schema before it
+    is used (:meth:`entry`), all of them by :attr:`header` (``ls``, ``verify``,
+    ``extract``, the build). The runtime, which loads one kernel of an archive of a
+    thousand, so pays for one entry's check. Blobs are read on demand.
+    """
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -347,8 +381,41 @@ class Archive:
         if hashlib.sha256(index).digest() != digest:
             raise ImageError(f"{self.path}: index checksum mismatch (altered or corrupted)")
         self._data = memoryview(raw)[_HEAD.size + length:]
-        self.header = _header_from_json(_parse_index(index, str(self.path)), str(self.path), len(self._data))
-        self.entries = {e.key: e for e in self.header.entries}
+        self._index_bytes = index
+        self._index = _parse_index(index, str(self.path))
+        try:
+            self._raw = _frame(self._index, len(self._data))
+        except ValueError as exc:
+            raise _refuse(str(self.path), exc) from None
+        self.arch: str = self._index["arch"]
+        self.table: str = self._index["table"]
+        self.triton_version: str = self._index["triton_version"]
+        self.source_hash: str = self._index["source_hash"]
+        self._entries: dict[str, Entry] = {}
+
+    def entry(self, key: str) -> Entry | None:
+        """The entry with this key, checked in full (ImageError), or None."""
+        entry = self._entries.get(key)
+        if entry is None:
+            raw = self._raw.get(key)
+            if raw is None:
+                return None
+            try:
+                entry = _entry_from_json(raw, f"entry {key}", len(self._data))
+            except ValueError as exc:
+                raise _refuse(str(self.path), exc) from None
+            self._entries[key] = entry
+        return entry
+
+    @functools.cached_property
+    def header(self) -> Header:
+        """The whole index, every entry checked, and the index byte for byte what the writer
+        writes (so no key is given twice in one object, where parsers disagree)."""
+        header = _header_from_json(self._index, str(self.path), len(self._data))
+        if _canonical(self._index) != self._index_bytes:
+            raise ImageError(f"{self.path}: the index is not in the canonical form aotattn writes (sorted keys, "
+                             "each once, no spaces, ASCII): the archive was altered; rebuild it with aotattn build")
+        return header
 
     def binary(self, entry: Entry) -> bytes:
         """The entry's binary, inflated at most to its declared size and checked."""

@@ -57,8 +57,9 @@ def split(path: Path) -> tuple[dict, bytes]:
 
 
 def rewrite(path: Path, index: bytes | dict, blobs: bytes) -> None:
-    """Write ``index`` (with a valid checksum: only the schema stands between it and the reader)."""
-    data = index if isinstance(index, bytes) else json.dumps(index).encode()
+    """Write ``index`` (with a valid checksum: only the schema stands between it and the reader),
+    a dict as canonical JSON, as the writer writes it."""
+    data = index if isinstance(index, bytes) else json.dumps(index, sort_keys=True, separators=(",", ":")).encode()
     path.write_bytes(HEAD.pack(images.MAGIC, images.VERSION, len(data), hashlib.sha256(data).digest()) + data + blobs)
 
 
@@ -112,7 +113,7 @@ def test_a_declared_size_beyond_the_limit_is_refused_before_decompressing(tmp_pa
     make_archive(path, names=("a",))
     mutate(path, lambda index: index["entries"][0].update(size=images.MAX_KERNEL_BYTES + 1))
     with pytest.raises(ImageError, match="size") as info:
-        Archive(path)
+        Archive(path).header
     one_line_error(info.value, path)
 
 
@@ -167,12 +168,19 @@ SCHEMA_CASES = {
 
 @pytest.mark.parametrize("change", SCHEMA_CASES.values(), ids=SCHEMA_CASES.keys())
 def test_an_index_outside_the_schema_is_refused_in_one_line(tmp_path, change):
+    """Opening checks the index's frame; every entry is checked before it is used, and all
+    of them by ``header`` (what ls, verify and extract read)."""
     path = tmp_path / "x.aotimg"
     make_archive(path)
     mutate(path, change)
     with pytest.raises(ImageError) as info:
-        Archive(path)
+        archive = Archive(path)
+        archive.header
     one_line_error(info.value, path)
+    if "archive" in locals():  # an entry's error: the runtime meets it when it loads that entry
+        with pytest.raises(ImageError) as info:
+            archive.entry(split(path)[0]["entries"][0]["key"])
+        one_line_error(info.value, path)
     for command in (["images", "ls", str(path)], ["images", "verify", str(path)],
                     ["images", "extract", str(path), str(tmp_path / "out")]):
         result = cli(*command)
@@ -201,6 +209,21 @@ def test_an_index_that_is_not_valid_json_text_is_refused_in_one_line(tmp_path, r
     assert result.exit_code == 1 and "1 problem(s)" in result.output
 
 
+def test_a_key_given_twice_in_one_json_object_is_refused(tmp_path):
+    """JSON parsers disagree on which of two equal keys counts: the index must be the
+    canonical JSON the writer writes."""
+    path = tmp_path / "x.aotimg"
+    make_archive(path)
+    index, blobs = split(path)
+    text = json.dumps(index, sort_keys=True, separators=(",", ":"))
+    assert '"shared":1024' in text
+    rewrite(path, text.replace('"shared":1024', '"shared":0,"shared":1024', 1).encode(), blobs)
+    with pytest.raises(ImageError, match="canonical") as info:
+        Archive(path).header
+    one_line_error(info.value, path)
+    assert cli("images", "verify", str(path)).exit_code == 1
+
+
 def test_the_runtime_loader_reports_archive_errors_as_one_image_error(tmp_path, monkeypatch):
     spec = families.kernels()[TABLE]
     plan = SimpleNamespace(kernel=spec, functional=None, config=None)
@@ -208,9 +231,16 @@ def test_the_runtime_loader_reports_archive_errors_as_one_image_error(tmp_path, 
     path.parent.mkdir(parents=True)
     make_archive(path)
     mutate(path, SCHEMA_CASES["wrong type"])
+    archive = aot.ImageStore(tmp_path)._archive("sm_90", TABLE, plan)
+    broken, fine = (e["key"] for e in split(path)[0]["entries"])
+    with pytest.raises(ImageError) as info:
+        archive.entry(broken)
+    assert "shared" in one_line_error(info.value, path)
+    assert archive.binary(archive.entry(fine))[:4] == b"\x7fELF"
+    mutate(path, SCHEMA_CASES["extra header key"])
     with pytest.raises(ImageError) as info:
         aot.ImageStore(tmp_path)._archive("sm_90", TABLE, plan)
-    assert "shared" in one_line_error(info.value, path)
+    assert "extra" in one_line_error(info.value, path)
 
 
 # --------------------------------------------------------------------------- item 5: extract
@@ -285,7 +315,7 @@ def test_a_non_string_file_name_is_a_schema_error(tmp_path):
     make_archive(path)
     mutate(path, _set("file", 7))
     with pytest.raises(ImageError, match="file"):
-        Archive(path)
+        Archive(path).header
 
 
 def test_a_corrupt_later_binary_leaves_nothing_on_disk(tmp_path):
@@ -326,7 +356,7 @@ def test_a_key_that_does_not_spell_its_functional_is_refused(tmp_path):
     make_archive(path)
     mutate(path, lambda index: index["entries"][0]["functional"].__setitem__("name", "other"))
     with pytest.raises(ImageError, match="key"):
-        Archive(path)
+        Archive(path).header
 
 
 LAUNCH_CASES = {
@@ -349,7 +379,7 @@ def test_launch_fields_outside_their_range_are_refused(tmp_path, field, value):
     make_archive(path)
     mutate(path, _set(field, value))
     with pytest.raises(ImageError, match=field) as info:
-        Archive(path)
+        Archive(path).header
     one_line_error(info.value, path)
 
 
