@@ -8,7 +8,10 @@ import time
 
 import pytest
 
+from rich.console import Console
+
 from aotattn.pgdef import BatchError, ConfigError, run_offline
+from aotattn.pgdef.cli import render_status
 from aotattn.pgdef.offline import Batch, read_results
 from tests.pgdef.conftest import count_results, run_workers
 
@@ -51,8 +54,13 @@ def test_batch_never_checked_in_returns_to_the_queue(client, dsn, tmp_path):
     batch = client.checkout("sm_90", ["testapp,square"], tmp_path / "b.json", lease_s=1.0)
     run_offline(tmp_path / "b.json", tmp_path / "r.jsonl", APPS, shard=(0, 2))  # half of it, never checked in
     time.sleep(1.2)
-    assert [b["expired"] for b in client.status().batches] == [True]
-    assert len(client.status().expired) == 6
+    status = client.status()
+    assert [b["expired"] for b in status.batches] == [True]
+    assert len(status.expired) == 6 and {e["lease_owner"] for e in status.expired} == {batch.owner}
+    console = Console(width=200, record=True)
+    console.print(render_status(status))
+    shown = console.export_text()
+    assert "expired leases" in shown and f"{batch.id}" in shown and "(expired)" in shown
     (worker,) = run_workers(dsn, pool="sm_90")
     assert worker.stats.requeued == 6
     results = client.results("testapp,square")
