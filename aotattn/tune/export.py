@@ -79,7 +79,7 @@ def _comment(spec: Any, result: Mapping[str, Any]) -> str:
     w = by_name[winner]
     text = f"{_CELL_PREFIX}{label}: {winner} {_ms(w.get('median_ms'))}, error {w['error']:.2e}"
     current = by_name.get(result.get("current") or "")
-    if current is not None and current["name"] != winner and current.get("median_ms"):
+    if current is not None and current["name"] != winner and current.get("median_ms") and w.get("median_ms"):
         text += f"; was {current['name']} {_ms(current['median_ms'])} ({current['median_ms'] / w['median_ms']:.2f}x)"
     elif current is not None and current["name"] == winner:
         text += " (the current choice)"

@@ -50,7 +50,9 @@ FOOTPRINTS: dict[str, Footprint] = {
                                accumulators=(Tile("BLOCK_N", "BLOCK_D", "fp32"), Tile("BLOCK_N", "BLOCK_DV", "fp32"),
                                              *_SCORES, *_SCORES),
                                mma_rows="BLOCK_N", mma_cols="BLOCK_M", pads=_PADS),
-    "attn_bwd_fused": Footprint(resident=(_K, _V), pipelined=(_Q, _DO, *_ROWS, _BIAS),
+    # the fused kernel also keeps a second copy of the q and dO tiles (measured: one more
+    # BLOCK_M x (D + Dv) than dK/dV alone, for the transposed operands of the dQ product)
+    "attn_bwd_fused": Footprint(resident=(_K, _V, _Q, _DO), pipelined=(_Q, _DO, *_ROWS, _BIAS),
                                 accumulators=(Tile("BLOCK_N", "BLOCK_D", "fp32"),
                                               Tile("BLOCK_N", "BLOCK_DV", "fp32"),
                                               Tile("BLOCK_M", "BLOCK_D", "fp32"), *_SCORES, *_SCORES),

@@ -1,0 +1,295 @@
+"""``aotattn tune``: plan, dispatch, checkout, compile, worker, run, export (docs/tuner.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+app = typer.Typer(help="The tuner: each cell's configuration chosen at GPU-filling sizes (docs/tuner.md).",
+                  no_args_is_help=True)
+console = Console(soft_wrap=True)
+
+CATEGORY = typer.Option(["flash"], "--category", "-c", help="family or family,kernel (repeatable), e.g. "
+                        "flash,attn_fwd or flash,backward")
+WHERE = typer.Option(None, help='axes and values, e.g. "dtype=fp16,bf16 BLOCK_D=64,128 MASK=0,2"')
+DTYPE = typer.Option("fp16,bf16", "--dtype", help="dtypes (the dtype axis)")
+HEAD_DIM = typer.Option(None, "--head-dim", help="head-dim buckets, e.g. 64,128 (the BLOCK_D axis; default all)")
+SEQLEN = typer.Option(None, "--seqlen", help="sequence-length buckets, e.g. 1024,4096 (default all)")
+CELLS = typer.Option("diagonal", "--cells", help="diagonal (seqlen_q = seqlen_k) or grid (every pair)")
+ARCH = typer.Option("sm_90", "--arch", help="architecture (also the pgdef pool)")
+ALL = typer.Option(False, "--all-functionals", help="also refinements (padded heads, ...), not only roots")
+LIMIT = typer.Option(8, "--limit", help="candidates per cell kept by the speed model (plus the current choice)")
+TOKENS = typer.Option(2**17, "--tokens", help="batch x heads x seqlen_q of the timed problem")
+TUNING_DB = typer.Option(None, "--tuning-db", help="tuning database root (default: $AOTATTN_TUNING_DB or tuning/)")
+DSN = typer.Option(None, "--dsn", envvar="AOTATTN_PGDEF_DSN", help="pgdef database (default: the embedded server)")
+HOME = typer.Option(None, "--home", envvar="AOTATTN_PGDEF_HOME", help="work folder of pgdef's embedded server")
+
+
+def _db(root: Path | None):
+    from aotattn.tuning import Database
+
+    return Database(root) if root else Database()
+
+
+def _select(category: list[str], where: str | None, dtype: str, head_dim: str | None, seqlen: str | None,
+            cells: str, arch: str, all_functionals: bool):
+    """(tasks the harnesses support, how many the selection had)."""
+    from aotattn.tune import harnesses, tasks
+
+    filters = tasks.parse_where(where)
+    if dtype:
+        filters.setdefault("dtype", tuple(v for v in dtype.split(",") if v))
+    if head_dim:
+        filters.setdefault("BLOCK_D", tuple(v for v in head_dim.split(",") if v))
+    try:
+        lengths = [int(v) for v in seqlen.split(",") if v] if seqlen else None
+    except ValueError as exc:
+        raise tasks.SelectionError(f"--seqlen: expected buckets like 1024,4096, got {seqlen!r}") from exc
+    tables = tasks.select_tables(category, harnesses.tunable())
+    found = list(tasks.enumerate_tasks(arch, tables, filters, lengths, cells, all_functionals))
+    chosen = [t for t in found if harnesses.supported(t.table, t.functional)]
+    if not chosen:
+        raise tasks.SelectionError("the selection holds no task the tuner can run (dropout, bias and varlen "
+                                   "functionals are not tuned yet)")
+    return chosen, len(found)
+
+
+def _settings(limit: int, tokens: int):
+    from aotattn.tune.runner import Settings
+
+    return Settings.from_json({"limit": limit, "tokens": tokens})
+
+
+def _summary(chosen, total: int, settings, db) -> None:
+    from aotattn.tune import ahead
+    from aotattn.tune.estimate import gpu_seconds
+
+    jobs = ahead.plan(chosen, settings, db)
+    functionals = {(t.table, t.functional) for t in chosen}
+    seconds = sum(gpu_seconds(t, settings) for t in chosen)
+    console.print(f"{len(chosen)} tasks ({total - len(chosen)} unsupported left out) over {len(functionals)} "
+                  f"functionals; {len(jobs)} kernels to compile; about {seconds / 60:.1f} GPU-minutes")
+
+
+@app.command()
+def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE, head_dim: str = HEAD_DIM,
+         seqlen: str = SEQLEN, cells: str = CELLS, arch: str = ARCH, all_functionals: bool = ALL,
+         limit: int = LIMIT, tokens: int = TOKENS, tuning_db: Path = TUNING_DB,
+         out: Path = typer.Option(None, "--out", help="write the tasks as JSON lines (a batch for `tune run`)")) -> None:
+    """Show what a selection holds (tasks, kernels to compile, GPU time); optionally write it as a batch."""
+    from aotattn.tune.tasks import write_batch
+
+    settings = _settings(limit, tokens)
+    chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
+    _summary(chosen, total, settings, _db(tuning_db))
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(write_batch(chosen))
+        console.print(f"wrote {out}")
+
+
+@app.command()
+def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE, head_dim: str = HEAD_DIM,
+             seqlen: str = SEQLEN, cells: str = CELLS, arch: str = ARCH, all_functionals: bool = ALL,
+             limit: int = LIMIT, tokens: int = TOKENS,
+             rerun: str = typer.Option(None, "--rerun", help="any label: queue tasks again even if done before"),
+             priority: int = typer.Option(0, help="higher runs first"),
+             dsn: str = DSN, home: Path = HOME) -> None:
+    """Queue tuning tasks in pgdef (category tune,<table>, pool = the architecture)."""
+    from aotattn.pgdef import Client
+    from aotattn.tune.app import category as category_of
+    from aotattn.tune.app import task_spec
+
+    settings = _settings(limit, tokens)
+    chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
+    by_table: dict[str, list] = {}
+    for task in chosen:
+        by_table.setdefault(task.table, []).append(task_spec(task, settings, rerun, priority))
+    with Client(dsn, home=home) as client:
+        client.init()
+        for table, specs in by_table.items():
+            report = client.dispatch(category_of(table), arch, specs, app="aotattn.tune.app")
+            console.print(f"{category_of(table)} on {arch}: {report.inserted} queued, {report.existing} already there")
+    if total > len(chosen):
+        console.print(f"{total - len(chosen)} selected tasks left out (dropout, bias, varlen: not tuned yet)")
+
+
+@app.command()
+def checkout(arch: str = ARCH, out: Path = typer.Option(..., "--out", "-o", help="the batch file to write"),
+             minutes: float = typer.Option(7.0, help="GPU minutes the batch should take (estimated)"),
+             gpus: int = typer.Option(1, help="GPUs that will run it (the batch holds minutes x gpus)"),
+             max_kernels: int = typer.Option(1000, "--max-kernels", help="at most this many kernels to compile "
+                                             "(images travel to the GPU host: ~60 KB each)"),
+             limit: int = LIMIT, tokens: int = TOKENS, tuning_db: Path = TUNING_DB,
+             lease: float = typer.Option(86400.0, help="seconds before unreturned tasks are queued again"),
+             dsn: str = DSN, home: Path = HOME) -> None:
+    """Claim queued tuning tasks into an offline batch sized to fit ``--minutes`` of GPU time."""
+    from aotattn.pgdef import Client
+    from aotattn.tune import ahead
+    from aotattn.tune.app import APP, parse_payload
+    from aotattn.tune.estimate import gpu_seconds
+
+    db = _db(tuning_db)
+    with Client(dsn, home=home) as client:
+        queued = [t for t in client.tasks(APP, arch, states=["queued"])]
+        queued.sort(key=lambda t: (-t.priority, t.id))  # pgdef's claiming order
+        budget, spent, count, jobs = minutes * 60.0 * gpus, 0.0, 0, set()
+        for info in queued:
+            task, settings = parse_payload(info.payload)
+            needed = {(j.table, j.functional, j.config) for j in ahead.task_jobs(task, settings, db)}
+            cost = gpu_seconds(task, settings)
+            if count and (spent + cost > budget or len(jobs | needed) > max_kernels):
+                break
+            spent, count, jobs = spent + cost, count + 1, jobs | needed
+        if not count:
+            console.print(f"nothing queued for {arch}")
+            return
+        categories = sorted({str(info.category) for info in queued[:count]})
+        batch = client.checkout(arch, categories, out, limit=count, lease_s=lease)
+    console.print(f"batch {batch.id}: {len(batch.tasks)} tasks (~{spent / 60:.1f} GPU-minutes, {len(jobs)} kernels) "
+                  f"in {out}")
+
+
+def _batch_tasks(path: Path):
+    """Tasks and settings of a pgdef batch file or a `tune plan --out` file."""
+    from aotattn.tune.runner import Settings
+    from aotattn.tune.tasks import read_batch
+
+    text = path.read_text()
+    if text.lstrip().startswith("{") and '"format": "pgdef-batch/' in text[:200]:
+        from aotattn.tune.app import parse_payload
+
+        return [parse_payload(t["payload"]) for t in json.loads(text)["tasks"]]
+    return [(task, Settings()) for task in read_batch(text, str(path))]
+
+
+@app.command("compile")
+def compile_command(batch: Path = typer.Argument(..., help="pgdef batch file or `tune plan --out` file"),
+                    images: Path = typer.Option(..., "--images", help="image folder to fill (carry it to the GPU)"),
+                    jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", help="parallel compiler processes"),
+                    cache: Path = typer.Option(None, help="compiled-kernel cache (default: build/cache/)"),
+                    timeout: float = typer.Option(600.0, help="seconds before one compile is abandoned"),
+                    tuning_db: Path = TUNING_DB,
+                    dry_run: bool = typer.Option(False, "--dry-run", help="only count the kernels")) -> None:
+    """Compile every kernel a batch needs, ahead of the GPU slice, into an image folder."""
+    from aotattn.build.builder import DEFAULT_CACHE
+    from aotattn.tune import ahead
+
+    db = _db(tuning_db)
+    pairs = _batch_tasks(batch)
+    needed = ahead.plan([t for t, _ in pairs], pairs[0][1], db) if pairs else []
+    if len({s for _, s in pairs}) > 1:  # settings differ between tasks: each task's own candidates
+        needed = list({(j.table, j.functional, j.config): j for t, s in pairs
+                       for j in ahead.task_jobs(t, s, db)}.values())
+    console.print(f"{len(pairs)} tasks need {len(needed)} kernels")
+    if dry_run:
+        return
+    start = time.monotonic()
+    failed = []
+    report = ahead.compile_ahead(needed, images, cache or DEFAULT_CACHE, jobs, timeout,
+                                 on_outcome=lambda o: failed.append(o) if o.status in ("failed", "timeout") else None)
+    for outcome in failed:
+        last = outcome.message.splitlines()[-1] if outcome.message else ""
+        console.print(escape(f"FAILED {outcome.job.table} [{outcome.job.functional}] {outcome.job.config}: {last}"),
+                      style="red")
+    counts: dict[str, int] = {}
+    for outcome in report.outcomes:
+        counts[outcome.status] = counts.get(outcome.status, 0) + 1
+    size = sum(p.stat().st_size for p in report.archives)
+    per = report.seconds_per_kernel()
+    console.print(f"{', '.join(f'{n} {s}' for s, n in sorted(counts.items()))} in {time.monotonic() - start:.0f} s "
+                  f"with {jobs} processes ({'-' if per is None else f'{per:.1f}'} CPU-s per compiled kernel); "
+                  f"{len(report.archives)} archives, {size / 2**20:.1f} MiB in {images}")
+
+
+@app.command()
+def worker(arch: str = ARCH, gpus: str = typer.Option("0", "--gpus", help="one worker per GPU index, e.g. 0,1"),
+           images: Path = typer.Option(None, "--images", help="image folder of the candidates (AOTATTN_IMAGES)"),
+           journal: Path = typer.Option(Path("build/tune/journal"), "--journal", help="per-task journals (resume)"),
+           exit_when_idle: bool = typer.Option(False, "--exit-when-idle"),
+           dsn: str = DSN, home: Path = HOME) -> None:
+    """Run GPU workers that take tuning tasks from pgdef (online; see `pgdef run-offline` for offline)."""
+    from aotattn.pgdef.worker import spawn_workers
+
+    from aotattn.tune.runner import JOURNAL_VAR
+
+    env = dict(os.environ, **{JOURNAL_VAR: str(journal.resolve())})
+    if images:
+        env["AOTATTN_IMAGES"] = str(images.resolve())
+    args = ["--app=aotattn.tune.app", "--pool", arch] + (["--exit-when-idle"] if exit_when_idle else [])
+    args += ["--dsn", dsn] if dsn else []
+    args += ["--home", str(home)] if home else []
+    procs = spawn_workers(args, gpus=[int(g) for g in gpus.split(",") if g.strip()], env=env)
+    codes = [p.wait() for p in procs]
+    console.print(f"{len(procs)} workers finished, exit codes {codes}")
+    raise typer.Exit(max(codes, default=0))
+
+
+@app.command()
+def run(batch: Path = typer.Argument(..., help="a `tune plan --out` file (JSON lines of tasks)"),
+        results: Path = typer.Option(..., "--results", help="folder of result files (one JSON per task)"),
+        shard: str = typer.Option("0/1", help="run every N-th task from I, as I/N"),
+        device: str = typer.Option(None, help="cuda (default when present) or cpu (the interpreter)"),
+        deadline: float = typer.Option(None, "--deadline-s", help="start no task after this many seconds"),
+        tuning_db: Path = TUNING_DB) -> None:
+    """Run tasks without pgdef: results as files, resumable (skips tasks that have one)."""
+    from aotattn.tune.offline import run_batch
+
+    done = run_batch(batch, results, shard=shard, device=device, deadline_s=deadline, db=_db(tuning_db),
+                     log=lambda line: console.print(escape(line)))
+    console.print(f"{done} tasks run into {results}")
+
+
+def _load_results(paths: list[Path]) -> list[dict[str, Any]]:
+    """Tuner results from pgdef results files (JSON lines), result folders or single result files."""
+    from aotattn.tune.runner import RESULT_FORMAT
+
+    found: list[dict[str, Any]] = []
+    for path in paths:
+        files = sorted(path.rglob("*.json*")) if path.is_dir() else [path]
+        for file in files:
+            text = file.read_text()
+            if file.suffix == ".jsonl":
+                if '"format":"pgdef-results/' not in text[:200].replace(" ", ""):
+                    continue  # a journal
+                from aotattn.pgdef.offline import read_results
+
+                found += [o.output for o in read_results(file)[1] if o.ok]
+            else:
+                data = json.loads(text)
+                found += data if isinstance(data, list) else [data]
+    return [r for r in found if isinstance(r, dict) and r.get("format") == RESULT_FORMAT]
+
+
+@app.command()
+def export(results: list[Path] = typer.Argument(None, help="result files or folders (default: pgdef's results)"),
+           tuning_db: Path = TUNING_DB, dry_run: bool = typer.Option(False, "--dry-run"),
+           arch: str = typer.Option(None, "--arch", help="only results for this architecture"),
+           dsn: str = DSN, home: Path = HOME) -> None:
+    """Write the winners as .dbpatch layers of the tuning database (re-export replaces only their cells)."""
+    from aotattn.tune import export as exporter
+
+    if results:
+        found = _load_results(results)
+    else:
+        from aotattn.pgdef import Client
+        from aotattn.tune.app import APP
+
+        with Client(dsn, home=home) as client:
+            found = [r.output for r in client.results(APP, arch)]
+    found = [r for r in found if arch is None or r["task"]["arch"] == arch]
+    if not found:
+        raise ValueError("no tuner results to export (check in offline batches first: aotattn pgdef checkin)")
+    for table in exporter.export(found, _db(tuning_db), dry_run=dry_run):
+        empty = f"; {len(table.empty)} without an eligible candidate" if table.empty else ""
+        console.print(f"{table.arch} {table.table}: {table.cells} cells from results ({table.unchanged} keep the "
+                      f"current choice), {table.kept} kept from before{empty} -> {table.path}"
+                      + (" (dry run)" if dry_run else ""))
+

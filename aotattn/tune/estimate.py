@@ -1,0 +1,38 @@
+"""How long a task takes on the GPU, estimated before running it (to size batches).
+
+A model, not a measurement: the timed problem's standard FLOP count at an assumed
+throughput, times the calls the runner makes (accuracy, probe, full timing of the
+finalists, the inputs made afresh before each call), plus fixed costs (the float64
+reference, loading each candidate's kernel). Compare with the ``seconds`` every result
+records, and adjust ``THROUGHPUT`` when they disagree.
+"""
+
+from __future__ import annotations
+
+from aotattn.tune import timing
+from aotattn.tune.harnesses import harness
+from aotattn.tune.runner import Settings
+from aotattn.tune.tasks import Task, table_spec
+
+THROUGHPUT = 250e12  # FLOP/s of a typical candidate (H200, bf16: the seeds run 200-500)
+FP64_THROUGHPUT = 20e12  # the reference's float64 einsums, memory-bound
+PER_CANDIDATE_S = 0.05  # kernel load, accuracy launches, synchronizations
+PER_TASK_S = 0.5  # problems, references' allocations, result
+
+
+def gpu_seconds(task: Task, settings: Settings) -> float:
+    h = harness(task.table)
+    shape = h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes)
+    call = h.flops(task.table, shape, task.functional) / THROUGHPUT + 20e-6
+    # fresh inputs before each call: for a backward, a forward (2/5 of its FLOPs) and the refill
+    fresh = call * 0.4 if task.table != "flash.attn_fwd" else call * 0.1
+    spec = table_spec(task.table)
+    candidates = settings.limit + 1 if hasattr(spec, "arguments") else len(spec.tuning_space[0][1])
+    reference = sum(h.flops(task.table, s, task.functional) for s in
+                    h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch,
+                                      settings.accuracy_heads)) / FP64_THROUGHPUT
+    repeats = timing.repeats_for(call * 1e3, settings.budget_ms, lowest=settings.repeats[0],
+                                 highest=settings.repeats[1])
+    finalists = min(candidates, settings.finalists + 1)
+    return (PER_TASK_S + reference + candidates * (PER_CANDIDATE_S + 3 * (call + fresh))
+            + finalists * (1 + repeats) * (call + fresh))

@@ -1,0 +1,111 @@
+"""The tuner on pgdef, against a real PostgreSQL: online workers and an offline batch,
+each ending in an export (tasks run in the interpreter: AOTATTN_TUNE_DEVICE=cpu)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from aotattn.cli import app as cli
+from aotattn.pgdef import Client, PayloadError, Worker
+from aotattn.spec import Config
+from aotattn.tune import app as tune_app
+from aotattn.tune import export, offline
+from aotattn.tune.cli import _load_results
+from aotattn.tune.runner import JOURNAL_VAR
+from tests.pgdef.conftest import fast_config
+from tests.tune.conftest import TINY, forward_task
+
+APP = "aotattn.tune.app"
+
+
+@pytest.fixture
+def cpu_tasks(monkeypatch, tmp_path):
+    monkeypatch.setenv(tune_app.DEVICE_VAR, "cpu")
+    monkeypatch.setenv(JOURNAL_VAR, str(tmp_path / "journal"))
+    monkeypatch.setenv("AOTATTN_TUNING_DB", str(tmp_path / "tuning"))
+
+
+def _winner(db, result) -> Config:
+    from aotattn.families.flash import rules
+    from aotattn.tuning import Database
+
+    task = forward_task(cell=tuple(result["task"]["cell"]))
+    return Database(db.root).lookup("sm_90", rules.ATTN_FWD, task.functional,
+                                    dict(zip(("seqlen_q", "seqlen_k"), task.cell)))
+
+
+def test_online_worker_then_export(dsn, cpu_tasks, tuning_copy):
+    task = forward_task(cell=(16, 16))
+    with Client(dsn) as client:
+        first = client.dispatch(tune_app.category(task.table), "sm_90", [tune_app.task_spec(task, TINY)], app=APP)
+        again = client.dispatch(tune_app.category(task.table), "sm_90", [tune_app.task_spec(task, TINY)], app=APP)
+        assert (first.inserted, again.inserted, again.existing) == (1, 0, 1)  # keyed by the task id
+        with pytest.raises(PayloadError):
+            client.dispatch(tune_app.category(task.table), "sm_90", [{"task": {"arch": "sm_90"}}], app=APP)
+        Worker(dsn, [APP], fast_config(pool="sm_90", gpu=0, lease_s=60.0)).run()
+        results = client.results("tune", "sm_90")
+    assert len(results) == 1 and results[0].key == task.id
+    output = results[0].output
+    assert output["id"] == task.id and output["winner"] is not None
+    export.export([output], tuning_copy, allow_cpu_clock=True)
+    assert _winner(tuning_copy, output) == Config.of(output["winner_config"])
+
+
+def test_offline_batch_checkin_twice_then_export(dsn, cpu_tasks, tmp_path, tuning_copy):
+    task = forward_task(cell=(32, 32))
+    batch, results = tmp_path / "batch.json", tmp_path / "results"
+    with Client(dsn) as client:
+        client.dispatch(tune_app.category(task.table), "sm_90", [tune_app.task_spec(task, TINY)], app=APP)
+        assert client.checkout("sm_90", [tune_app.category(task.table)], batch) is not None
+        assert offline.is_pgdef_batch(batch)
+        assert offline.main([str(batch), "--results", str(results), "--gpu", "0"]) == 0
+        assert offline.main([str(batch), "--results", str(results)]) == 0  # resumes: nothing left to run
+        files = sorted(results.glob("results-*.jsonl"))
+        assert [r.accepted for r in (client.checkin(files), client.checkin(files))] == [1, 0]
+        stored = client.results("tune")
+    found = _load_results([results])
+    assert len(found) == 1 and found[0] == stored[0].output
+    export.export(found, tuning_copy, allow_cpu_clock=True)
+    assert _winner(tuning_copy, found[0]) == Config.of(found[0]["winner_config"])
+
+
+def test_cli_dispatch_and_plan(dsn, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "tasks.jsonl"
+    plan = runner.invoke(cli, ["tune", "plan", "-c", "flash,attn_fwd", "--dtype", "bf16", "--head-dim", "64",
+                               "--seqlen", "1024,4096", "--out", str(out)])
+    assert plan.exit_code == 0, plan.output
+    assert "4 tasks" in plan.output and len(out.read_text().splitlines()) == 4
+    args = ["tune", "dispatch", "-c", "flash,attn_fwd", "-c", "flash,backward", "--dtype", "bf16", "--head-dim", "64",
+            "--seqlen", "1024", "--dsn", dsn]
+    first, second = runner.invoke(cli, args), runner.invoke(cli, args)
+    assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
+    assert "tune,flash.attn_fwd on sm_90: 2 queued" in first.output
+    assert "tune,flash.backward on sm_90: 4 queued" in first.output  # MASK 0, 2 x deterministic or not
+    assert "0 queued, 2 already there" in second.output
+    with Client(dsn) as client:
+        payloads = [t.payload for t in client.tasks("tune")]
+    assert all(tune_app.parse_payload(p)[0].arch == "sm_90" for p in payloads) and len(payloads) == 6
+    bad = runner.invoke(cli, ["tune", "plan", "-c", "flash,nosuch"])
+    assert bad.exit_code == 1 and "no tunable table" in bad.output
+
+
+def test_core_batch_resumes_and_stops_at_the_deadline(forward_results, tmp_path):
+    results, _ = forward_results
+    tasks = [forward_task(cell=tuple(r["task"]["cell"])) for r in results]
+    batch = tmp_path / "tasks.jsonl"
+    from aotattn.tune.tasks import write_batch
+
+    batch.write_text(write_batch(tasks))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / f"{tasks[0].id}.json").write_text(json.dumps(results[0]))
+    seen = []
+    assert offline.run_batch(batch, out, deadline_s=0.0, log=seen.append) == 0  # task 0 done, task 1 past deadline
+    assert len(seen) == 1 and "deadline" in seen[0]
+    assert _load_results([out]) == [json.loads(json.dumps(results[0]))]
+    with pytest.raises(ValueError, match="shard"):
+        offline.run_batch(batch, out, shard="2/2")

@@ -1,0 +1,109 @@
+"""One tuning task end to end in the interpreter, the gate, the choice, the journal."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from aotattn.families.flash import rules
+from aotattn.spec import Config, Functional
+from aotattn.tune import runner
+from aotattn.tune.candidates import config_name
+from aotattn.tune.tasks import Task
+from aotattn.tuning import Database
+from tests.tune.conftest import PROJECT_TUNING, TINY, forward_task
+
+
+def test_gate():
+    bound, eligible = runner.gate({"a": 1e-3, "b": 2.9e-3, "c": 3.1e-3, "d": math.nan, "e": math.inf}, 1e-2)
+    assert bound == pytest.approx(3e-3) and eligible == {"a", "b"}
+    bound, eligible = runner.gate({"a": 4e-3, "b": 1.1e-2}, 1e-2)  # the tolerance caps 3x
+    assert bound == 1e-2 and eligible == {"a"}
+    bound, eligible = runner.gate({"a": math.nan}, 1e-2)
+    assert math.isnan(bound) and eligible == set()
+    assert runner.gate({"a": 0.0, "b": 1e-9}, 1e-2)[1] == {"a"}
+
+
+def test_choose_keeps_the_current_choice_unless_clearly_beaten():
+    records = {"cur": {"median_ms": 1.00, "spread": 0.01}, "new": {"median_ms": 0.99, "spread": 0.005},
+               "fast": {"median_ms": 0.5, "spread": 0.01}, "untimed": {}}
+    assert runner.choose(records, {"cur", "new"}, "cur", 0.02) == "cur"  # 1% faster: noise
+    assert runner.choose(records, {"cur", "new", "fast"}, "cur", 0.02) == "fast"
+    assert runner.choose(records, {"new", "fast"}, "cur", 0.02) == "fast"  # the current one is not eligible
+    noisy = {**records, "new": {"median_ms": 0.9, "spread": 0.2}}
+    assert runner.choose(noisy, {"cur", "new"}, "cur", 0.02) == "cur"  # 10% faster within a 20% spread
+    assert runner.choose(records, {"untimed"}, None, 0.02) is None
+
+
+def test_settings_round_trip_and_refusals():
+    assert runner.Settings.from_json(json.loads(json.dumps(TINY.to_json()))) == TINY
+    for bad, message in [({"limit": 0}, "limit"), ({"nope": 1}, "unknown"), ({"error_multiple": 0.5}, "multiple"),
+                         ({"repeats": [5, 2]}, "repeats"), ({"tokens": True}, "tokens")]:
+        with pytest.raises(ValueError, match=message):
+            runner.Settings.from_json(bad)
+
+
+def test_forward_task_end_to_end(forward_results):
+    results, _ = forward_results
+    for result in results:
+        assert result["format"] == runner.RESULT_FORMAT and result["clock"] == "cpu-perf-counter"
+        assert Task.from_json(result["task"]).id == result["id"]
+        by_name = {c["name"]: c for c in result["candidates"]}
+        current = config_name(Database(PROJECT_TUNING).lookup("sm_90", rules.ATTN_FWD,
+                                                              Task.from_json(result["task"]).functional,
+                                                              {"seqlen_q": result["task"]["cell"][0],
+                                                               "seqlen_k": result["task"]["cell"][1]}))
+        assert result["current"] == current and current in by_name  # always a candidate
+        assert len(by_name) == TINY.limit + (current not in list(by_name)[:TINY.limit])
+        for c in result["candidates"]:
+            assert c["status"] in ("ok", "slow"), c
+            # errors measured against the float64 reference, within bf16's tolerance, on both shapes
+            assert len(c["errors"]) == 2 and all(0 < e < 1e-2 for e in c["errors"].values())
+        winner = by_name[result["winner"]]
+        assert winner["eligible"] and winner["median_ms"] > 0 and winner["repeats"] >= 1
+        assert winner["error"] <= result["bound"] + 1e-15
+        assert result["accuracy_shapes"][1] != result["accuracy_shapes"][0]  # the irregular lengths
+
+
+def test_journal_resumes_and_marks_crashes(forward_results, tmp_path):
+    results, journal = forward_results
+    task = Task.from_json(results[0]["task"])
+    lines = (journal / f"{task.id}.jsonl").read_text().splitlines()
+    names = {json.loads(line)["start"] for line in lines if "start" in line}
+    assert names == {c["name"] for c in results[0]["candidates"]}
+    # replay the journal with the last candidate started and never finished: a crash
+    crashed = sorted(names)[-1]
+    kept = [line for line in lines if json.loads(line).get("done", {}).get("name") != crashed]
+    (tmp_path / f"{task.id}.jsonl").write_text("\n".join(kept) + "\n")
+    seen = []
+    again = runner.run_task(task, TINY, device="cpu", db=Database(PROJECT_TUNING), journal=tmp_path, log=seen.append)
+    # no candidate was checked or probed again (a new finalist may be timed in full)
+    assert not [line for line in seen if "probe" in line], seen
+    by_name = {c["name"]: c for c in again["candidates"]}
+    assert by_name[crashed]["status"] == "crashed" and not by_name[crashed]["eligible"]
+    assert again["winner"] != crashed
+
+
+def test_fused_atomic_backward_candidates_each_start_from_zero():
+    """dQ accumulates atomically: every candidate's accuracy run starts from a zeroed buffer."""
+    f = dict(dtype="fp16", BLOCK_D=16, BLOCK_DV=16, PAD_HEAD=False, MASK=0, VARLEN=False, DROPOUT=False, BIAS=0,
+             ATOMIC_DQ=True)
+    task = Task("sm_90", "flash.attn_bwd_fused", Functional.of(f), (16, 16))
+    settings = dataclasses.replace(TINY, finalists=1, repeats=(1, 1))
+    result = runner.run_task(task, settings, device="cpu", db=Database(PROJECT_TUNING), journal=None)
+    errors = [c for c in result["candidates"] if c.get("errors")]
+    assert len(errors) >= 2
+    for c in errors:
+        assert c["status"] in ("ok", "slow") and max(c["errors"].values()) < 5e-3, c
+        assert {k.split()[-1] for k in c["errors"]} == {"dq", "dk", "dv"}
+
+
+def test_bad_task_refused():
+    f = Functional.of(dict(dtype="bf16", BLOCK_D=16, BLOCK_DV=16, PAD_HEAD=False, MASK=0, VARLEN=False,
+                           DROPOUT=True, BIAS=0))
+    with pytest.raises(ValueError, match="dropout"):
+        runner.run_task(Task("sm_90", "flash.attn_fwd", f, (16, 16)), TINY, device="cpu", journal=None)
+    assert Config.of(BLOCK_M=16)  # spec types import cleanly beside the runner
