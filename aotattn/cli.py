@@ -180,7 +180,7 @@ def check(
     gradients with the float64 reference; exit 1 when any is off.
 
     On a machine without a GPU this runs the Triton kernels in Triton's interpreter
-    (small sizes, about a minute).
+    (small sizes, under a minute).
     """
     import torch
 

@@ -146,8 +146,11 @@ def extract(archive: Path = typer.Argument(..., help="an archive"),
 @images_app.command()
 def verify(paths: list[Path] = typer.Argument(None, help="archives or folders (default: $AOTATTN_IMAGES, "
                                                "else images/)")) -> None:
-    """Check every archive: header, index schema and checksum, each kernel's size and checksum,
-    entry paths, and that this aotattn would load it (Triton version, kernel source)."""
+    """Check every archive, every kernel in it, and that this aotattn would load it.
+
+    The header, the index's checksum and schema, each kernel's size and checksum, the
+    paths extract would write, the Triton version and the kernel source it was built from.
+    """
     from aotattn import families
     from aotattn.runtime.aot import check_loadable
 
