@@ -92,6 +92,7 @@ def _options(
 
 def _register_subcommands() -> None:
     from aotattn.build.cli import build_command, images_app
+    from aotattn.perfmon.cli import perfdb_app, perfmon_app
     from aotattn.pgdef.cli import app as pgdef_app
     from aotattn.tune.cli import app as tune_app
     from aotattn.tuning.cli import app as tuning_app
@@ -101,6 +102,8 @@ def _register_subcommands() -> None:
     app.command("build")(build_command)
     app.add_typer(images_app, name="images")
     app.add_typer(pgdef_app, name="pgdef")
+    app.add_typer(perfmon_app, name="perfmon")
+    app.add_typer(perfdb_app, name="perfdb")
 
 
 _register_subcommands()

@@ -1,0 +1,153 @@
+"""What a perfdb says: tuning faults within one run, regressions between two.
+
+Both work on recorded numbers only, so they are the same on the GPU host, in CI and on
+a laptop.
+
+A *tuning fault*: on a backward pass, a forced backend beat the operator's own choice by
+more than the measured noise. The noise of a pass is the largest of the unforced and
+the forced runs' spreads and the difference between the unforced call and the forced
+call of the backend it chose (the same kernels, timed twice: a direct measure of the
+run-to-run noise). The fault points at the ``flash.backward`` cell the choice came from.
+
+A *regression*: an entry that got slower by more than ``threshold`` and by more than the
+two runs' spreads together; an *improvement* likewise the other way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from aotattn.perfmon.entries import BACKWARD_PASSES
+from aotattn.perfmon.perfdb import Perfdb, Record
+from aotattn.perfmon.providers import AOTATTN, FORCED
+
+
+@dataclass(frozen=True)
+class Fault:
+    entry: str
+    pass_: str
+    choice: str
+    choice_ms: float
+    winner: str
+    winner_ms: float
+    noise_ms: float
+    cell: str | None
+
+    @property
+    def speedup(self) -> float:
+        """How much faster the forced backend was than the operator's choice."""
+        return self.choice_ms / self.winner_ms
+
+
+def _noise(*records: Record | None) -> float:
+    spreads = [r.spread_ms or 0.0 for r in records if r is not None and r.ok]
+    return max(spreads, default=0.0)
+
+
+def faults(db: Perfdb, margin: float = 0.0) -> list[Fault]:
+    """Every tuning fault in a run; ``margin``: also require the forced backend to win by
+    this fraction of the choice's time."""
+    found = []
+    records = db.by_key()
+    for name in db.entries:
+        for pass_ in BACKWARD_PASSES:
+            unforced = records.get((name, pass_, AOTATTN))
+            if unforced is None or not unforced.ok:
+                continue
+            choice = unforced.notes().get("choice")
+            if choice not in FORCED.values():
+                continue
+            same = records.get((name, pass_, f"{AOTATTN}:{choice}"))
+            noise = _noise(unforced, same)
+            if same is not None and same.ok:
+                noise = max(noise, abs(unforced.ms - same.ms))
+            for provider, backend in FORCED.items():
+                other = records.get((name, pass_, provider))
+                if backend == choice or other is None or not other.ok:
+                    continue
+                threshold = max(noise, _noise(other)) + margin * unforced.ms
+                if unforced.ms - other.ms > threshold:
+                    found.append(Fault(name, pass_, choice, unforced.ms, backend, other.ms,
+                                       max(noise, _noise(other)), unforced.notes().get("cell")))
+    return found
+
+
+@dataclass(frozen=True)
+class Change:
+    """One (entry, pass, provider) in two runs. ``speed``: A's time over B's (above 1: B is faster)."""
+
+    entry: str
+    group: str
+    pass_: str
+    provider: str
+    a_ms: float | None
+    b_ms: float | None
+    noise_ms: float
+    verdict: str  # regression, improvement, same, failed in B, fixed in B, not measured, only in A/B, changed
+
+    @property
+    def speed(self) -> float | None:
+        if self.a_ms is None or self.b_ms is None:
+            return None
+        return self.a_ms / self.b_ms
+
+
+@dataclass
+class Comparison:
+    changes: list[Change]
+
+    @property
+    def regressions(self) -> list[Change]:
+        return [c for c in self.changes if c.verdict == "regression"]
+
+    @property
+    def failures(self) -> list[Change]:
+        """Measured in A, no figure in B (an error, a wrong result, a skipped peer)."""
+        return [c for c in self.changes if c.verdict == "failed in B"]
+
+    @property
+    def improvements(self) -> list[Change]:
+        return [c for c in self.changes if c.verdict == "improvement"]
+
+    def geomeans(self) -> dict[tuple[str, str, str], tuple[int, float]]:
+        """(group, pass, provider) -> (entries compared, geometric mean of the speed)."""
+        logs: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+        for c in self.changes:
+            if c.speed is not None:
+                logs[(c.group, c.pass_, c.provider)].append(math.log(c.speed))
+                logs[("all", c.pass_, c.provider)].append(math.log(c.speed))
+        return {key: (len(v), math.exp(sum(v) / len(v))) for key, v in sorted(logs.items())}
+
+
+def compare(a: Perfdb, b: Perfdb, providers: tuple[str, ...] = (AOTATTN,), threshold: float = 0.03) -> Comparison:
+    """Entry by entry, B against A, for ``providers`` (empty: all)."""
+    ra, rb = a.by_key(), b.by_key()
+    keys = [k for k in ra if k not in rb] + list(rb)
+    changes = []
+    for key in keys:
+        name, pass_, provider = key
+        if providers and provider not in providers:
+            continue
+        entry = b.entries.get(name) or a.entries[name]
+        ea, eb = a.entries.get(name), b.entries.get(name)
+        x, y = ra.get(key), rb.get(key)
+        a_ms = x.ms if x is not None else None
+        b_ms = y.ms if y is not None else None
+        noise = _noise(x) + _noise(y)
+        if x is None or y is None:
+            verdict = "only in A" if y is None else "only in B"
+        elif ea is not None and eb is not None and ea.describe() != eb.describe():
+            verdict, a_ms, b_ms = "changed", None, None
+        elif a_ms is None or b_ms is None:
+            verdict = "failed in B" if b_ms is None and a_ms is not None else (
+                "fixed in B" if b_ms is not None else "not measured")
+        elif b_ms > a_ms * (1 + threshold) and b_ms - a_ms > noise:
+            verdict = "regression"
+        elif a_ms > b_ms * (1 + threshold) and a_ms - b_ms > noise:
+            verdict = "improvement"
+        else:
+            verdict = "same"
+        changes.append(Change(name, entry.group, pass_, provider, a_ms, b_ms, noise, verdict))
+    return Comparison(changes)

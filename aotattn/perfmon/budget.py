@@ -1,0 +1,89 @@
+"""How long a perfmon run takes on an H200, estimated before it starts.
+
+No timing on the CPU machine says anything about the GPU, so the estimate is FLOPs over
+the throughputs measured on the H200 (/work/shared/FACTS.md, bf16, 2026-11-29/30),
+plus a fixed cost per call. It sizes the repetitions of a run to a time budget; the run
+itself measures, it never trusts these numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aotattn.perfmon.entries import Entry
+
+# TFLOP/s by (provider, pass, head-dim bucket), no mask / causal; from the FACTS tables
+_RATES = {
+    ("aotattn", "fwd"): {64: (400, 270), 128: (480, 370), 256: (450, 300)},
+    ("aotattn:split", "bwd"): {64: (290, 210), 128: (320, 270), 256: (100, 90)},
+    ("aotattn:fused", "bwd"): {64: (170, 160), 128: (180, 165), 256: (78, 75)},
+    ("sdpa-flash", "fwd"): {64: (300, 285), 128: (340, 305), 256: (320, 285)},
+    ("sdpa-flash", "bwd"): {64: (270, 235), 128: (295, 255), 256: (245, 220)},
+    ("sdpa-cudnn", "fwd"): {64: (450, 415), 128: (600, 535), 256: (650, 560)},
+    ("sdpa-cudnn", "bwd"): {64: (430, 370), 128: (510, 450), 256: (370, 345)},
+    ("sdpa-efficient", "fwd"): {64: (130, 129), 128: (170, 160), 256: (150, 140)},
+    ("sdpa-efficient", "bwd"): {64: (110, 99), 128: (135, 118), 256: (44, 40)},
+    ("flex", "fwd"): {64: (360, 260), 128: (470, 365), 256: (400, 300)},
+    ("flex", "bwd"): {64: (280, 195), 128: (400, 355), 256: (250, 220)},
+}
+CALL_MS = 0.03  # launch and autograd bookkeeping of one call on the GPU's critical path
+TRAINING_CALL_MS = {"fwd": 0.13, "fwdbwd": 0.8}  # host time per small training call (FACTS)
+FLUSH_MS = 0.07  # zeroing a 256 MB buffer at ~4 TB/s between timed calls
+SETUP_S = {"entry": 0.25, "flex": 20.0}  # inputs, reference check, first calls; FlexAttention compiles
+
+
+def _bucket(head_dim: int) -> int:
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
+def rate(entry: Entry, pass_: str, provider: str) -> float:
+    """Estimated TFLOP/s of one provider on one pass of an entry."""
+    base = "aotattn:split" if provider == "aotattn" and pass_ != "fwd" else provider
+    base = "aotattn" if base.startswith("aotattn") and pass_ == "fwd" else base
+    key_pass = "fwd" if pass_ == "fwd" else "bwd"
+    table = _RATES.get((base, key_pass)) or _RATES[("aotattn", "fwd")]
+    dim = max(entry.head_dim, entry.head_dim_v)
+    full, causal = table[_bucket(dim)]
+    tflops = causal if entry.masked else full
+    tflops *= dim / _bucket(dim)  # padded heads compute the whole bucket
+    if entry.window[0] >= 0:
+        tflops *= 0.6  # narrow bands: more partly masked tiles
+    if entry.dtype == "fp32":
+        tflops /= 10.0
+    if entry.dropout_p or entry.bias != "none":
+        tflops *= 0.7
+    return tflops
+
+
+def call_ms(entry: Entry, pass_: str, provider: str) -> float:
+    """Estimated time of one call (ms)."""
+    if entry.training:
+        return TRAINING_CALL_MS.get(pass_, 0.8)
+    factor = 1.0 if pass_ != "fwdbwd" else 3.5 / 2.5
+    flops = entry.flops("bwd" if pass_ == "fwdbwd" else pass_) * factor
+    return CALL_MS + flops / rate(entry, pass_, provider) / 1e9
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Repetitions of a run: ``rounds`` interleaved rounds of ``reps`` timed calls per
+    provider, after ``warmup`` untimed calls each."""
+
+    rounds: int = 3
+    reps: int = 5
+    warmup: int = 2
+
+
+def entry_seconds(entry: Entry, providers: dict[str, list[str]], plan: Plan) -> float:
+    """Estimated wall time of one entry: setup, checks, warm-up and the timed rounds.
+
+    ``providers``: per pass, the providers timed.
+    """
+    seconds = SETUP_S["entry"] + (SETUP_S["flex"] if entry.flex else 0.0)
+    for pass_, names in providers.items():
+        for provider in names:
+            one = call_ms(entry, pass_, provider)
+            per_sample = one if entry.training else one + FLUSH_MS
+            calls = plan.rounds * plan.reps
+            seconds += (calls * per_sample + (plan.warmup + 2) * one) / 1e3
+    return seconds

@@ -1,0 +1,359 @@
+"""``aotattn perfmon`` (measure) and ``aotattn perfdb`` (read what was measured)."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from aotattn.perfmon import perfdb as store
+from aotattn.perfmon.entries import Entry
+
+console = Console()
+perfmon_app = typer.Typer(help="Measure the public operators on the declared entries (docs/perfmon.md).",
+                          no_args_is_help=True)
+perfdb_app = typer.Typer(help="Compare, plot and check runs in the performance database (docs/perfmon.md).",
+                         no_args_is_help=True)
+
+MATCH = typer.Option(None, "--match", "-m", help="only entries whose name matches this glob (repeatable)")
+GROUP = typer.Option(None, "--group", "-g", help="only entries of this group (repeatable)")
+ROOT = typer.Option(None, "--perfdb", help=f"perfdb root (default: ${store.ENV_VAR} or perfdb/)")
+ARCH = typer.Option(None, "--arch", help="architecture folder (default: the one holding the tag)")
+
+
+def _fail(message: str) -> typer.Exit:
+    console.print(escape(message), style="red")
+    return typer.Exit(2)
+
+
+def _entries(match: list[str] | None, group: list[str] | None) -> list[Entry]:
+    from aotattn.perfmon.entries import declared, select
+
+    chosen = select(declared(), match or (), group or ())
+    if not chosen:
+        raise _fail("no entry matches --match/--group (list them with `aotattn perfmon list`)")
+    return chosen
+
+
+def _providers(entry: Entry, peers: bool, flex: bool) -> dict[str, list[str]]:
+    from aotattn.perfmon import providers as P
+
+    return {p: [name for name in P.ALL if P.unsupported(entry, name, p, flex) is None
+                and (peers or name not in P.PEERS)] for p in entry.passes}
+
+
+def _plan(entries: list[Entry], rounds: int, reps: int | None, warmup: int, budget: float | None,
+          peers: bool, flex: bool):
+    """The repetitions: ``reps`` as given, or the most (1..20) whose estimate fits ``budget`` seconds."""
+    from aotattn.perfmon.budget import Plan, entry_seconds
+
+    def total(plan: Plan) -> float:
+        return sum(entry_seconds(e, _providers(e, peers, flex), plan) for e in entries)
+
+    if reps is not None:
+        plan = Plan(rounds, reps, warmup)
+        return plan, total(plan)
+    if budget is None:
+        plan = Plan(rounds, 5, warmup)
+        return plan, total(plan)
+    best = Plan(rounds, 1, warmup)
+    for candidate in range(1, 21):
+        plan = Plan(rounds, candidate, warmup)
+        if total(plan) > budget:
+            break
+        best = plan
+    return best, total(best)
+
+
+@perfmon_app.command("list")
+def list_entries(match: list[str] = MATCH, group: list[str] = GROUP,
+                 rounds: int = typer.Option(3, help="interleaved rounds"),
+                 reps: int = typer.Option(None, help="timed calls per round (default: 5, or what --budget allows)"),
+                 budget: float = typer.Option(None, "--budget", help="seconds on an H200 to size --reps to"),
+                 no_peers: bool = typer.Option(False, "--no-peers"), no_flex: bool = typer.Option(False, "--no-flex"),
+                 verbose: bool = typer.Option(False, "--verbose", "-v", help="one row per entry")) -> None:
+    """The declared entries, their FLOPs and the estimated H200 time of a run."""
+    from aotattn.perfmon.budget import entry_seconds
+
+    entries = _entries(match, group)
+    plan, seconds = _plan(entries, rounds, reps, 2, budget, not no_peers, not no_flex)
+    table = Table("entry" if verbose else "group", "entries" if not verbose else "shape", "GFLOP (fwd)",
+                  "est. s", title=f"{len(entries)} entries; {plan.rounds} rounds x {plan.reps} reps: "
+                                  f"~{seconds:.0f} s on an H200")
+    if verbose:
+        for e in entries:
+            table.add_row(e.name, e.describe(), f"{e.flops('fwd') / 1e9:.1f}",
+                          f"{entry_seconds(e, _providers(e, not no_peers, not no_flex), plan):.2f}")
+    else:
+        groups: dict[str, list[Entry]] = {}
+        for e in entries:
+            groups.setdefault(e.group, []).append(e)
+        for name, members in groups.items():
+            table.add_row(name, str(len(members)), f"{sum(e.flops('fwd') for e in members) / 1e9:.0f}",
+                          f"{sum(entry_seconds(e, _providers(e, not no_peers, not no_flex), plan) for e in members):.0f}")
+    console.print(table)
+
+
+@perfmon_app.command()
+def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch>/<tag>.txt"),
+        match: list[str] = MATCH, group: list[str] = GROUP,
+        rounds: int = typer.Option(3, help="interleaved rounds (the spread is their range)"),
+        reps: int = typer.Option(None, help="timed calls per provider and round (default: 5, or what --budget allows)"),
+        warmup: int = typer.Option(2, help="untimed calls per provider first"),
+        budget: float = typer.Option(None, "--budget", help="size --reps so the estimate fits this many seconds"),
+        deadline: float = typer.Option(None, "--deadline", help="start no entry after this many seconds"),
+        no_peers: bool = typer.Option(False, "--no-peers", help="time aotattn only"),
+        no_flex: bool = typer.Option(False, "--no-flex", help="skip FlexAttention (it compiles per shape)"),
+        resume: bool = typer.Option(False, "--resume", help="keep the tag's measured entries, run the others"),
+        force: bool = typer.Option(False, "--force", help="replace an existing file of this tag"),
+        device: str = typer.Option(None, help="cuda (default when present) or cpu (the interpreter: tiny entries only)"),
+        seed: int = typer.Option(0, help="inputs and dropout draws"),
+        out: Path = typer.Option(None, "--out", help="write here instead of perfdb/<arch>/<tag>.txt"),
+        root: Path = ROOT) -> None:
+    """Measure entries on one GPU, without a database, into a perfdb file (written after every entry)."""
+    import torch
+
+    from aotattn.perfmon.measure import Options, environment, measure_entry
+
+    store.check_tag(tag)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cuda", "cpu"):
+        raise _fail(f"--device: expected cuda or cpu, got {device!r}")
+    dev = torch.device(device)
+    entries = _entries(match, group)
+    plan, estimate = _plan(entries, rounds, reps, warmup, budget, not no_peers, not no_flex)
+    options = Options(plan, peers=not no_peers, flex=not no_flex, seed=seed)
+    header = {"tag": tag, **environment(dev, plan)}
+    path = out or store.path_for(tag, header["arch"], root)
+    db = store.Perfdb(header=header)
+    if path.exists():
+        if resume:
+            db = store.Perfdb.read(path)
+            db.comments.append(f"resumed {header['date']}: {header['command']}")
+        elif not force:
+            raise _fail(f"{path} exists: pass --resume to complete it or --force to replace it")
+    todo = [e for e in entries if e.name not in db.entries or db.entries[e.name] != e]
+    for e in todo:
+        if e.name in db.entries:  # declared differently since: measure it again
+            del db.entries[e.name]
+            db.records = [r for r in db.records if r.entry != e.name]
+    console.print(f"{len(todo)} of {len(entries)} entries to measure on {header['gpu']} "
+                  f"({plan.rounds} rounds x {plan.reps} reps, estimate ~{estimate:.0f} s for all) -> {path}")
+    start = time.monotonic()
+    done = 0
+    for entry in todo:
+        if deadline is not None and time.monotonic() - start > deadline:
+            break
+        t0 = time.monotonic()
+        records = measure_entry(entry, dev, options)
+        db.add(entry, records)
+        db.write(path)
+        done += 1
+        console.print(escape(_progress(entry, records, time.monotonic() - t0, done, len(todo))), highlight=False)
+    problems = [r for r in db.records if r.provider.startswith("aotattn") and not r.ok
+                and not r.note.startswith("skipped")]
+    left = len(todo) - done
+    console.print(f"{done} entries in {time.monotonic() - start:.0f} s -> {path}"
+                  + (f"; {left} not started (deadline): rerun with --resume" if left else ""))
+    for r in problems:
+        console.print(escape(f"  {r.entry} {r.pass_} {r.provider}: {r.note}"), style="red")
+    _print_faults(db, path.stem)
+    if problems:
+        raise typer.Exit(1)
+
+
+def _progress(entry: Entry, records, seconds: float, done: int, total: int) -> str:
+    parts = []
+    for r in records:
+        if r.provider == "aotattn":
+            parts.append(f"{r.pass_} " + (f"{r.tflops:.0f} TF/s" if r.ok else r.note.split(":")[0]))
+    best = {}
+    for r in records:
+        if r.ok and r.ratio is not None and not r.provider.startswith("aotattn"):
+            best[r.pass_] = min(best.get(r.pass_, math.inf), r.ratio)
+    peers = ", ".join(f"{p} best peer x{1 / v:.2f}" for p, v in best.items())
+    return f"[{done}/{total}] {entry.name} {seconds:.1f}s: {'; '.join(parts)}" + (f" ({peers})" if peers else "")
+
+
+@perfmon_app.command()
+def images(arch: str = typer.Option("sm_90", help="target architecture"),
+           match: list[str] = MATCH, group: list[str] = GROUP,
+           out: Path = typer.Option(None, "--out", help="image folder (default: images/)"),
+           cache: Path = typer.Option(None, "--cache", help="compiled-kernel cache (default: build/cache/)"),
+           jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", help="parallel compiler processes"),
+           timeout: float = typer.Option(600.0, help="seconds before one kernel's compilation is abandoned"),
+           dry_run: bool = typer.Option(False, "--dry-run", help="only list the kernels")) -> None:
+    """Compile exactly the kernels a run of these entries loads (forward, both backward backends)."""
+    from aotattn.build.builder import DEFAULT_CACHE, DEFAULT_OUT
+    from aotattn.perfmon import images as imaging
+
+    entries = _entries(match, group)
+    if dry_run:
+        found = imaging.needed_jobs(entries, arch)
+        for job in found:
+            console.print(f"{job.table} [{job.functional}] {job.config} ({job.variant})", markup=False)
+        console.print(f"{len(found)} kernel(s) for {len(entries)} entries on {arch}")
+        return
+    start = time.monotonic()
+    failures = []
+
+    def outcome(o) -> None:
+        if o.status in ("failed", "timeout"):
+            failures.append(o)
+            console.print(escape(f"FAILED {o.job.table} [{o.job.functional}] {o.job.config}: "
+                                 f"{o.message.splitlines()[-1] if o.message else ''}"), style="red")
+
+    outcomes, archives = imaging.build(entries, arch, out or DEFAULT_OUT, cache or DEFAULT_CACHE, jobs, timeout,
+                                       on_outcome=outcome)
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    console.print(f"{len(outcomes)} kernel(s) for {len(entries)} entries: "
+                  + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+                  + f"; {len(archives)} archive(s) in {out or DEFAULT_OUT}; {time.monotonic() - start:.0f} s")
+    if failures:
+        raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------------------- perfdb
+
+def _read(tag: str, arch: str | None, root: Path | None) -> tuple[store.Perfdb, Path]:
+    try:
+        path = store.resolve(tag, arch, root)
+        return store.Perfdb.read(path), path
+    except store.PerfdbError as exc:
+        raise _fail(str(exc)) from exc
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+@perfdb_app.command()
+def compare(a: str = typer.Argument(..., help="the baseline: a tag or a perfdb file"),
+            b: str = typer.Argument(..., help="the run to judge: a tag or a perfdb file"),
+            arch: str = ARCH, root: Path = ROOT,
+            provider: list[str] = typer.Option(None, "--provider", help="providers to compare (repeatable; "
+                                               "default aotattn; 'all' for every one)"),
+            threshold: float = typer.Option(0.03, help="a change smaller than this fraction is never flagged"),
+            all_rows: bool = typer.Option(False, "--all", help="list every entry, not only the changes"),
+            fail: bool = typer.Option(False, "--fail-on-regression", help="exit 1 on a regression or a lost figure")) -> None:
+    """Per-entry ratios B against A, geometric means per group, regressions beyond the noise."""
+    from aotattn.perfmon.analysis import compare as compare_runs
+
+    da, pa = _read(a, arch, root)
+    dbb, pb = _read(b, arch, root)
+    chosen = () if provider and "all" in provider else tuple(provider or ("aotattn",))
+    result = compare_runs(da, dbb, chosen, threshold)
+    console.print(escape(f"A = {pa} ({da.header.get('date', '?')}, tuning {da.header.get('tuning', '?')})"))
+    console.print(escape(f"B = {pb} ({dbb.header.get('date', '?')}, tuning {dbb.header.get('tuning', '?')})"))
+    means = Table("group", "pass", "provider", "entries", "speed B/A (geomean)",
+                  title="speed of B against A (above 1: B faster)")
+    for (group, pass_, prov), (n, mean) in result.geomeans().items():
+        style = "red" if mean < 1 - threshold else "green" if mean > 1 + threshold else None
+        means.add_row(group, pass_, prov, str(n), f"{mean:.3f}", style=style)
+    console.print(means)
+    rows = result.changes if all_rows else [c for c in result.changes if c.verdict != "same"]
+    if rows:
+        table = Table("entry", "pass", "provider", "A ms", "B ms", "speed B/A", "noise ms", "verdict")
+        for c in rows:
+            style = {"regression": "red", "failed in B": "red", "improvement": "green"}.get(c.verdict)
+            table.add_row(c.entry, c.pass_, c.provider, _ms(c.a_ms), _ms(c.b_ms),
+                          "-" if c.speed is None else f"{c.speed:.3f}", f"{c.noise_ms:.3g}", c.verdict, style=style)
+        console.print(table)
+    console.print(f"{len(result.regressions)} regression(s), {len(result.failures)} lost figure(s), "
+                  f"{len(result.improvements)} improvement(s) beyond noise and {threshold:.0%}, "
+                  f"{len(result.changes)} compared")
+    if fail and (result.regressions or result.failures):
+        raise typer.Exit(1)
+
+
+def _print_faults(db: store.Perfdb, tag: str, margin: float = 0.0):
+    from aotattn.perfmon.analysis import faults as find_faults
+
+    found = find_faults(db, margin)
+    if not found:
+        console.print(f"{tag}: no tuning faults (no forced backend beat the operator's choice beyond the noise)")
+        return found
+    table = Table("entry", "pass", "chosen", "ms", "faster", "ms", "speedup", "noise ms", "cell (table[block]@bucket)",
+                  title=f"{tag}: {len(found)} tuning fault(s)")
+    for f in found:
+        table.add_row(f.entry, f.pass_, f.choice, f"{f.choice_ms:.4g}", f.winner, f"{f.winner_ms:.4g}",
+                      f"{f.speedup:.3f}", f"{f.noise_ms:.3g}", escape(f.cell or "- (no database: interpreter)"))
+    console.print(table)
+    return found
+
+
+@perfdb_app.command()
+def faults(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: str = ARCH, root: Path = ROOT,
+           margin: float = typer.Option(0.0, help="also require the win to exceed this fraction of the time"),
+           patch: Path = typer.Option(None, "--patch", help="write the patch that sets each faulty cell to the "
+                                      "faster backend into this folder (one .dbpatch per table)"),
+           fail: bool = typer.Option(False, "--fail", help="exit 1 when there is a fault")) -> None:
+    """Tuning faults: a forced backend beat the operator's own choice by more than the noise."""
+    from aotattn.perfmon.provenance import parse_cell, suggest_patch
+    from aotattn.spec import Config
+
+    db, path = _read(tag, arch, root)
+    found = _print_faults(db, path.stem, margin)
+    if patch is not None and found:
+        votes: dict = {}
+        for f in found:
+            if f.cell:
+                votes.setdefault(parse_cell(f.cell), set()).add(f.winner)
+        # a cell two entries disagree about is left for a person (or the tuner) to settle
+        changes = {cell: Config.of(backend=next(iter(w))) for cell, w in votes.items() if len(w) == 1}
+        texts = suggest_patch(changes, [f"from `aotattn perfdb faults {tag}` ({db.header.get('gpu', '?')}, "
+                                        f"{db.header.get('date', '?')})"])
+        patch.mkdir(parents=True, exist_ok=True)
+        for table, text in texts.items():
+            target = patch / f"{table}.perfmon-faults.dbpatch"
+            target.write_text(text)
+            console.print(f"wrote {target} (rename to <table>.<NNNN>-<what>.dbpatch in tuning/<vendor>/<arch>/ "
+                          "to apply it)")
+    if fail and found:
+        raise typer.Exit(1)
+
+
+@perfdb_app.command()
+def plot(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: str = ARCH, root: Path = ROOT,
+         out: Path = typer.Option(None, "--out", help="PNG to write (default: beside the perfdb file)"),
+         group: str = typer.Option("dense", help="entry group to draw (square sequences)"),
+         dtype: str = typer.Option("bf16", help="fp16, bf16 or fp32")) -> None:
+    """TFLOP/s against sequence length, per head dim and pass, aotattn beside its peers."""
+    from aotattn.perfmon.plot import plot as draw
+
+    db, path = _read(tag, arch, root)
+    target = out or path.with_name(f"{path.stem}.{group}-{dtype}.png")
+    try:
+        draw(db, target, group, dtype)
+    except store.PerfdbError as exc:
+        raise _fail(str(exc)) from exc
+    console.print(f"wrote {target}")
+
+
+@perfdb_app.command()
+def summary(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: str = ARCH, root: Path = ROOT) -> None:
+    """aotattn against every provider, per group and pass: geometric mean of aot/x."""
+    from aotattn.perfmon.providers import ALL
+
+    db, path = _read(tag, arch, root)
+    logs: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for r in db.records:
+        if r.ok and r.ratio:
+            logs.setdefault((db.entries[r.entry].group, r.pass_), {}).setdefault(r.provider, []).append(
+                math.log(r.ratio))
+    shown = [p for p in ALL if p != "aotattn"]
+    table = Table("group", "pass", *shown, title=f"{path.stem}: provider time / aotattn time, geometric mean "
+                  "(above 1: aotattn faster; entries in brackets)")
+    for (group, pass_), by in sorted(logs.items()):
+        table.add_row(group, pass_, *(f"{math.exp(sum(by[p]) / len(by[p])):.2f} ({len(by[p])})" if p in by else "-"
+                                      for p in shown))
+    console.print(escape(" ".join(f"{k}: {v};" for k, v in db.header.items() if k in ("gpu", "tuning", "date"))))
+    console.print(table)

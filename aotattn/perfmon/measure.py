@@ -1,0 +1,287 @@
+"""Measure entries: check what is timed, time every provider side by side, make records.
+
+For each pass of an entry, every provider first runs once untimed and is checked against
+the float64 reference on a slice (the first sequence, key head 0 and its query heads) and,
+over the whole output and gradients, against aotattn's unforced result (the forced
+backends and, without dropout, the peers); a provider that fails gets no figure, only
+the reason. Then the providers are timed in interleaved rounds (the order rotates each
+round), so a drifting clock or a neighbour's load falls on all of them alike: the median
+of every sample is the figure, the largest minus the smallest round median the spread.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+import aotattn
+from aotattn.perfmon import providers as P
+from aotattn.perfmon.budget import Plan
+from aotattn.perfmon.entries import BACKWARD_PASSES, Entry
+from aotattn.perfmon.perfdb import Perfdb, Record, tuning_revision
+from aotattn.perfmon.provenance import Lookup, cell_of, recording_lookups
+from aotattn.tune import timing
+
+GRAD_NAMES = ("dq", "dk", "dv", "dbias")
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a run measures. ``peers``: time PyTorch's backends; ``flex``: FlexAttention on
+    the entries that ask for it; ``seed``: inputs and dropout draws."""
+
+    plan: Plan = Plan()
+    peers: bool = True
+    flex: bool = True
+    seed: int = 0
+
+
+def _one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:120]
+
+
+def _results(pass_: str, out: torch.Tensor, grads: Iterable[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
+    found = {"out": out.detach()}
+    found.update({name: g for name, g in zip(GRAD_NAMES, grads)})
+    return found
+
+
+def _evaluate(entry: Entry, x: P.Inputs, pass_: str, provider: str, dropout_p: float) -> dict[str, torch.Tensor]:
+    """One untimed call (forward, plus backward for backward passes) and its results."""
+    if pass_ == "fwd":
+        with torch.set_grad_enabled(entry.training):
+            return _results(pass_, P.call(entry, x, provider, dropout_p))
+    out = P.call(entry, x, provider, dropout_p)
+    return _results(pass_, out, torch.autograd.grad(out, x.leaves(), x.dout))
+
+
+def _runner(entry: Entry, x: P.Inputs, pass_: str, provider: str) -> Callable[[], object]:
+    """The call that is timed."""
+    if pass_ == "fwd":
+        if entry.training:
+            return lambda: P.call(entry, x, provider)
+
+        def inference():
+            with torch.no_grad():
+                return P.call(entry, x, provider)
+        return inference
+    leaves = x.leaves()
+    if pass_ == "bwd":
+        out = P.call(entry, x, provider)
+        return lambda: torch.autograd.grad(out, leaves, x.dout, retain_graph=True)
+
+    def step():
+        out = P.call(entry, x, provider)
+        return torch.autograd.grad(out, leaves, x.dout)
+    return step
+
+
+class _Reference:
+    """Float64 slices, computed on first use: with aotattn's dropout mask, and without dropout."""
+
+    def __init__(self, entry: Entry, x: P.Inputs, backward: bool, seed: int):
+        self.entry, self.x, self.backward, self.seed = entry, x, backward, seed
+        self.cache: dict[bool, dict[str, torch.Tensor]] = {}
+
+    def get(self, with_dropout: bool) -> dict[str, torch.Tensor]:
+        with_dropout = with_dropout and self.entry.dropout_p > 0
+        if with_dropout not in self.cache:
+            mask = None
+            if with_dropout:
+                e = self.entry
+                sequences = 1 if e.api != "varlen" else len(e.lengths)
+                torch.manual_seed(self.seed)  # the state the checked call drew its Philox state from
+                mask = aotattn.dropout_mask(sequences, e.heads_q, e.seqlen_q, e.seqlen_k, e.dropout_p,
+                                            self.x.q.device)[:1, P.checked_heads(e)[0]]
+            self.cache[with_dropout] = P.reference_slice(self.entry, self.x, self.x.dout if self.backward else None,
+                                                         mask, self.entry.dropout_p if with_dropout else 0.0)
+        return self.cache[with_dropout]
+
+
+def _check(entry: Entry, x: P.Inputs, got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+           against: dict[str, torch.Tensor] | None, tolerance: float, against_name: str) -> str | None:
+    """Why ``got`` is wrong, or None."""
+    for name, expected in ref.items():
+        err = P.rel_diff(P.result_slice(entry, x, name, got[name]), expected)
+        if not err <= tolerance:
+            return f"{name} relative error {err:.2e} > {tolerance:.0e} against the float64 reference"
+    for name, tensor in (against or {}).items():
+        if name in got:
+            err = P.rel_diff(got[name], tensor)
+            if not err <= tolerance:
+                return f"{name} differs from {against_name} by {err:.2e} > {tolerance:.0e}"
+    return None
+
+
+def _compact(config) -> str:
+    values = config.as_dict()
+    short = {"BLOCK_M": "m", "BLOCK_N": "n", "num_warps": "w", "num_stages": "s"}
+    if set(values) <= set(short) | {"backend"} and "backend" not in values:
+        return "".join(f"{short[k]}{v}" for k, v in values.items() if k in short)
+    return ",".join(f"{k}={v}" for k, v in values.items())
+
+
+def provenance_note(lookups: list[Lookup], pass_: str, arch: str | None) -> str:
+    """``choice=... cell=... kernel=config ...``: what the unforced call chose and from where.
+
+    ``arch`` None (CPU tensors, the interpreter): the backend choice only, no database cells.
+    """
+    backward = pass_ in BACKWARD_PASSES
+    kernels = {lk.spec.name: lk for lk in lookups if hasattr(lk.spec, "arguments")
+               and (lk.spec.name.startswith("attn_bwd") == backward)}
+    tokens = []
+    if backward:
+        tokens.append(f"choice={'fused' if 'attn_bwd_fused' in kernels else 'split'}")
+        operator = [lk for lk in lookups if not hasattr(lk.spec, "arguments")]
+        if operator and arch is not None:
+            tokens.append("cell=" + cell_of(arch, operator[-1].spec, operator[-1].functional, dict(operator[-1].sizes)))
+    if arch is not None:
+        tokens += [f"{name}={_compact(lk.config)}" for name, lk in sorted(kernels.items())]
+    return " ".join(tokens)
+
+
+def measure_pass(entry: Entry, x: P.Inputs, pass_: str, options: Options, device: torch.device,
+                 arch: str | None) -> list[Record]:
+    backward = pass_ in BACKWARD_PASSES
+    reference = _Reference(entry, x, backward, options.seed)
+    notes: dict[str, str] = {}
+    runners: dict[str, Callable[[], object]] = {}
+    baseline: dict[str, torch.Tensor] | None = None
+    for provider in P.ALL:
+        reason = P.unsupported(entry, provider, pass_, options.flex)
+        if reason is None and provider in P.PEERS and not options.peers:
+            reason = "peers not asked for (--no-peers)"
+        if reason is not None:
+            notes[provider] = f"skipped: {reason}"
+            continue
+        ours = provider.startswith(P.AOTATTN)
+        # peers draw dropout their own way: they are checked without it (the same kernels, p = 0)
+        dropout = entry.dropout_p if ours else 0.0
+        torch.manual_seed(options.seed)
+        try:
+            with P.quiet(), recording_lookups() as lookups:
+                got = _evaluate(entry, x, pass_, provider, dropout)
+            if provider == P.AOTATTN:
+                notes[provider] = provenance_note(lookups, pass_, arch)
+            against = baseline if (provider != P.AOTATTN and (ours or not entry.dropout_p)) else None
+            tolerance = (P.TOLERANCE if ours else P.PEER_TOLERANCE)[entry.dtype]
+            error = _check(entry, x, got, reference.get(ours), against, tolerance, "aotattn")
+            if provider == P.AOTATTN:
+                baseline = got if error is None else None
+            if error is not None:
+                notes[provider] = f"wrong: {error}"
+                continue
+            with P.quiet():
+                runners[provider] = _runner(entry, x, pass_, provider)
+        except Exception as exc:  # a peer without a kernel for this shape; a missing image
+            notes[provider] = f"{'error' if ours else 'skipped'}: {_one_line(exc)}"
+    del baseline
+    timed = _time(entry, runners, options.plan, device)
+    records = []
+    ours_ms = timed.get(P.AOTATTN, (None, None))[0]
+    for provider in P.ALL:
+        ms, spread = timed.get(provider, (None, None))
+        records.append(Record(entry.name, pass_, provider, ms, spread,
+                              None if ms is None else entry.flops(pass_) / ms / 1e9,
+                              None if ms is None or ours_ms is None else ms / ours_ms, notes.get(provider, "")))
+    return records
+
+
+def _time(entry: Entry, runners: dict[str, Callable[[], object]], plan: Plan,
+          device: torch.device) -> dict[str, tuple[float, float]]:
+    """(median ms, spread ms) per provider, from interleaved rounds of :func:`aotattn.tune.timing.measure`.
+
+    Training entries are timed without the cache flush: back to back, the host's time to
+    issue a call shows whenever it exceeds the GPU's.
+    """
+    with P.quiet():
+        for run in runners.values():
+            for _ in range(plan.warmup):
+                run()
+        samples: dict[str, list[float]] = {p: [] for p in runners}
+        rounds: dict[str, list[float]] = {p: [] for p in runners}
+        order = list(runners)
+        for r in range(plan.rounds):
+            for provider in order[r % len(order):] + order[:r % len(order)] if order else ():
+                run = runners[provider]
+                got = timing.measure(lambda _, run=run: run(), lambda: None, device=device, warmup=0,
+                                     repeats=plan.reps, flush=not entry.training)
+                samples[provider] += got.samples_ms
+                rounds[provider].append(got.median_ms)
+    return {p: (statistics.median(samples[p]), max(rounds[p]) - min(rounds[p])) for p in runners}
+
+
+def measure_entry(entry: Entry, device: torch.device, options: Options) -> list[Record]:
+    """Every pass of one entry on ``device``; returns its records."""
+    arch = None
+    if device.type == "cuda":
+        from aotattn.runtime.device import arch_of
+
+        arch = arch_of(device)
+    x = P.make_inputs(entry, device, options.seed)
+    records = []
+    for pass_ in entry.passes:
+        records += measure_pass(entry, x, pass_, options, device, arch)
+    del x
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return records
+
+
+def environment(device: torch.device, plan: Plan, command: str | None = None) -> dict[str, str]:
+    """The header of a perfdb file: versions, tuning revision, GPU, date, timing method."""
+    from aotattn import tuning
+    from aotattn.runtime.launcher import mode
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    if device.type == "cuda":
+        from aotattn.runtime.device import arch_of
+
+        props = torch.cuda.get_device_properties(device)
+        arch = arch_of(device)
+        gpu = f"{props.name}, {arch}, {props.multi_processor_count} SMs"
+        run_mode = mode()
+        how = "CUDA events, L2 flushed before each (aotattn.tune.timing)"
+    else:
+        arch, gpu, run_mode = "cpu", f"none: Triton's interpreter on {platform.machine()}", "interpreter"
+        how = "wall clock"
+    return {
+        "arch": arch,
+        "aotattn": aotattn.__version__,
+        "tuning": ("none: the interpreter runs fixed configurations" if arch == "cpu"
+                   else tuning_revision(tuning.database().root, arch)),
+        "triton": triton_version,
+        "torch": torch.__version__,
+        "gpu": gpu,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "mode": run_mode,
+        "timing": (f"median of {plan.rounds} interleaved rounds x {plan.reps} samples after {plan.warmup} warm-up "
+                   f"calls ({how}; training entries: back to back, no flush); "
+                   "spread = largest - smallest round median"),
+        "command": command or " ".join(["aotattn", *sys.argv[1:]]),
+    }
+
+
+def run(entries: Iterable[Entry], device: torch.device, options: Options, tag: str,
+        on_entry: Callable[[Entry, list[Record], float], None] = lambda e, r, s: None,
+        command: str | None = None) -> Perfdb:
+    """Measure ``entries`` one after another into a new :class:`Perfdb`."""
+    db = Perfdb(header={"tag": tag, **environment(device, options.plan, command)})
+    for entry in entries:
+        start = time.monotonic()
+        records = measure_entry(entry, device, options)
+        db.add(entry, records)
+        on_entry(entry, records, time.monotonic() - start)
+    return db
