@@ -40,8 +40,9 @@ def test_sigkilled_worker_task_completes_elsewhere_after_lease_expiry(client, ds
         task = _wait_for(lambda: [t for t in client.tasks("testapp,sleep") if t.state == "running"],
                          60, "the worker to claim the task")[0]
         assert task.attempts == 1
-        time.sleep(1.0)  # heartbeats renew the lease while the handler sleeps
-        assert client.tasks("testapp,sleep")[0].lease_expires_at > task.lease_expires_at
+        # Heartbeats renew the lease while the handler sleeps.
+        _wait_for(lambda: client.tasks("testapp,sleep")[0].lease_expires_at > task.lease_expires_at,
+                  10, "a heartbeat to renew the lease")
     finally:
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
