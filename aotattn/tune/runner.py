@@ -224,18 +224,20 @@ def _gpu_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, Triton interpreter)"
 
 
-def _images(task: Task, device: torch.device) -> dict[str, Any] | None:
-    """Index of the task's image archive by entry key, when running from images; else None."""
-    if device.type != "cuda" or os.environ.get("AOTATTN_MODE", "aot") != "aot" or not hasattr(table_spec(task.table),
-                                                                                             "arguments"):
+def image_lookup(task: Task, device: torch.device) -> Callable[[Config], Any] | None:
+    """``config -> Entry or None`` in the task's image archive when the runtime will load
+    kernels from images (a CUDA device in AOT mode, a kernel table); else None."""
+    if device.type != "cuda" or os.environ.get("AOTATTN_MODE", "aot") != "aot" or \
+            not hasattr(table_spec(task.table), "arguments"):
         return None
     from aotattn.runtime.images import Archive, ImageError, archive_path, images_root
 
-    path = archive_path(images_root(), task.arch, task.table)
+    harness = _harness(task.table)
     try:
-        return dict(Archive(path).entries)
+        archive = Archive(archive_path(images_root(), task.arch, task.table))
     except ImageError:
-        return {}
+        return lambda config: None
+    return lambda config: archive.entry(harness.image_key(task.table, task.functional, config))
 
 
 class _Run:
@@ -341,7 +343,7 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
     run = _Run(task, settings, device, db, Journal(journal if journal is not None else journal_dir(), task), log)
     h = run.harness
     configs, pruned, current = run.candidates()
-    images = _images(task, device)
+    images = image_lookup(task, device)
     limit = cand.target(task.arch).shared_bytes
     problems = [h.Problem(task.table, task.functional, shape, device, run.generator)
                 for shape in h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch,
@@ -360,7 +362,7 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
                 probes[name] = previous["probe_ms"]
             continue
         if images is not None:
-            entry = images.get(h.image_key(task.table, task.functional, config))
+            entry = images(config)
             if entry is None:
                 run._record(config, status=NO_IMAGE, message="not in the image folder (not built, or its compile failed)")
                 continue

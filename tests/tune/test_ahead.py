@@ -1,0 +1,53 @@
+"""Compile-ahead: the jobs a batch needs, and images the worker finds its candidates in."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from aotattn.spec import Functional
+from aotattn.tune import ahead, flash
+from aotattn.tune.runner import Settings
+from aotattn.tune.tasks import Task
+from aotattn.tuning import Database
+from tests.tune.conftest import PROJECT_TUNING, forward_task
+
+
+def test_backward_tasks_need_their_auxiliary_kernels():
+    f = dict(dtype="bf16", BLOCK_D=64, BLOCK_DV=64, PAD_HEAD=False, MASK=2, VARLEN=False, DROPOUT=False, BIAS=0)
+    db = Database(PROJECT_TUNING)
+    settings = Settings(limit=3)
+    dq = Task("sm_90", "flash.attn_bwd_dq", Functional.of(f), (1024, 1024))
+    jobs = ahead.task_jobs(dq, settings, db)
+    tables = [j.table for j in jobs]
+    assert 3 <= tables.count("flash.attn_bwd_dq") <= 4  # 3 ranked + the current choice
+    assert "flash.attn_fwd" in tables and "flash.attn_bwd_preprocess" in tables
+    fwd = next(j for j in jobs if j.table == "flash.attn_fwd")
+    assert fwd.functional == Functional.of(f) and fwd.config == db.lookup("sm_90", fwd.spec(), fwd.functional,
+                                                                          {"seqlen_q": 1024, "seqlen_k": 1024})
+    op = Task("sm_90", "flash.backward", Functional.of(dict(dtype="bf16", BLOCK_D=64, MASK=2, DETERMINISTIC=True)),
+              (1024, 1024))
+    op_tables = {j.table for j in ahead.task_jobs(op, settings, db)}
+    assert op_tables == {"flash.attn_fwd", "flash.attn_bwd_preprocess", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq",
+                         "flash.attn_bwd_fused"}
+    fused = next(j for j in ahead.task_jobs(op, settings, db) if j.table == "flash.attn_bwd_fused")
+    assert fused.functional["ATOMIC_DQ"] is False  # deterministic: no atomics
+    both = ahead.plan([dq, dq, op], settings, db)
+    assert len(both) == len({(j.table, j.functional, j.config) for j in both})
+
+
+def test_compiled_images_hold_every_candidate(tmp_path):
+    pytest.importorskip("triton")
+    from aotattn.runtime.images import Archive, archive_path
+
+    task = forward_task(cell=(4096, 4096), head_dim=16)
+    settings = dataclasses.replace(Settings(), limit=1)
+    jobs = ahead.plan([task], settings, Database(PROJECT_TUNING))
+    assert 1 <= len(jobs) <= 2
+    report = ahead.compile_ahead(jobs, tmp_path / "images", tmp_path / "cache", workers=2)
+    assert not report.failures and report.seconds_per_kernel() > 0
+    archive = Archive(archive_path(tmp_path / "images", "sm_90", task.table))
+    for job in jobs:
+        entry = archive.entry(flash.image_key(task.table, task.functional, job.config))
+        assert entry is not None and entry.shared > 0
