@@ -24,6 +24,7 @@ here imports Triton or touches a GPU.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib.util
@@ -115,12 +116,37 @@ def archive_path(root: Path, arch: str, table: str) -> Path:
 
 
 def source_hash(module: str) -> str:
-    """SHA-256 of the source file of the module holding a kernel, found without importing
-    it (so without Triton): what an archive records, and what the runtime compares."""
-    found = importlib.util.find_spec(module)
-    if found is None or not found.origin or not os.path.isfile(found.origin):
-        raise ImageError(f"cannot find the source of kernel module {module}")
-    return hashlib.sha256(Path(found.origin).read_bytes()).hexdigest()
+    """SHA-256 of the kernel module's source and of the modules of its own package it
+    imports from (a family's shared kernel code), found without importing them (so
+    without Triton): what an archive records, and what the runtime compares."""
+    digest = hashlib.sha256()
+    for name, path in sorted(_kernel_sources(module).items()):
+        digest.update(f"{name}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def _kernel_sources(module: str) -> dict[str, Path]:
+    """``module``'s source file and, transitively, those of the sibling modules it imports from."""
+    package = module.rpartition(".")[0]
+    sources: dict[str, Path] = {}
+    pending = [module]
+    while pending:
+        name = pending.pop()
+        if name in sources:
+            continue
+        found = importlib.util.find_spec(name)
+        if found is None or not found.origin or not os.path.isfile(found.origin):
+            raise ImageError(f"cannot find the source of kernel module {name}")
+        sources[name] = Path(found.origin)
+        for node in ast.walk(ast.parse(sources[name].read_bytes(), filename=found.origin)):
+            if isinstance(node, ast.ImportFrom):
+                target = (importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+                          if node.level else node.module)
+                if target and target.startswith(package + "."):
+                    pending.append(target)
+    return sources
 
 
 def triton_abi(version: str) -> str:

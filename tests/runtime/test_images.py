@@ -473,3 +473,23 @@ except module.ImageError as exc:
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "refused:" in run.stdout and "not a regular file" in run.stdout, run.stderr[-2000:]
+
+
+def test_source_hash_covers_the_sibling_modules_a_kernel_imports(tmp_path, monkeypatch):
+    """A kernel split over modules: editing the shared module changes its kernels' hash."""
+    package = tmp_path / "kpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "common.py").write_text("X = 1\n")
+    (package / "forward.py").write_text("from kpkg.common import X\nimport os\n")
+    (package / "other.py").write_text("Y = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    images._kernel_sources.cache_clear()
+    before = images.source_hash("kpkg.forward")
+    assert set(images._kernel_sources("kpkg.forward")) == {"kpkg.forward", "kpkg.common"}
+    (package / "other.py").write_text("Y = 3\n")  # not imported: no effect
+    images._kernel_sources.cache_clear()
+    assert images.source_hash("kpkg.forward") == before
+    (package / "common.py").write_text("X = 2\n")
+    images._kernel_sources.cache_clear()
+    assert images.source_hash("kpkg.forward") != before
