@@ -16,8 +16,8 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
-from aotattn.pgdef.connection import DSN_ENV, redact, resolve_dsn
-from aotattn.pgdef.embedded import HOME_ENV, EmbeddedServer, default_home, embedded_dsn
+from aotattn.pgdef.embedded import EmbeddedServer, default_home, embedded_dsn
+from aotattn.pgdef.env import DSN_ENV, HOME_ENV
 from aotattn.pgdef.errors import ConfigError, PgdefError
 
 app = typer.Typer(help="pgdef: distributed execution on PostgreSQL (docs/distributed-execution-framework.md).",
@@ -48,6 +48,8 @@ def _errors(command):
 
 
 def _dsn(dsn: str | None, home: Path | None) -> str:
+    from aotattn.pgdef.connection import resolve_dsn  # psycopg: not needed by run-offline
+
     return resolve_dsn(dsn) or embedded_dsn(home)
 
 
@@ -61,6 +63,8 @@ def _client(dsn: str | None, home: Path | None):
 @_errors
 def init(dsn: str = DSN, home: Path = HOME) -> None:
     """Create or upgrade the pgdef schema (starting the embedded server when there is no DSN)."""
+    from aotattn.pgdef.connection import redact
+
     with _client(dsn, home) as client:
         applied = client.init()
         console.print(f"{redact(client.dsn)}: schema "

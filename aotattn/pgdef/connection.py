@@ -28,12 +28,11 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from aotattn.pgdef.env import DSN_ENV
 from aotattn.pgdef.errors import ConfigError, ConnectionLost, PgdefError, SchemaError
 from aotattn.pgdef.queries import QUERIES
 
 log = logging.getLogger("aotattn.pgdef")
-
-DSN_ENV = "AOTATTN_PGDEF_DSN"
 
 # libpq settings on every connection. Keepalive probes after 10 s idle, every 5 s, 3 lost
 # probes: a dead peer is detected in about 25 s. tcp_user_timeout bounds unacknowledged sends.

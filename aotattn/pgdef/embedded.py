@@ -29,12 +29,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from aotattn.pgdef.connection import connect, with_database
+from aotattn.pgdef.env import HOME_ENV, PGBIN_ENV
 from aotattn.pgdef.errors import ServerError
 from aotattn.pgdef.queries import QUERIES
 
-HOME_ENV = "AOTATTN_PGDEF_HOME"
-PGBIN_ENV = "AOTATTN_PGDEF_PGBIN"
 PROGRAMS = ("initdb", "pg_ctl", "postgres")
 DATABASE = "pgdef"
 SUPERUSER = "postgres"
@@ -284,6 +282,8 @@ class EmbeddedServer:
         raise ServerError(f"the embedded server did not start: {last_error}")
 
     def _create_database(self) -> None:
+        from aotattn.pgdef.connection import connect, with_database  # psycopg: only where a server runs
+
         admin = with_database(self.dsn, "postgres")
         with connect(admin, "pgdef-embedded") as conn:
             if not conn.execute(QUERIES["database_exists"], {"name": DATABASE}).fetchone()["present"]:

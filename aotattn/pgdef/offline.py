@@ -34,15 +34,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psycopg
-
-from aotattn.pgdef.connection import Runner, jsonb
 from aotattn.pgdef.errors import BatchError, ConfigError
 from aotattn.pgdef.model import Category, Outcome, Task, TaskContext, canonical_json, check_pool
 from aotattn.pgdef.queries import QUERIES
 from aotattn.pgdef.registry import App, kinds_of, run_attempt
+
+if TYPE_CHECKING:  # the offline runner must import on hosts without psycopg
+    import psycopg
+
+    from aotattn.pgdef.connection import Runner
 
 log = logging.getLogger("aotattn.pgdef.offline")
 
@@ -257,6 +259,8 @@ class CheckinReport:
 
 def checkin(db: Runner, paths: Sequence[Path]) -> CheckinReport:
     """Record the outcomes in results files of one batch; idempotent (see the module docstring)."""
+    from aotattn.pgdef.connection import jsonb
+
     if not paths:
         raise ConfigError("checkin: expected at least one results file")
     batch_id: str | None = None

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,7 @@ from aotattn.pgdef.offline import Batch, read_results
 from tests.pgdef.conftest import count_results, run_workers
 
 APPS = ["tests.pgdef.apps"]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _dispatch(client, n, pool="sm_90"):
@@ -154,3 +158,22 @@ def test_nothing_to_check_out(client, tmp_path):
     assert not (tmp_path / "b.json").exists()
     with pytest.raises(ConfigError):
         client.checkout("sm_90", [], tmp_path / "b.json")
+
+
+def test_offline_runner_needs_no_psycopg(client, tmp_path):
+    """The GPU host has no network, so maybe no psycopg: `aotattn pgdef run-offline` (and the
+    whole `aotattn` CLI) must work with psycopg missing."""
+    xs = random.Random().sample(range(-10**6, 10**6), 3)
+    client.dispatch("toy,square", "sm_90", [{"x": x} for x in xs])
+    client.checkout("sm_90", ["toy,square"], tmp_path / "b.json")
+    code = ("import sys\n"
+            "sys.modules['psycopg'] = None\n"  # any `import psycopg` now raises ImportError
+            "sys.modules['psycopg_pool'] = None\n"
+            "from aotattn.cli import app\n"
+            f"app(['pgdef', 'run-offline', {str(tmp_path / 'b.json')!r}, '--app', 'aotattn.pgdef.toy',"
+            f" '-r', {str(tmp_path / 'r.jsonl')!r}])\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "3 tasks run (3 ok" in done.stdout
+    assert client.checkin([tmp_path / "r.jsonl"]).accepted == 3
+    assert sorted(r.output["y"] for r in client.results()) == sorted(x * x for x in xs)
