@@ -14,8 +14,9 @@ from rich.table import Table
 
 from aotattn.perfmon import perfdb as store
 from aotattn.perfmon.entries import Entry
+from aotattn.pgdef.cli import DSN, HOME
 
-console = Console()
+console = Console(soft_wrap=True)  # one line per message, whatever the terminal's width
 perfmon_app = typer.Typer(help="Measure the public operators on the declared entries (docs/perfmon.md).",
                           no_args_is_help=True)
 perfdb_app = typer.Typer(help="Compare, plot and check runs in the performance database (docs/perfmon.md).",
@@ -221,6 +222,89 @@ def images(arch: str = typer.Option("sm_90", help="target architecture"),
         raise typer.Exit(1)
 
 
+# ---------------------------------------------------------------------------- on pgdef
+
+@perfmon_app.command()
+def dispatch(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch>/<tag>.txt"),
+             arch: str = typer.Option("sm_90", "--arch", help="the worker pool: GPU architecture"),
+             match: list[str] = MATCH, group: list[str] = GROUP,
+             rounds: int = typer.Option(3, help="interleaved rounds"),
+             reps: int = typer.Option(5, help="timed calls per provider and round"),
+             warmup: int = typer.Option(2, help="untimed calls per provider first"),
+             no_peers: bool = typer.Option(False, "--no-peers"), no_flex: bool = typer.Option(False, "--no-flex"),
+             seed: int = typer.Option(0, help="inputs and dropout draws"),
+             priority: int = typer.Option(0, help="higher runs first"),
+             dsn: str = DSN, home: Path = HOME) -> None:
+    """Queue one pgdef task per entry (category perfmon,entry; pool = the architecture)."""
+    from aotattn.perfmon.app import CATEGORY, task_spec
+    from aotattn.perfmon.budget import Plan
+    from aotattn.perfmon.measure import Options
+    from aotattn.pgdef import Client
+
+    entries = _entries(match, group)
+    options = Options(Plan(rounds, reps, warmup), peers=not no_peers, flex=not no_flex, seed=seed)
+    with Client(dsn, home=home) as client:
+        client.init()
+        report = client.dispatch(CATEGORY, arch, [task_spec(tag, e, options, priority) for e in entries],
+                                 app="aotattn.perfmon.app")
+    console.print(f"{CATEGORY} on {arch}, tag {tag}: {report.inserted} queued, {report.existing} already there")
+
+
+@perfmon_app.command()
+def worker(arch: str = typer.Option("sm_90", "--arch", help="the pool to take tasks from"),
+           gpus: str = typer.Option("0", "--gpus", help="one worker per GPU index, e.g. 0,1"),
+           images_dir: Path = typer.Option(None, "--images", help="kernel images (AOTATTN_IMAGES)"),
+           exit_when_idle: bool = typer.Option(False, "--exit-when-idle"),
+           dsn: str = DSN, home: Path = HOME) -> None:
+    """Run GPU workers that take perfmon tasks from pgdef (offline hosts: `aotattn pgdef run-offline`)."""
+    from aotattn.pgdef.worker import spawn_workers
+
+    env = dict(os.environ)
+    if images_dir:
+        env["AOTATTN_IMAGES"] = str(images_dir.resolve())
+    args = ["--app=aotattn.perfmon.app", "--pool", arch] + (["--exit-when-idle"] if exit_when_idle else [])
+    args += ["--dsn", dsn] if dsn else []
+    args += ["--home", str(home)] if home else []
+    procs = spawn_workers(args, gpus=[int(g) for g in gpus.split(",") if g.strip()], env=env)
+    codes = [p.wait() for p in procs]
+    console.print(f"{len(procs)} workers finished, exit codes {codes}")
+    raise typer.Exit(max(codes, default=0))
+
+
+def load_outputs(paths: list[Path]) -> list[dict]:
+    """Task outputs from pgdef offline results files (JSON lines) or folders of them."""
+    from aotattn.pgdef.offline import read_results
+
+    found = []
+    for path in paths:
+        for file in (sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]):
+            found += [o.output for o in read_results(file)[1] if o.ok]
+    return found
+
+
+@perfmon_app.command()
+def export(tag: str = typer.Option(..., "--tag", help="the run to gather"),
+           results: list[Path] = typer.Argument(None, help="offline results files or folders (default: the "
+                                                "database's results)"),
+           arch: str = typer.Option(None, "--arch", help="the pool (default: every pool)"),
+           out: Path = typer.Option(None, "--out", help="write here instead of perfdb/<arch>/<tag>.txt"),
+           root: Path = ROOT, dsn: str = DSN, home: Path = HOME) -> None:
+    """Gather a run's task results into its perfdb file."""
+    from aotattn.perfmon.app import APP, collect
+
+    if results:
+        outputs = load_outputs(results)
+    else:
+        from aotattn.pgdef import Client
+
+        with Client(dsn, home=home) as client:
+            outputs = [r.output for r in client.results(APP, arch)]
+    db = collect(outputs, tag)
+    path = db.write(out or store.path_for(tag, db.header["arch"], root))
+    console.print(f"{len(db.entries)} entries, {len(db.records)} records -> {path}")
+    _print_faults(db, tag)
+
+
 # ---------------------------------------------------------------------------- perfdb
 
 def _read(tag: str, arch: str | None, root: Path | None) -> tuple[store.Perfdb, Path]:
@@ -260,13 +344,11 @@ def compare(a: str = typer.Argument(..., help="the baseline: a tag or a perfdb f
         means.add_row(group, pass_, prov, str(n), f"{mean:.3f}", style=style)
     console.print(means)
     rows = result.changes if all_rows else [c for c in result.changes if c.verdict != "same"]
-    if rows:
-        table = Table("entry", "pass", "provider", "A ms", "B ms", "speed B/A", "noise ms", "verdict")
-        for c in rows:
-            style = {"regression": "red", "failed in B": "red", "improvement": "green"}.get(c.verdict)
-            table.add_row(c.entry, c.pass_, c.provider, _ms(c.a_ms), _ms(c.b_ms),
-                          "-" if c.speed is None else f"{c.speed:.3f}", f"{c.noise_ms:.3g}", c.verdict, style=style)
-        console.print(table)
+    for c in rows:
+        style = {"regression": "red", "failed in B": "red", "improvement": "green"}.get(c.verdict)
+        speed = "" if c.speed is None else f" (speed {c.speed:.3f}, noise {c.noise_ms:.3g} ms)"
+        console.print(escape(f"  {c.verdict}: {c.entry} {c.pass_} {c.provider}: {_ms(c.a_ms)} -> {_ms(c.b_ms)} ms"
+                             f"{speed}"), style=style, highlight=False)
     console.print(f"{len(result.regressions)} regression(s), {len(result.failures)} lost figure(s), "
                   f"{len(result.improvements)} improvement(s) beyond noise and {threshold:.0%}, "
                   f"{len(result.changes)} compared")
@@ -281,12 +363,12 @@ def _print_faults(db: store.Perfdb, tag: str, margin: float = 0.0):
     if not found:
         console.print(f"{tag}: no tuning faults (no forced backend beat the operator's choice beyond the noise)")
         return found
-    table = Table("entry", "pass", "chosen", "ms", "faster", "ms", "speedup", "noise ms", "cell (table[block]@bucket)",
-                  title=f"{tag}: {len(found)} tuning fault(s)")
+    console.print(f"{tag}: {len(found)} tuning fault(s): a forced backend beat the operator's choice beyond the noise",
+                  style="red")
     for f in found:
-        table.add_row(f.entry, f.pass_, f.choice, f"{f.choice_ms:.4g}", f.winner, f"{f.winner_ms:.4g}",
-                      f"{f.speedup:.3f}", f"{f.noise_ms:.3g}", escape(f.cell or "- (no database: interpreter)"))
-    console.print(table)
+        console.print(escape(f"  {f.entry} {f.pass_}: chose {f.choice} {f.choice_ms:.4g} ms, {f.winner} forced "
+                             f"{f.winner_ms:.4g} ms ({f.speedup:.2f}x faster, noise {f.noise_ms:.3g} ms) <- "
+                             f"{f.cell or 'no database cell (interpreter)'}"), highlight=False)
     return found
 
 
@@ -349,11 +431,11 @@ def summary(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch:
         if r.ok and r.ratio:
             logs.setdefault((db.entries[r.entry].group, r.pass_), {}).setdefault(r.provider, []).append(
                 math.log(r.ratio))
-    shown = [p for p in ALL if p != "aotattn"]
-    table = Table("group", "pass", *shown, title=f"{path.stem}: provider time / aotattn time, geometric mean "
-                  "(above 1: aotattn faster; entries in brackets)")
+    table = Table("group", "pass", "provider", "entries", "x / aotattn", title=f"{path.stem}: each provider's time "
+                  "over aotattn's, geometric mean (above 1: aotattn is faster)")
     for (group, pass_), by in sorted(logs.items()):
-        table.add_row(group, pass_, *(f"{math.exp(sum(by[p]) / len(by[p])):.2f} ({len(by[p])})" if p in by else "-"
-                                      for p in shown))
+        for provider in [p for p in ALL if p != "aotattn" and p in by]:
+            values = by[provider]
+            table.add_row(group, pass_, provider, str(len(values)), f"{math.exp(sum(values) / len(values)):.2f}")
     console.print(escape(" ".join(f"{k}: {v};" for k, v in db.header.items() if k in ("gpu", "tuning", "date"))))
     console.print(table)

@@ -19,6 +19,7 @@ The synthetic grid fills the GPU the way the issue-2/3 benchmarks do: hidden siz
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import random
 from collections.abc import Iterable, Sequence
@@ -156,6 +157,10 @@ class Entry:
                     values[key] = raw
             except (KeyError, ValueError) as exc:
                 raise ValueError(f"entry {name}: bad value in {token!r}") from exc
+        missing = [_SHORT.get(f.name, f.name) for f in fields(cls) if f.name not in values
+                   and f.default is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"entry {name}: missing fields {', '.join(missing)}")
         entry = cls(**values)  # type: ignore[arg-type]
         entry.validate()
         return entry

@@ -48,6 +48,7 @@ def plot(db: Perfdb, out: Path | str, group: str = "dense", dtype: str = "bf16",
                 ax.plot(xs, ys, _STYLES[mask], marker="o", markersize=3, color=_COLORS.get(provider),
                         linewidth=2.2 if provider == "aotattn" else 1.2, label=f"{provider} ({mask})")
             ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
             ax.set_title(f"{pass_}, head dim {dim}", fontsize=10)
             ax.grid(True, alpha=0.3)
             if col == 0:

@@ -1,0 +1,226 @@
+"""Faults, comparisons and plots from recorded numbers: a deliberately bad tuning patch caught.
+
+The scenario of issue 15 at small scale: a patch makes the ``flash.backward`` table
+choose the fused backward for bf16 head-dim-128 calls. The "measurements" are fabricated
+the way that patch shows on a GPU (the operator now runs the slower fused backend, a
+forced split beats it); the fault detector must point at the patched cells, ``compare``
+must flag the regressions against the run before the patch, and the patch ``faults``
+suggests must undo the damage.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from aotattn.cli import app as cli
+from aotattn.families.flash import rules
+from aotattn.perfmon import analysis
+from aotattn.perfmon.entries import declared, select
+from aotattn.perfmon.perfdb import Perfdb, Record
+from aotattn.perfmon.provenance import cell_of, parse_cell, suggest_patch
+from aotattn.spec import Config, Functional
+from aotattn.tuning import Database, parse_patch
+
+PROJECT_TUNING = Path(__file__).resolve().parents[2] / "tuning"
+ENTRIES = select(declared(), ["dense-bf16-*"])  # d64/d128/d256, full and causal, 512..16384
+BAD_BLOCK = Functional.of({"dtype": "bf16", "BLOCK_D": 128, "MASK": 0, "DETERMINISTIC": False})
+BAD_PATCH = """# deliberately bad: the fused backward for every bf16 d128 call without a mask
+#! aotattn-patch 1
+#! table flash.backward
+
+[configs]
+fused = backend=fused
+
+[dtype=bf16 BLOCK_D=128 MASK=0 DETERMINISTIC=False]
+seqlen_q=* seqlen_k=*: fused
+"""
+
+
+@pytest.fixture
+def tuning_copy(tmp_path) -> Path:
+    root = tmp_path / "tuning"
+    shutil.copytree(PROJECT_TUNING, root)
+    return root
+
+
+def _functional(entry) -> Functional:
+    mask = rules.MASK_NONE if not entry.masked else rules.MASK_BOTTOM_RIGHT
+    return Functional.of({"dtype": entry.dtype, "BLOCK_D": rules.head_dim_bucket(entry.head_dim), "MASK": mask,
+                          "DETERMINISTIC": False})
+
+
+def _choice(db: Database, entry) -> tuple[str, str]:
+    sizes = {"seqlen_q": entry.seqlen_q, "seqlen_k": entry.seqlen_k}
+    config = db.lookup("sm_90", rules.BACKWARD, _functional(entry), sizes)
+    return config["backend"], cell_of("sm_90", rules.BACKWARD, _functional(entry), sizes, db)
+
+
+def fabricate(db: Database, seed: int, tag: str) -> Perfdb:
+    """A run as the GPU would record it under ``db``: split's backward takes 1.0 (x size),
+    fused 1.6; the operator runs whichever ``db`` chooses; ~1% noise; peers alongside."""
+    rng = random.Random(seed)
+    run = Perfdb(header={"tag": tag, "arch": "sm_90", "gpu": "fabricated", "date": "2026-11-30",
+                         "tuning": str(db.root)})
+    for entry in ENTRIES:
+        size = entry.flops("fwd") / 1e12  # ms at 1000 TFLOP/s: plausible magnitudes
+        base = {"fwd": 2.5 * size, "bwd": 6.0 * size}
+        backend, cell = _choice(db, entry)
+        records = []
+        for pass_ in entry.passes:
+            def noisy(ms):
+                return ms * rng.uniform(0.995, 1.005)
+            times = {"aotattn:split": noisy(base[pass_]), "aotattn:fused": noisy(1.6 * base[pass_]),
+                     "sdpa-flash": noisy(1.3 * base[pass_]), "sdpa-cudnn": noisy(0.8 * base[pass_])}
+            if pass_ == "fwd":
+                times = {"aotattn": times["aotattn:split"], "sdpa-flash": times["sdpa-flash"],
+                         "sdpa-cudnn": times["sdpa-cudnn"]}
+                note = ""
+            else:
+                times["aotattn"] = noisy(base[pass_] * (1.6 if backend == "fused" else 1.0))
+                note = f"choice={backend} cell={cell}"
+            for provider, ms in times.items():
+                records.append(Record(entry.name, pass_, provider, ms, ms * 0.006, entry.flops(pass_) / ms / 1e9,
+                                      ms / times["aotattn"], note if provider == "aotattn" else ""))
+        run.add(entry, records)
+    return run
+
+
+def test_shipped_tables_have_no_fault_and_the_bad_patch_is_caught(tuning_copy, tmp_path):
+    good = fabricate(Database(tuning_copy), 1, "before")
+    assert analysis.faults(good) == []
+    (tuning_copy / "nvidia" / "sm_90" / "flash.backward.0001-bad.dbpatch").write_text(BAD_PATCH)
+    bad = fabricate(Database(tuning_copy), 2, "after")
+    found = analysis.faults(bad)
+    hit = [e for e in ENTRIES if e.head_dim == 128 and not e.masked]
+    assert sorted(f.entry for f in found) == sorted(e.name for e in hit)
+    for f in found:
+        assert (f.pass_, f.choice, f.winner) == ("bwd", "fused", "split") and f.speedup > 1.5
+        cell = parse_cell(f.cell)
+        assert cell.table == "flash.backward" and cell.functional == BAD_BLOCK
+
+    comparison = analysis.compare(good, bad)
+    assert sorted(c.entry for c in comparison.regressions) == sorted(e.name for e in hit)
+    assert all(c.pass_ == "bwd" and c.speed == pytest.approx(1 / 1.6, rel=0.02) for c in comparison.regressions)
+    assert comparison.improvements == [] and comparison.failures == []
+    means = comparison.geomeans()
+    assert means[("dense", "fwd", "aotattn")][1] == pytest.approx(1.0, abs=0.01)
+    share = len(hit) / len(ENTRIES)  # geometric mean over the group: 1/1.6 on a share of it
+    assert means[("dense", "bwd", "aotattn")][1] == pytest.approx(1.6 ** -share, rel=0.01)
+
+    # the patch the faults suggest undoes the damage, cell by cell
+    changes = {parse_cell(f.cell): Config.of(backend=f.winner) for f in found}
+    (text,) = suggest_patch(changes, ["test"]).values()
+    parse_patch(rules.BACKWARD, text)
+    (tuning_copy / "nvidia" / "sm_90" / "flash.backward.0002-fix.dbpatch").write_text(text)
+    assert analysis.faults(fabricate(Database(tuning_copy), 3, "fixed")) == []
+    assert all(_choice(Database(tuning_copy), e)[0] == "split" for e in hit)
+
+
+def _pair(unforced: float, same: float, other: float, spread: float, choice: str = "split") -> Perfdb:
+    entry = ENTRIES[0]
+    forced = {"aotattn:split": same, "aotattn:fused": other} if choice == "split" else \
+        {"aotattn:split": other, "aotattn:fused": same}
+    run = Perfdb()
+    run.add(entry, [Record(entry.name, "bwd", "aotattn", unforced, spread, note=f"choice={choice}")] +
+            [Record(entry.name, "bwd", p, ms, spread) for p, ms in forced.items()])
+    return run
+
+
+@pytest.mark.parametrize("unforced, same, other, spread, faults", [
+    (1.00, 1.00, 0.90, 0.01, 1),   # the other backend wins by 10%, noise 1%
+    (1.00, 1.00, 0.995, 0.01, 0),  # a win inside the spread is noise
+    (1.00, 0.93, 0.95, 0.001, 0),  # the same kernels timed twice differed by 7%: a 5% win is noise
+    (1.00, 1.00, 1.20, 0.001, 0),  # the choice was right
+])
+def test_a_fault_needs_a_win_beyond_the_measured_noise(unforced, same, other, spread, faults):
+    assert len(analysis.faults(_pair(unforced, same, other, spread))) == faults
+    assert len(analysis.faults(_pair(unforced, same, other, spread, choice="fused"))) == faults
+
+
+def test_compare_flags_only_changes_beyond_noise_and_threshold():
+    entry = ENTRIES[0]
+    other = ENTRIES[1]
+
+    def run(ms_bwd: float | None, spread: float, extra: bool = False, batch: int | None = None) -> Perfdb:
+        db = Perfdb()
+        e = entry if batch is None else entry.__class__(**{**entry.__dict__, "batch": batch})
+        db.add(e, [Record(e.name, "fwd", "aotattn", 1.0, 0.001),
+                   Record(e.name, "bwd", "aotattn", ms_bwd, None if ms_bwd is None else spread,
+                          note="" if ms_bwd is not None else "error: no image")])
+        if extra:
+            db.add(other, [Record(other.name, "fwd", "aotattn", 2.0, 0.01)])
+        return db
+
+    verdicts = lambda a, b: {(c.entry, c.pass_): c.verdict for c in analysis.compare(a, b).changes}  # noqa: E731
+    assert verdicts(run(2.0, 0.01), run(2.2, 0.01))[(entry.name, "bwd")] == "regression"
+    assert verdicts(run(2.0, 0.01), run(1.7, 0.01))[(entry.name, "bwd")] == "improvement"
+    assert verdicts(run(2.0, 0.01), run(2.04, 0.001))[(entry.name, "bwd")] == "same"   # under the 3% floor
+    assert verdicts(run(2.0, 0.2), run(2.3, 0.2))[(entry.name, "bwd")] == "same"      # inside the spreads
+    assert verdicts(run(2.0, 0.01), run(None, 0.0))[(entry.name, "bwd")] == "failed in B"
+    assert verdicts(run(None, 0.0), run(2.0, 0.01))[(entry.name, "bwd")] == "fixed in B"
+    assert verdicts(run(2.0, 0.01, extra=True), run(2.0, 0.01))[(other.name, "fwd")] == "only in A"
+    assert verdicts(run(2.0, 0.01), run(2.0, 0.01, extra=True))[(other.name, "fwd")] == "only in B"
+    changed = verdicts(run(2.0, 0.01), run(4.0, 0.01, batch=entry.batch * 2))
+    assert changed[(entry.name, "bwd")] == "changed"  # another shape under the same name: no ratio
+    means = analysis.compare(run(2.0, 0.01), run(2.5, 0.01)).geomeans()
+    assert means[("dense", "bwd", "aotattn")] == (1, pytest.approx(0.8))
+    assert means[("all", "fwd", "aotattn")] == (1, pytest.approx(1.0))
+
+
+def _write(run: Perfdb, root: Path, tag: str) -> Path:
+    run.header["tag"] = tag
+    return run.write(root / "sm_90" / f"{tag}.txt")
+
+
+def test_cli_faults_compare_summary_and_plot(tuning_copy, tmp_path):
+    root = tmp_path / "perfdb"
+    _write(fabricate(Database(tuning_copy), 1, "before"), root, "before")
+    (tuning_copy / "nvidia" / "sm_90" / "flash.backward.0001-bad.dbpatch").write_text(BAD_PATCH)
+    _write(fabricate(Database(tuning_copy), 2, "after"), root, "after")
+    runner = CliRunner()
+
+    def invoke(*args):
+        return runner.invoke(cli, [*args, "--perfdb", str(root)])
+
+    clean = invoke("perfdb", "faults", "before", "--fail")
+    assert clean.exit_code == 0 and "no tuning faults" in clean.output
+    patch_dir = tmp_path / "suggested"
+    faulty = invoke("perfdb", "faults", "after", "--fail", "--patch", str(patch_dir))
+    assert faulty.exit_code == 1 and "tuning fault" in faulty.output
+    assert "BLOCK_D=128" in faulty.output and "fused" in faulty.output
+    (suggested,) = patch_dir.glob("*.dbpatch")
+    assert parse_patch(rules.BACKWARD, suggested.read_text()).edits
+
+    same = invoke("perfdb", "compare", "before", "before", "--fail-on-regression")
+    assert same.exit_code == 0 and "0 regression(s)" in same.output
+    worse = invoke("perfdb", "compare", "before", "after", "--fail-on-regression")
+    assert worse.exit_code == 1 and "regression" in worse.output
+    assert "dense-bf16-d128-s4096-full" in worse.output
+    report = invoke("perfdb", "compare", "before", "after")
+    assert report.exit_code == 0  # without the flag a regression is reported, not an error
+    everyone = invoke("perfdb", "compare", "before", "after", "--provider", "all", "--all")
+    assert "sdpa-cudnn" in everyone.output
+    missing = invoke("perfdb", "compare", "before", "nowhere")
+    assert missing.exit_code != 0 and "no perfdb tag" in missing.output
+
+    summary = invoke("perfdb", "summary", "after")
+    assert summary.exit_code == 0 and "sdpa-flash" in summary.output
+
+    png = tmp_path / "plot.png"
+    drawn = invoke("perfdb", "plot", "after", "--out", str(png))
+    assert drawn.exit_code == 0, drawn.output
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+
+    image = imread(png)
+    assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600
+    assert not math.isclose(float(image.std()), 0.0)  # something was drawn
+    nothing = invoke("perfdb", "plot", "after", "--group", "window", "--out", str(tmp_path / "none.png"))
+    assert nothing.exit_code != 0 and "nothing to plot" in nothing.output

@@ -1,0 +1,125 @@
+"""The perfdb file: canonical text, round trip, refusals with path:line, tags, tuning revision."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from aotattn.perfmon import perfdb as store
+from aotattn.perfmon.entries import declared
+from aotattn.perfmon.perfdb import Perfdb, PerfdbError, Record
+
+PROJECT_TUNING = Path(__file__).resolve().parents[2] / "tuning"
+
+
+def random_run(seed: int, n: int = 12) -> Perfdb:
+    """A run over ``n`` declared entries with random figures, a skipped peer and a failed one."""
+    rng = random.Random(seed)
+    db = Perfdb(header={"tag": f"t{seed}", "arch": "sm_90", "gpu": "NVIDIA H200, sm_90, 132 SMs",
+                        "date": "2026-11-30T00:00:00+00:00", "tuning": "sha256:0123 (sm_90 under tuning/)"})
+    for entry in rng.sample(declared(), n):
+        records = []
+        for pass_ in entry.passes:
+            ours = rng.uniform(0.01, 50)
+            for provider in ("aotattn", "aotattn:split", "aotattn:fused", "sdpa-flash", "flex"):
+                if provider == "flex":
+                    records.append(Record(entry.name, pass_, provider, note="skipped: not asked (compiles per shape)"))
+                    continue
+                ms = ours if provider == "aotattn" else ours * rng.uniform(0.5, 2)
+                note = "choice=split cell=flash.backward[dtype=bf16,BLOCK_D=128,MASK=0,DETERMINISTIC=False]" \
+                       "@seqlen_q=4096,seqlen_k=4096" if provider == "aotattn" and pass_ != "fwd" else ""
+                records.append(Record(entry.name, pass_, provider, ms, ms * rng.uniform(0, 0.05),
+                                      entry.flops(pass_) / ms / 1e9, ms / ours, note))
+        db.add(entry, records)
+    return db
+
+
+def _rounded(db: Perfdb) -> list[tuple]:
+    return [(r.entry, r.pass_, r.provider, r.note) for r in db.records]
+
+
+def test_round_trip_is_canonical(tmp_path):
+    for seed in range(3):
+        db = random_run(seed)
+        text = db.to_text()
+        again = Perfdb.from_text(text)
+        assert again.to_text() == text  # parse(write(x)) writes the same bytes
+        assert again.header == db.header and again.entries == db.entries
+        assert sorted(_rounded(again)) == sorted(_rounded(db))
+        for a, b in zip(sorted(again.records, key=lambda r: r.key), sorted(db.records, key=lambda r: r.key)):
+            assert a.key == b.key and (a.ms is None) == (b.ms is None)
+            if a.ms is not None:  # four significant digits in the file
+                assert a.ms == pytest.approx(b.ms, rel=1e-3) and a.tflops == pytest.approx(b.tflops, rel=1e-3)
+        path = db.write(tmp_path / "sm_90" / f"t{seed}.txt")
+        assert Perfdb.read(path).to_text() == text
+        assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_one_line_per_entry_pass_and_provider():
+    db = random_run(4, n=5)
+    lines = db.to_text().split("[results]\n", 1)[1].splitlines()[1:]
+    assert len(lines) == len(db.records) == len({r.key for r in db.records})
+    for line in lines:
+        name, pass_, provider = line.split()[:3]
+        assert name in db.entries and pass_ in db.entries[name].passes
+
+
+@pytest.mark.parametrize("mutate, message, line", [
+    (lambda t: t.replace("#! aotattn-perfdb 1", "#! aotattn-perfdb 9"), "first line", 1),
+    (lambda t: t.replace("[results]\n", "[results]\nghost fwd aotattn 1 1 1 1\n"), "undeclared entry", None),
+    (lambda t: t + t.split("[results]\n", 1)[1].splitlines()[1] + "\n", "two results", None),
+    (lambda t: t.replace("skipped: not asked", "x").replace(" -          -", " abc        -", 1), "ms", None),
+    (lambda t: t.replace("[entries]\n", "[entries]\nbroken group=dense dtype=bf16\n"), "missing fields B, Hq", 9),
+    (lambda t: t.replace("[entries]\n", "[entries]\nbroken group=dense dtype=bf17 B=1 Hq=1 Hk=1 Sq=1 Sk=1 D=1 Dv=1\n"),
+     "dtype 'bf17'", 9),
+    (lambda t: t.replace("[entries]", "[stuff]"), "expected \\[entries\\]", None),
+])
+def test_malformed_files_are_refused_with_their_line(mutate, message, line):
+    text = random_run(5, n=3).to_text()
+    with pytest.raises(PerfdbError, match=message) as info:
+        Perfdb.from_text(mutate(text), "runs/x.txt")
+    assert info.value.where.startswith("runs/x.txt:")
+    if line is not None:
+        assert info.value.where == f"runs/x.txt:{line}"
+
+
+def test_tags_and_where_files_live(tmp_path):
+    for bad in ("", "-x", "a b", "../up", "x/y"):
+        with pytest.raises(PerfdbError, match="tag"):
+            store.check_tag(bad)
+    assert store.path_for("h200", "sm_90", tmp_path) == tmp_path / "sm_90" / "h200.txt"
+    random_run(1, 2).write(tmp_path / "sm_90" / "h200.txt")
+    assert store.resolve("h200", base=tmp_path) == tmp_path / "sm_90" / "h200.txt"
+    with pytest.raises(PerfdbError, match="no perfdb tag"):
+        store.resolve("other", base=tmp_path)
+    random_run(1, 2).write(tmp_path / "sm_80" / "h200.txt")
+    with pytest.raises(PerfdbError, match="--arch"):
+        store.resolve("h200", base=tmp_path)
+    assert store.resolve("h200", "sm_80", tmp_path) == tmp_path / "sm_80" / "h200.txt"
+    with pytest.raises(PerfdbError, match="aotattn perfmon run --tag nothing"):
+        Perfdb.read(tmp_path / "sm_90" / "nothing.txt")
+
+
+def test_tuning_revision_follows_the_tables_and_their_bases(tmp_path):
+    root = tmp_path / "tuning"
+    shutil.copytree(PROJECT_TUNING, root)
+    before = store.tuning_revision(root, "sm_90")
+    assert before.startswith("sha256:") and store.tuning_revision(root, "sm_90") == before
+    patch = root / "nvidia" / "sm_90" / "flash.backward.0001-x.dbpatch"
+    patch.write_text("#! aotattn-patch 1\n#! table flash.backward\n")
+    after = store.tuning_revision(root, "sm_90")
+    assert after != before and "1 patches" in after
+    assert store.tuning_revision(root, "sm_99").startswith("none")
+    # a base architecture's tables are part of the revision; unrelated ones are not
+    for arch, text in (("sm_90", "#! base sm_80\n"), ("sm_80", "x\n"), ("sm_86", "y\n")):
+        (tmp_path / "db" / "nvidia" / arch).mkdir(parents=True)
+        (tmp_path / "db" / "nvidia" / arch / "f.t.txt").write_text(text)
+    first = store.tuning_revision(tmp_path / "db", "sm_90")
+    assert "sm_90, sm_80" in first
+    (tmp_path / "db" / "nvidia" / "sm_86" / "f.t.txt").write_text("changed\n")
+    assert store.tuning_revision(tmp_path / "db", "sm_90") == first
+    (tmp_path / "db" / "nvidia" / "sm_80" / "f.t.txt").write_text("changed\n")
+    assert store.tuning_revision(tmp_path / "db", "sm_90") != first
