@@ -28,7 +28,10 @@ def series(db: Perfdb, group: str, dtype: str) -> dict[tuple[int, str], dict[tup
 
 def plot(db: Perfdb, out: Path | str, group: str = "dense", dtype: str = "bf16", title: str | None = None) -> Path:
     """Write the PNG; raises :class:`PerfdbError` when the run has nothing to draw."""
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise PerfdbError("plotting needs matplotlib: pip install 'aotattn[perf]'") from exc
 
     data = series(db, group, dtype)
     if not data:
