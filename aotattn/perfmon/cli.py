@@ -222,6 +222,24 @@ def images(arch: str = typer.Option("sm_90", help="target architecture"),
         raise typer.Exit(1)
 
 
+@perfmon_app.command("bad-patch")
+def bad_patch_command(tuning_db: Path = typer.Option(..., "--tuning-db", help="a COPY of the tuning database"),
+                      arch: str = typer.Option("sm_90", "--arch"),
+                      table: list[str] = typer.Option(["flash.attn_bwd_dkdv", "flash.attn_bwd_dq"], "--table",
+                                                      help="tables to damage (repeatable)"),
+                      where: str = typer.Option("dtype=bf16 BLOCK_D=128 PAD_HEAD=False", help="blocks to damage"),
+                      config: str = typer.Option("BLOCK_M=32 BLOCK_N=32 num_warps=4 num_stages=1",
+                                                 help="the configuration every cell gets")) -> None:
+    """Write a deliberately bad patch into a copy of the tuning database (to show perfmon catches it)."""
+    from aotattn.perfmon.demo import bad_patch
+    from aotattn.tuning.database import PROJECT_ROOT
+
+    if tuning_db.resolve() == PROJECT_ROOT.resolve():
+        raise _fail("--tuning-db: expected a copy of the tuning database, got the project's own tuning/")
+    for path in bad_patch(tuning_db, arch, table, where, config):
+        console.print(f"wrote {path}")
+
+
 # ---------------------------------------------------------------------------- on pgdef
 
 @perfmon_app.command()

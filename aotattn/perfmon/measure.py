@@ -28,6 +28,7 @@ from aotattn.perfmon.entries import BACKWARD_PASSES, Entry
 from aotattn.perfmon.perfdb import Perfdb, Record, tuning_revision
 from aotattn.perfmon.provenance import Lookup, cell_of, recording_lookups
 from aotattn.tune import timing
+from aotattn.tune.candidates import config_name
 
 GRAD_NAMES = ("dq", "dk", "dv", "dbias")
 
@@ -121,14 +122,6 @@ def _check(entry: Entry, x: P.Inputs, got: dict[str, torch.Tensor], ref: dict[st
     return None
 
 
-def _compact(config) -> str:
-    values = config.as_dict()
-    short = {"BLOCK_M": "m", "BLOCK_N": "n", "num_warps": "w", "num_stages": "s"}
-    if set(values) <= set(short) | {"backend"} and "backend" not in values:
-        return "".join(f"{short[k]}{v}" for k, v in values.items() if k in short)
-    return ",".join(f"{k}={v}" for k, v in values.items())
-
-
 def provenance_note(lookups: list[Lookup], pass_: str, arch: str | None) -> str:
     """``choice=... cell=... kernel=config ...``: what the unforced call chose and from where.
 
@@ -144,7 +137,7 @@ def provenance_note(lookups: list[Lookup], pass_: str, arch: str | None) -> str:
         if operator and arch is not None:
             tokens.append("cell=" + cell_of(arch, operator[-1].spec, operator[-1].functional, dict(operator[-1].sizes)))
     if arch is not None:
-        tokens += [f"{name}={_compact(lk.config)}" for name, lk in sorted(kernels.items())]
+        tokens += [f"{name}={config_name(lk.config)}" for name, lk in sorted(kernels.items())]
     return " ".join(tokens)
 
 

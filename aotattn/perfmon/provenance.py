@@ -17,6 +17,7 @@ from typing import Any
 
 from aotattn import families, tuning
 from aotattn.spec import Config, Functional
+from aotattn.tune.candidates import config_name
 from aotattn.tuning.format import Edit, Patch, format_functional, parse_functional, write_patch
 
 _CELL = re.compile(r"^(?P<table>[A-Za-z0-9_]+\.[A-Za-z0-9_]+)\[(?P<functional>[^\]]*)\]@(?P<keys>\S*)$")
@@ -121,7 +122,7 @@ def suggest_patch(changes: Mapping[Cell, Config], comments: list[str]) -> dict[s
     for cell, config in sorted(changes.items(), key=lambda item: str(item[0])):
         spec = families.tables()[cell.table]
         patch = by_table.setdefault(cell.table, Patch(cell.table, comments=[f"# {c}" for c in comments]))
-        name = "_".join(str(v) for _, v in config.items)
+        name = config_name(config)
         patch.configs[name] = config
         patch.edits.append(Edit(cell.functional, tuple((v,) for _, v in cell.buckets), name, 0))
     for patch in by_table.values():

@@ -1,0 +1,90 @@
+"""Perfmon on pgdef against a real PostgreSQL: online workers and an offline batch, each
+ending in a perfdb file (tasks run in the interpreter: AOTATTN_PERFMON_DEVICE=cpu)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from aotattn.cli import app as cli
+from aotattn.perfmon import app as perfmon_app
+from aotattn.perfmon.budget import Plan
+from aotattn.perfmon.entries import Entry
+from aotattn.perfmon.measure import Options
+from aotattn.perfmon.perfdb import Perfdb
+from aotattn.pgdef import Client, PayloadError, Worker, run_offline
+from tests.pgdef.conftest import admin_dsn, client, dsn, template  # noqa: F401  (a real PostgreSQL per test)
+from tests.pgdef.conftest import fast_config
+
+APP = "aotattn.perfmon.app"
+TINY = Options(Plan(rounds=2, reps=1, warmup=0), peers=False)
+ENTRIES = [Entry("t-one", "dense", "bf16", 1, 2, 2, 16, 16, 16, 16, passes=("fwd",)),
+           Entry("t-two", "gqa", "fp16", 1, 2, 1, 16, 24, 16, 16, causal=True, passes=("fwd",))]
+
+
+@pytest.fixture
+def cpu_tasks(monkeypatch):
+    monkeypatch.setenv(perfmon_app.DEVICE_VAR, "cpu")
+
+
+def _specs(tag: str):
+    return [perfmon_app.task_spec(tag, e, TINY) for e in ENTRIES]
+
+
+def _check(db: Perfdb, tag: str) -> None:
+    assert db.header["tag"] == tag and db.header["mode"] == "interpreter"
+    assert list(db.entries) == [e.name for e in ENTRIES] and list(db.entries.values()) == ENTRIES
+    ours = [r for r in db.records if r.provider == "aotattn"]
+    assert len(ours) == 2 and all(r.ok and r.ms > 0 for r in ours)
+    assert Perfdb.from_text(db.to_text()).to_text() == db.to_text()
+
+
+def test_online_workers_then_export(dsn, cpu_tasks, tmp_path):
+    with Client(dsn) as client:
+        first = client.dispatch(perfmon_app.CATEGORY, "sm_90", _specs("run1"), app=APP)
+        again = client.dispatch(perfmon_app.CATEGORY, "sm_90", _specs("run1"), app=APP)
+        assert (first.inserted, again.inserted, again.existing) == (2, 0, 2)  # keyed by tag and entry
+        with pytest.raises(PayloadError):
+            client.dispatch(perfmon_app.CATEGORY, "sm_90", [{"tag": "run1", "entry": "x"}], app=APP)
+        Worker(dsn, [APP], fast_config(pool="sm_90", gpu=0, lease_s=60.0)).run()
+        results = client.results(perfmon_app.APP, "sm_90")
+    assert sorted(r.key for r in results) == ["run1/t-one", "run1/t-two"]
+    out = tmp_path / "run1.txt"
+    exported = CliRunner().invoke(cli, ["perfmon", "export", "--tag", "run1", "--dsn", dsn, "--out", str(out)])
+    assert exported.exit_code == 0, exported.output
+    _check(Perfdb.read(out), "run1")
+    none = CliRunner().invoke(cli, ["perfmon", "export", "--tag", "other", "--dsn", dsn, "--out", str(out)])
+    assert none.exit_code != 0 and "no perfmon results for tag 'other'" in none.output
+
+
+def test_offline_batch_then_export_from_the_results_file(dsn, cpu_tasks, tmp_path):
+    batch, results = tmp_path / "batch.json", tmp_path / "results.jsonl"
+    with Client(dsn) as client:
+        client.dispatch(perfmon_app.CATEGORY, "sm_90", _specs("offline"), app=APP)
+        assert client.checkout("sm_90", [perfmon_app.CATEGORY], batch) is not None
+        report = run_offline(batch, results, [APP], gpu=0)
+        assert (report.ran, report.ok, report.errors) == (2, 2, 0)
+        assert [r.accepted for r in (client.checkin([results]), client.checkin([results]))] == [2, 0]
+    out = tmp_path / "perfdb" / "cpu" / "offline.txt"
+    exported = CliRunner().invoke(cli, ["perfmon", "export", "--tag", "offline", str(results),
+                                        "--perfdb", str(tmp_path / "perfdb")])
+    assert exported.exit_code == 0, exported.output
+    _check(Perfdb.read(out), "offline")
+
+
+@pytest.mark.parametrize("payload, words", [
+    ({"tag": "x"}, "bad payload"),
+    ({"tag": "x y", "entry": "e", "describe": ENTRIES[0].describe(), "options": {}}, "tag"),
+    ({"tag": "x", "entry": "e", "describe": "dtype=bf16", "options": {}}, "missing fields"),
+    ({**perfmon_app.payload("x", ENTRIES[0], TINY), "options": {"rounds": 0, "reps": 1, "warmup": 0, "seed": 0,
+                                                                "peers": True, "flex": True}}, "rounds"),
+    ({**perfmon_app.payload("x", ENTRIES[0], TINY), "options": {"rounds": 1}}, "options"),
+])
+def test_malformed_payloads_are_refused(payload, words):
+    with pytest.raises(PayloadError, match=words):
+        perfmon_app.parse_payload(payload)
+
+
+def test_a_payload_round_trips():
+    tag, entry, options = perfmon_app.parse_payload(perfmon_app.payload("x", ENTRIES[1], TINY))
+    assert (tag, entry, options) == ("x", ENTRIES[1], TINY)

@@ -1,0 +1,74 @@
+"""The kernels a run needs (planned through the public operators), and the bad-patch demo."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from aotattn import families, tuning
+from aotattn.cli import app as cli
+from aotattn.families.flash import rules
+from aotattn.perfmon import images
+from aotattn.perfmon.demo import bad_patch
+from aotattn.perfmon.entries import declared
+from aotattn.runtime import interpreter
+from aotattn.spec import Config
+from aotattn.tuning import Database
+
+PROJECT_TUNING = Path(__file__).resolve().parents[2] / "tuning"
+BY_NAME = {e.name: e for e in declared()}
+SMALL = Config.of(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+
+
+def test_jobs_are_the_database_configurations_of_every_kernel_a_call_runs():
+    entry = BY_NAME["dense-bf16-d128-s4096-causal"]
+    jobs = images.needed_jobs([entry], "sm_90")
+    assert {j.table for j in jobs} == {"flash.attn_fwd", "flash.attn_bwd_preprocess", "flash.attn_bwd_dkdv",
+                                       "flash.attn_bwd_dq", "flash.attn_bwd_fused"}
+    db = tuning.database()
+    for job in jobs:
+        spec = families.tables()[job.table]
+        assert job.arch == "sm_90"
+        assert job.config == db.lookup("sm_90", spec, job.functional, {"seqlen_q": 4096, "seqlen_k": 4096})
+    # planning touched nothing for good
+    assert rules.config_for.__module__ == "aotattn.families.flash.rules"
+    assert interpreter.interpreted_function.__module__ == "aotattn.runtime.interpreter"
+    twice = images.needed_jobs([entry, entry], "sm_90")
+    assert twice == jobs
+
+
+def test_a_bad_patch_changes_the_jobs_and_only_where_it_says(tmp_path):
+    root = tmp_path / "tuning"
+    shutil.copytree(PROJECT_TUNING, root)
+    with pytest.raises(ValueError, match="no block matches"):
+        bad_patch(root, "sm_90", ["flash.attn_bwd_dq"], "dtype=bf17", "BLOCK_M=32 BLOCK_N=32 num_warps=4 num_stages=1")
+    with pytest.raises(ValueError, match="tuning knob"):
+        bad_patch(root, "sm_90", ["flash.attn_bwd_dq"], "dtype=bf16", "BLOCK_Q=32")
+    written = bad_patch(root, "sm_90", ["flash.attn_bwd_dkdv", "flash.attn_bwd_dq"], "dtype=bf16 BLOCK_D=128",
+                        "BLOCK_M=32 BLOCK_N=32 num_warps=4 num_stages=1")
+    assert [p.name for p in written] == ["flash.attn_bwd_dkdv.0001-bad.dbpatch", "flash.attn_bwd_dq.0001-bad.dbpatch"]
+    patched = Database(root)
+    assert patched.lint() == []
+    hit = images.needed_jobs([BY_NAME["dense-bf16-d128-s4096-full"]], "sm_90", patched)
+    assert {j.config for j in hit if j.table in ("flash.attn_bwd_dkdv", "flash.attn_bwd_dq")} == {SMALL}
+    assert all(j.config != SMALL for j in hit if j.table not in ("flash.attn_bwd_dkdv", "flash.attn_bwd_dq"))
+    spared = images.needed_jobs([BY_NAME["dense-fp16-d128-s4096-full"]], "sm_90", patched)
+    assert spared == images.needed_jobs([BY_NAME["dense-fp16-d128-s4096-full"]], "sm_90")
+    again = bad_patch(root, "sm_90", ["flash.attn_bwd_dq"], "dtype=bf16 BLOCK_D=64",
+                      "BLOCK_M=32 BLOCK_N=32 num_warps=4 num_stages=1", what="worse")
+    assert again[0].name == "flash.attn_bwd_dq.0002-worse.dbpatch"
+
+
+def test_cli_images_dry_run_and_bad_patch_guard(tmp_path):
+    runner = CliRunner()
+    listed = runner.invoke(cli, ["perfmon", "images", "--dry-run", "--match", "model-gpt2"])
+    assert listed.exit_code == 0, listed.output
+    jobs = images.needed_jobs([BY_NAME["model-gpt2"]], "sm_90")
+    assert f"{len(jobs)} kernel(s) for 1 entries on sm_90" in listed.output
+    refused = runner.invoke(cli, ["perfmon", "bad-patch", "--tuning-db", str(PROJECT_TUNING)])
+    assert refused.exit_code != 0 and "a copy" in refused.output
+    nothing = runner.invoke(cli, ["perfmon", "images", "--dry-run", "--match", "no-such-entry"])
+    assert nothing.exit_code != 0 and "no entry matches" in nothing.output

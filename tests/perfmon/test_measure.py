@@ -1,0 +1,157 @@
+"""Measuring for real, on CPU tensors in Triton's interpreter, at tiny sizes.
+
+The interpreter's clock says nothing about speed: these runs exercise every step (inputs,
+checks against the float64 reference slice, forced backends, peers, interleaved timing,
+records, provenance, the file) on calls that take a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import aotattn
+from aotattn.perfmon import measure
+from aotattn.perfmon import providers as P
+from aotattn.perfmon.budget import Plan
+from aotattn.perfmon.entries import Entry
+from aotattn.perfmon.perfdb import Perfdb
+
+CPU = torch.device("cpu")
+QUICK = measure.Options(Plan(rounds=2, reps=1, warmup=0), seed=11)
+
+SQUARE = Entry("t-square", "dense", "fp32", 1, 2, 2, 16, 16, 16, 16)
+GQA_WINDOW = Entry("t-gqa-window", "window", "bf16", 2, 4, 2, 20, 28, 24, 24, window=(5, 2))
+DROPOUT = Entry("t-dropout", "dropout", "bf16", 2, 2, 2, 16, 16, 16, 16, dropout_p=0.3)
+VARLEN = Entry("t-varlen", "varlen", "fp16", 3, 2, 1, 17, 17, 16, 16, causal=True, api="varlen", lengths=(5, 17, 9))
+BIAS = Entry("t-bias", "bias", "bf16", 2, 2, 2, 16, 24, 16, 16, bias="bias-grad", passes=("bwd",))
+TRAINING = Entry("t-train", "training", "bf16", 1, 2, 2, 16, 16, 16, 16, causal=True, diagonal="top_left", api="sdpa",
+                 training=True, passes=("fwd", "fwdbwd"))
+
+
+def by_key(records):
+    return {(r.pass_, r.provider): r for r in records}
+
+
+def test_run_writes_every_provider_of_every_pass(tmp_path):
+    entries = [SQUARE, GQA_WINDOW, TRAINING]
+    seen = []
+    db = measure.run(entries, CPU, QUICK, "cpu-test", on_entry=lambda e, r, s: seen.append(e.name))
+    assert seen == [e.name for e in entries]
+    assert db.header["tag"] == "cpu-test" and db.header["mode"] == "interpreter"
+    for key in ("aotattn", "tuning", "triton", "torch", "gpu", "date", "timing"):
+        assert db.header[key]
+    for entry in entries:
+        records = by_key(r for r in db.records if r.entry == entry.name)
+        assert set(records) == {(p, name) for p in entry.passes for name in P.ALL}
+        for pass_ in entry.passes:
+            ours = records[(pass_, "aotattn")]
+            assert ours.ok and ours.ms > 0 and ours.spread_ms >= 0 and ours.ratio == 1.0
+            assert ours.tflops == pytest.approx(entry.flops(pass_) / ours.ms / 1e9)
+            forced = [records[(pass_, p)] for p in P.FORCED]
+            if pass_ == "fwd":
+                assert all(not r.ok and r.note.startswith("skipped: a forward pass") for r in forced)
+            else:
+                assert ours.notes()["choice"] == "split"  # the interpreter's rule: no database
+                assert all(r.ok and r.ratio == pytest.approx(r.ms / ours.ms) for r in forced)
+            flex = records[(pass_, "flex")]
+            assert not flex.ok and "not asked" in flex.note
+    square = by_key(r for r in db.records if r.entry == SQUARE.name)
+    # PyTorch's CPU flash kernel runs the square fp32 entry; cuDNN and the efficient kernel have no CPU code
+    assert square[("fwd", "sdpa-flash")].ok and square[("bwd", "sdpa-flash")].ok
+    assert square[("fwd", "sdpa-cudnn")].note.startswith("skipped: RuntimeError")
+    window = by_key(r for r in db.records if r.entry == GQA_WINDOW.name)
+    assert window[("bwd", "sdpa-flash")].note == "skipped: no sliding window"
+    text = db.to_text()
+    assert Perfdb.from_text(text).to_text() == text
+    path = db.write(tmp_path / "cpu" / "cpu-test.txt")
+    assert Perfdb.read(path).entries == {e.name: e for e in entries}
+
+
+def test_dropout_varlen_and_bias_pass_the_reference_check():
+    for entry in (DROPOUT, VARLEN, BIAS):
+        records = by_key(measure.measure_entry(entry, CPU, QUICK))
+        for pass_ in entry.passes:
+            for provider in ("aotattn", "aotattn:split", "aotattn:fused"):
+                if pass_ == "fwd" and provider != "aotattn":
+                    continue
+                assert records[(pass_, provider)].ok, (entry.name, pass_, provider, records[(pass_, provider)].note)
+    # PyTorch's CPU flash kernel takes the dropout entry: checked without dropout (its draws are its own)
+    assert by_key(measure.measure_entry(DROPOUT, CPU, QUICK))[("bwd", "sdpa-flash")].ok
+
+
+def test_the_dropout_mask_of_the_first_sequence_does_not_depend_on_the_batch():
+    """The reference slice draws the mask of one batch entry; it must be the call's."""
+    torch.manual_seed(5)
+    full = aotattn.dropout_mask(3, 2, 16, 24, 0.4)
+    torch.manual_seed(5)
+    first = aotattn.dropout_mask(1, 2, 16, 24, 0.4)
+    assert torch.equal(full[:1], first)
+
+
+def test_wrong_results_get_no_figure(monkeypatch):
+    real = P.call
+
+    def tampered(entry, x, provider, dropout_p=None):
+        out = real(entry, x, provider, dropout_p)
+        if provider == "aotattn:fused":
+            return out * 1.05  # wrong output, and gradients scaled with it
+        if provider == "sdpa-flash":
+            return torch.nan_to_num(out * math.nan)  # zeros
+        return out
+
+    monkeypatch.setattr(P, "call", tampered)
+    records = by_key(measure.measure_entry(SQUARE, CPU, QUICK))
+    fused, flash = records[("bwd", "aotattn:fused")], records[("bwd", "sdpa-flash")]
+    assert not fused.ok and fused.note.startswith("wrong: ") and "float64 reference" in fused.note
+    assert not flash.ok and flash.note.startswith("wrong: ")
+    assert records[("bwd", "aotattn")].ok and records[("bwd", "aotattn:split")].ok
+
+
+def test_a_failing_operator_is_recorded_not_hidden(monkeypatch):
+    def broken(entry, x, backend=None, dropout_p=None):
+        raise ValueError("no image for this kernel: run aotattn build")
+
+    monkeypatch.setattr(P, "call_aotattn", broken)
+    records = by_key(measure.measure_entry(SQUARE, CPU, measure.Options(Plan(2, 1, 0), peers=False)))
+    ours = records[("fwd", "aotattn")]
+    assert not ours.ok and ours.note == "error: ValueError: no image for this kernel: run aotattn build"
+    assert records[("fwd", "sdpa-flash")].note == "skipped: peers not asked for (--no-peers)"
+
+
+def test_provenance_names_the_backward_cell_the_choice_came_from():
+    from aotattn.families.flash import rules
+    from aotattn.perfmon.provenance import Lookup, cell_of, parse_cell
+    from aotattn.spec import Config, Functional
+
+    functional = Functional.of({"dtype": "bf16", "BLOCK_D": 128, "MASK": 2, "DETERMINISTIC": False})
+    lookups = [Lookup(rules.BACKWARD, functional, (("seqlen_k", 3000), ("seqlen_q", 1000)), Config.of(backend="fused")),
+               Lookup(rules.ATTN_BWD_FUSED, Functional.of({"x": 1}), (), Config.of(BLOCK_M=64, BLOCK_N=32,
+                                                                                   num_warps=4, num_stages=2))]
+    note = measure.provenance_note(lookups, "bwd", "sm_90")
+    tokens = dict(t.split("=", 1) for t in note.split())
+    assert tokens["choice"] == "fused" and tokens["attn_bwd_fused"] == "m64_n32_w4_s2"
+    cell = parse_cell(tokens["cell"])
+    assert cell.table == "flash.backward" and dict(cell.buckets) == {"seqlen_q": 1024, "seqlen_k": 4096}
+    assert cell.functional == functional and str(cell) == tokens["cell"]
+    assert tokens["cell"] == cell_of("sm_90", rules.BACKWARD, functional, {"seqlen_q": 1000, "seqlen_k": 3000})
+    assert measure.provenance_note(lookups, "bwd", None) == "choice=fused"  # the interpreter: no cells
+    for bad in ("flash.backward", "nope.table[x=1]@a=1", "flash.backward[dtype=bf16]@seqlen_q=16,seqlen_k=16",
+                "flash.backward[dtype=bf16,BLOCK_D=128,MASK=2,DETERMINISTIC=False]@seqlen_q=17,seqlen_k=16"):
+        with pytest.raises(ValueError, match="cell"):
+            parse_cell(bad)
+
+
+def test_recording_lookups_sees_the_unforced_choice_and_restores_the_rules():
+    from aotattn.families.flash import rules
+    from aotattn.perfmon.provenance import recording_lookups
+
+    original = rules.config_for
+    x = P.make_inputs(SQUARE, CPU, 0)
+    with recording_lookups() as seen:
+        out = P.call(SQUARE, x, "aotattn")
+        torch.autograd.grad(out, x.leaves(), x.dout)
+    assert rules.config_for is original
+    assert {lk.spec.name for lk in seen} >= {"attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_preprocess"}
