@@ -24,14 +24,6 @@ start=$(date +%s)
 nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used \
   --format=csv > "$OUT/env.txt" 2>&1
 python -c "import torch, aotattn; print('torch', torch.__version__, 'aotattn', aotattn.__version__)" >> "$OUT/env.txt" 2>&1
-if grep -q '"format": *"pgdef-batch/' <(head -c 300 "$batch"); then
-  # pgdef's offline runner needs psycopg importable (no server): say so before any GPU work
-  if ! python -c "import psycopg" 2>> "$OUT/env.txt"; then
-    echo "psycopg is not importable here: carry it (pip install --target build/pydeps 'psycopg[binary]' on the" \
-         "CPU machine, PYTHONPATH=build/pydeps) or run a JSON-lines batch (aotattn tune plan --out)" | tee -a "$OUT/env.txt"
-    exit 2
-  fi
-fi
 cat "$OUT/env.txt"
 
 if [ "$compile" = "--compile" ]; then

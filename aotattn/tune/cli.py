@@ -215,21 +215,23 @@ def worker(arch: str = ARCH, gpus: str = typer.Option("0", "--gpus", help="one w
            journal: Path = typer.Option(Path("build/tune/journal"), "--journal", help="per-task journals (resume)"),
            exit_when_idle: bool = typer.Option(False, "--exit-when-idle"),
            dsn: str = DSN, home: Path = HOME) -> None:
-    """Run GPU workers that take tuning tasks from pgdef (online; see `pgdef run-offline` for offline)."""
-    from aotattn.pgdef.worker import spawn_workers
+    """Run GPU workers that take tuning tasks from pgdef (online; offline hosts: benchmarks/tune_session.sh).
+
+    ``aotattn pgdef worker --app aotattn.tune.app --pool ARCH --gpus ...`` with the image
+    folder and the journals in the environment.
+    """
+    import subprocess
+    import sys
 
     from aotattn.tune.runner import JOURNAL_VAR
 
     env = dict(os.environ, **{JOURNAL_VAR: str(journal.resolve())})
     if images:
         env["AOTATTN_IMAGES"] = str(images.resolve())
-    args = ["--app=aotattn.tune.app", "--pool", arch] + (["--exit-when-idle"] if exit_when_idle else [])
-    args += ["--dsn", dsn] if dsn else []
-    args += ["--home", str(home)] if home else []
-    procs = spawn_workers(args, gpus=[int(g) for g in gpus.split(",") if g.strip()], env=env)
-    codes = [p.wait() for p in procs]
-    console.print(f"{len(procs)} workers finished, exit codes {codes}")
-    raise typer.Exit(max(codes, default=0))
+    command = [sys.executable, "-m", "aotattn.pgdef", "worker", "--app", "aotattn.tune.app", "--pool", arch,
+               "--gpus", gpus, *(["--exit-when-idle"] if exit_when_idle else []), *(["--dsn", dsn] if dsn else []),
+               *(["--home", str(home)] if home else [])]
+    raise typer.Exit(subprocess.call(command, env=env))
 
 
 @app.command()

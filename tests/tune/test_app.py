@@ -9,13 +9,12 @@ import pytest
 from typer.testing import CliRunner
 
 from aotattn.cli import app as cli
-from aotattn.pgdef import Client, PayloadError, Worker
+from aotattn.pgdef import Client, PayloadError
 from aotattn.spec import Config
 from aotattn.tune import app as tune_app
 from aotattn.tune import export, offline
 from aotattn.tune.cli import _load_results
 from aotattn.tune.runner import JOURNAL_VAR
-from tests.pgdef.conftest import fast_config
 from tests.tune.conftest import TINY, forward_task
 
 APP = "aotattn.tune.app"
@@ -37,7 +36,7 @@ def _winner(db, result) -> Config:
                                     dict(zip(("seqlen_q", "seqlen_k"), task.cell)))
 
 
-def test_online_worker_then_export(dsn, cpu_tasks, tuning_copy):
+def test_online_worker_then_export(dsn, cpu_tasks, tuning_copy, tmp_path):
     task = forward_task(cell=(16, 16))
     with Client(dsn) as client:
         first = client.dispatch(tune_app.category(task.table), "sm_90", [tune_app.task_spec(task, TINY)], app=APP)
@@ -45,11 +44,15 @@ def test_online_worker_then_export(dsn, cpu_tasks, tuning_copy):
         assert (first.inserted, again.inserted, again.existing) == (1, 0, 1)  # keyed by the task id
         with pytest.raises(PayloadError):
             client.dispatch(tune_app.category(task.table), "sm_90", [{"task": {"arch": "sm_90"}}], app=APP)
-        Worker(dsn, [APP], fast_config(pool="sm_90", gpu=0, lease_s=60.0)).run()
+        # `aotattn tune worker`: one pgdef worker process for "GPU 0" (the interpreter here)
+        worker = CliRunner().invoke(cli, ["tune", "worker", "--gpus", "0", "--exit-when-idle", "--dsn", dsn,
+                                          "--journal", str(tmp_path / "journal")])
+        assert worker.exit_code == 0, worker.output
         results = client.results("tune", "sm_90")
     assert len(results) == 1 and results[0].key == task.id
+    assert (tmp_path / "journal" / f"{task.id}.jsonl").is_file()
     output = results[0].output
-    assert output["id"] == task.id and output["winner"] is not None
+    assert output["id"] == task.id and output["winner"] is not None, output["candidates"]
     export.export([output], tuning_copy, allow_cpu_clock=True)
     assert _winner(tuning_copy, output) == Config.of(output["winner_config"])
 
@@ -89,6 +92,15 @@ def test_cli_dispatch_and_plan(dsn, tmp_path):
     with Client(dsn) as client:
         payloads = [t.payload for t in client.tasks("tune")]
     assert all(tune_app.parse_payload(p)[0].arch == "sm_90" for p in payloads) and len(payloads) == 6
+    # a batch sized by the estimate: a tiny budget still takes the first task, in pgdef's claim order
+    batch = tmp_path / "batch.json"
+    taken = runner.invoke(cli, ["tune", "checkout", "--minutes", "0.0001", "-o", str(batch), "--dsn", dsn])
+    assert taken.exit_code == 0 and "1 tasks" in taken.output, taken.output
+    assert offline.is_pgdef_batch(batch) and len(json.loads(batch.read_text())["tasks"]) == 1
+    counted = runner.invoke(cli, ["tune", "compile", str(batch), "--images", str(tmp_path / "img"), "--dry-run"])
+    assert counted.exit_code == 0 and "1 tasks need" in counted.output, counted.output
+    with Client(dsn) as client:
+        assert len(client.tasks("tune", states=["queued"])) == 5
     bad = runner.invoke(cli, ["tune", "plan", "-c", "flash,nosuch"])
     assert bad.exit_code == 1 and "no tunable table" in bad.output
 

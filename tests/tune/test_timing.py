@@ -87,6 +87,13 @@ def test_tflops_and_repeats_for():
         timing.repeats_for(1.0, 1.0, lowest=0)
 
 
+def test_offline_path_imports_without_psycopg():
+    """The GPU host has no database client: the offline runner must not need one."""
+    code = ("import sys; sys.modules['psycopg'] = None; sys.modules['psycopg_pool'] = None; "
+            "import aotattn.tune.offline, aotattn.tune.app")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_imports_without_triton():
     code = ("import sys; sys.modules['triton'] = None; import aotattn.tune.timing; "
             "assert 'triton' not in [m for m in sys.modules if sys.modules[m] is not None]")
