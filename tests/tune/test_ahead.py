@@ -6,9 +6,13 @@ import dataclasses
 
 import pytest
 
+import torch
+
+from aotattn.families.flash import rules
 from aotattn.spec import Functional
 from aotattn.tune import ahead, flash
-from aotattn.tune.runner import Settings
+from aotattn.tune import candidates as cand
+from aotattn.tune.runner import Settings, image_lookup
 from aotattn.tune.tasks import Task
 from aotattn.tuning import Database
 from tests.tune.conftest import PROJECT_TUNING, forward_task
@@ -37,7 +41,7 @@ def test_backward_tasks_need_their_auxiliary_kernels():
     assert len(both) == len({(j.table, j.functional, j.config) for j in both})
 
 
-def test_compiled_images_hold_every_candidate(tmp_path):
+def test_compiled_images_hold_every_candidate(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     from aotattn.runtime.images import Archive, archive_path
 
@@ -51,3 +55,13 @@ def test_compiled_images_hold_every_candidate(tmp_path):
     for job in jobs:
         entry = archive.entry(flash.image_key(task.table, task.functional, job.config))
         assert entry is not None and entry.shared > 0
+    # what the worker looks up before timing on a GPU (no GPU is touched to look)
+    monkeypatch.setenv("AOTATTN_IMAGES", str(tmp_path / "images"))
+    monkeypatch.setenv("AOTATTN_MODE", "aot")
+    lookup = image_lookup(task, torch.device("cuda"))
+    assert all(lookup(job.config) is not None for job in jobs)
+    missing = next(c for c in cand.space(rules.ATTN_FWD) if c not in {j.config for j in jobs})
+    assert lookup(missing) is None
+    assert image_lookup(task, torch.device("cpu")) is None
+    monkeypatch.setenv("AOTATTN_IMAGES", str(tmp_path / "nowhere"))
+    assert image_lookup(task, torch.device("cuda"))(jobs[0].config) is None
