@@ -7,8 +7,11 @@ reference they are tested against. Importing aotattn touches no GPU driver.
 
 from aotattn.families.flash import (dropout_mask, flash_attn_func, flash_attn_varlen_func,
                                     scaled_dot_product_attention)
-from aotattn import reference
+from aotattn import families, reference, tuning
 from aotattn.families.rmsnorm import rms_norm
+
+# The tuning package knows no family: the package root, above both, hands it their tables.
+tuning.use_tables(families.tables)
 
 __version__ = "0.1.0"
 

@@ -42,11 +42,10 @@ class _OneLineErrors(TyperGroup):
         except Exception as exc:
             if ctx.params.get("debug") or os.environ.get("AOTATTN_DEBUG"):
                 raise
-            from aotattn.runtime.driver import DriverError
-            from aotattn.runtime.images import ImageError
+            from aotattn.errors import AotattnError
 
-            # what aotattn raises for users (TuningError is a ValueError); anything else is a bug
-            if isinstance(exc, (ValueError, OSError, ImageError, DriverError)) and str(exc):
+            # what aotattn raises for users (its own errors, bad values, files); anything else is a bug
+            if isinstance(exc, (AotattnError, ValueError, OSError)) and str(exc):
                 typer.echo(f"aotattn: error: {_one_line(str(exc))}", err=True)
             else:
                 typer.echo(f"aotattn: internal error: {type(exc).__name__}: {_one_line(str(exc))} (a bug in aotattn: "

@@ -69,6 +69,28 @@ def test_errors_of_subcommands_are_one_line(args, words):
     assert all(word in line for word in words), line
 
 
+@pytest.mark.parametrize("error, base", [
+    ("aotattn.tuning:TuningError", ValueError),
+    ("aotattn.runtime.images:ImageError", Exception),
+    ("aotattn.runtime.images:ImageMissing", Exception),
+    ("aotattn.runtime.driver:DriverError", RuntimeError),
+])
+def test_every_layer_error_is_an_aotattn_error_printed_as_one_line(monkeypatch, error, base):
+    import importlib
+
+    from aotattn.errors import AotattnError
+
+    module, name = error.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, AotattnError) and issubclass(cls, base)
+
+    def failing(self, arch, table, *args, **kwargs):
+        raise cls(f"{name} from the test: do this instead")
+
+    monkeypatch.setattr(Database, "effective", failing)
+    assert error_line(invoke("tuning", "show")) == f"aotattn: error: {name} from the test: do this instead"
+
+
 def test_an_internal_error_is_one_line_unless_debug(monkeypatch):
     def broken(self, arch, table, *args, **kwargs):
         raise KeyError("oops")

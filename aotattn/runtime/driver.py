@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable, Mapping
 from ctypes import POINTER, c_char_p, c_int, c_uint, c_void_p
 
+from aotattn.errors import AotattnError
+
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_CONTEXT = 201
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -40,7 +42,7 @@ PROTOTYPES: dict[str, tuple] = {
 }
 
 
-class DriverError(RuntimeError):
+class DriverError(AotattnError, RuntimeError):
     """A CUDA driver call failed."""
 
 

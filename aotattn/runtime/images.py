@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from aotattn.errors import AotattnError
+
 MAGIC = b"AOTIMG\r\n"
 VERSION = 1
 _HEAD = struct.Struct("<8sIQ32s")
@@ -66,8 +68,14 @@ _VARIANTS = ("aligned", "generic")
 _BINARIES = ("cubin", "hsaco")
 
 
-class ImageError(Exception):
+class ImageError(AotattnError):
     """An archive that is malformed, truncated, altered, hostile, stale, or lacks a kernel."""
+
+
+class ImageMissing(ImageError):
+    """No image of a kernel: no archive for its architecture and kernel, or none that holds
+    it. The only image error the default mode falls back from (to Triton's JIT); a damaged,
+    stale or refused archive stays an error."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,9 @@ TUNING_DB = typer.Option(None, "--tuning-db", help="database root (default: $AOT
 
 
 def _db(root: Path | None) -> Database:
-    return Database(root or default_root())
+    from aotattn import families  # the command line sits above the families: it hands their tables down
+
+    return Database(root or default_root(), families.tables())
 
 
 @app.command()
@@ -96,7 +98,7 @@ def diff_command(
                 archive = subprocess.run(["git", "-C", str(top), "archive", rev, str(rel)], check=True,
                                          capture_output=True).stdout
                 subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-                a = Database(Path(tmp) / rel).effective(against or arch, table)
+                a = Database(Path(tmp) / rel, db.specs).effective(against or arch, table)
             b = db.effective(arch, table)
         else:
             a, b = db.effective(arch, table), db.effective(against or arch, table)

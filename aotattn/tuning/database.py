@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -30,15 +30,31 @@ def default_root() -> Path:
     return Path(os.environ.get(ENV_VAR) or PROJECT_ROOT)
 
 
+_default_tables: Callable[[], Mapping[str, Any]] = dict
+
+
+def use_tables(registry: Callable[[], Mapping[str, Any]]) -> None:
+    """Name the tables a :class:`Database` knows when it is given none: ``registry()``
+    maps ``family.name`` to the spec that validates the table.
+
+    The tuning package knows no family: the package root (``aotattn/__init__.py``), which
+    sits above the families, hands their registry down here once, at import.
+    """
+    global _default_tables
+    _default_tables = registry
+
+
 class Database:
-    """Tables under one root, resolved and cached."""
+    """Tables under one root, resolved and cached.
+
+    ``specs`` maps ``family.name`` to the spec each table is validated against (default:
+    the registry handed over by :func:`use_tables`, every family's tables). A lookup also
+    learns the spec it is given.
+    """
 
     def __init__(self, root: Path | str | None = None, specs: Mapping[str, Any] | None = None):
         self.root = Path(root) if root is not None else default_root()
-        if specs is None:
-            from aotattn import families
-            specs = families.tables()
-        self.specs = dict(specs)
+        self.specs = dict(_default_tables() if specs is None else specs)
         self._effective: dict[tuple[str, str, int | None, frozenset | None], Table] = {}
         self._lookups: dict[tuple, Config] = {}
         self._lock = threading.Lock()
@@ -133,6 +149,7 @@ class Database:
         found = self._lookups.get(key)
         if found is not None:
             return found
+        self.specs.setdefault(spec.qualname, spec)
         chain = [functional]  # the functional and its declared fallbacks, in order
         while spec.fallback is not None and (twin := spec.fallback(chain[-1].as_dict())) is not None:
             chain.append(Functional.of(twin))

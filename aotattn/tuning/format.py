@@ -33,13 +33,14 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aotattn.errors import AotattnError
 from aotattn.spec import Config, Functional
 
 FORMAT_VERSION = 1
 NO_ENTRY = "."
 
 
-class TuningError(ValueError):
+class TuningError(AotattnError, ValueError):
     """A tuning file that cannot be used; ``where`` is ``path:line`` when known.
 
     ``archs``: set by ``Database.lint``, the architectures whose effective tables the

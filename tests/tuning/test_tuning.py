@@ -282,3 +282,39 @@ def test_cli_diff_against_a_git_revision(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["tuning", "diff", "--arch", "sm_90", "--table", "toy.k", "--without-patches",
                                       "--tuning-db", str(repo / "tuning")])
     assert "1 difference(s)" in result.output
+
+
+def test_the_tuning_package_imports_no_family():
+    """Specs are passed down (issue 12): no module of aotattn/tuning but its command line
+    (which sits above the families and hands their tables down) imports aotattn.families."""
+    import ast
+
+    for path in Path(tuning.__file__).parent.glob("*.py"):
+        if path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.startswith("aotattn.families") for n in names), f"{path.name} imports {names}"
+
+
+def test_a_database_knows_the_tables_it_is_given_and_learns_from_lookups(tmp_path):
+    make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE})
+    bare = Database(tmp_path, {})
+    with pytest.raises(TuningError, match=r"no table 'toy.k' is declared by any family \(have: \)"):
+        bare.effective("sm_90", "toy.k")
+    assert bare.lookup("sm_90", TOY, f(), {"seqlen_q": 20, "seqlen_k": 64}) == Config.of(BLOCK=64, num_warps=8)
+    assert bare.effective("sm_90", "toy.k").blocks[f("bf16")][0] == ["small", ".", "."]  # learnt from the lookup
+    # no specs given: the registry the package root handed down (every family's tables)
+    assert Database(tmp_path).specs == families.tables()
+
+
+def test_use_tables_names_the_default_registry(tmp_path, monkeypatch):
+    import importlib
+
+    module = importlib.import_module("aotattn.tuning.database")  # the package's `database` is the function
+    monkeypatch.setattr(module, "_default_tables", module._default_tables)  # restored after the test
+    tuning.use_tables(lambda: SPECS)
+    make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE})
+    assert Database(tmp_path).effective("sm_90", "toy.k").configs["small"] == Config.of(BLOCK=16, num_warps=4)
