@@ -9,6 +9,7 @@ Nothing here names a family.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import string
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -214,6 +215,46 @@ class KernelSpec(_Table):
     tuning_keys: tuple[tuple[str, tuple[int, ...]], ...] = ()
     fallback: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
     aligned_when: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
+
+    @functools.cached_property
+    def argument_names(self) -> tuple[str, ...]:
+        return tuple(arg.name for arg in self.arguments)
+
+    @functools.cached_property
+    def stride_groups(self) -> dict[str, tuple[str, ...]]:
+        """The stride arguments by tensor: ``{"q": ("stride_qz", "stride_qh", "stride_qm"), ...}``.
+
+        A stride argument is named ``stride_<tensor><axis>`` with a one-letter axis."""
+        groups: dict[str, list[str]] = {}
+        for name in self.argument_names:
+            if name.startswith("stride_"):
+                groups.setdefault(name[len("stride_"):-1], []).append(name)
+        return {tensor: tuple(names) for tensor, names in groups.items()}
+
+    def strides(self, tensor: str, values: Sequence[int]) -> dict[str, int]:
+        """``values`` bound to the stride arguments of ``tensor``, in declaration order."""
+        names = self.stride_groups.get(tensor)
+        if names is None or len(names) != len(values):
+            raise TypeError(f"{self.qualname}: {len(values)} strides for {tensor!r}, but the kernel declares "
+                            f"{names or 'none'}")
+        return dict(zip(names, values))
+
+    def bind(self, **values: Any) -> tuple[Any, ...]:
+        """The runtime arguments in the compiled kernel's order, from their names.
+
+        Every declared argument must be named once and nothing else: a missing or an
+        unknown name raises, so a swapped or forgotten argument is an error, never a
+        kernel reading the wrong stride.
+        """
+        try:
+            args = tuple(map(values.__getitem__, self.argument_names))
+        except KeyError:
+            missing = [name for name in self.argument_names if name not in values]
+            raise TypeError(f"{self.qualname}: missing kernel arguments {missing}") from None
+        if len(values) != len(args):
+            unknown = sorted(set(values) - set(self.argument_names))
+            raise TypeError(f"{self.qualname}: unknown kernel arguments {unknown}")
+        return args
 
     def variant(self, functional: Functional) -> str:
         """``aligned`` or ``generic``: how this functional is compiled."""

@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from aotattn.families.flash import ops  # noqa: E402
+from aotattn.families.flash import ops, planning  # noqa: E402
 from aotattn.families.flash.checks import check_flash  # noqa: E402
 from aotattn.runtime.aot import LoadedKernel, _raw_stream  # noqa: E402
 from aotattn.runtime.images import Entry  # noqa: E402
@@ -102,10 +102,10 @@ def main() -> None:
     dout = torch.randn_like(out)
     p = check_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=args.causal, window_size=(-1, -1),
                     diagonal="bottom_right")
-    c = ops._new_call(p, q, k, v)
+    c = planning.new_call(p, q, k, v)
     delta, dq = torch.empty_like(lse), torch.empty_like(q)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    plans = ops.backward_plans(c, dout, q, k, v, out, lse, delta, dq, dk, dv, None, "split", False)
+    plans = planning.backward_plans(c, dout, q, k, v, out, lse, delta, dq, dk, dv, None, "split", False)
     preprocess, dkdv = plans[0], plans[1]
     launch(preprocess)
     launch(dkdv)

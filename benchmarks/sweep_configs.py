@@ -13,7 +13,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-from aotattn.families.flash import ops
+from aotattn.families.flash import planning
 from aotattn.families.flash.checks import check_flash
 from aotattn.runtime import launch
 from aotattn.spec import Config
@@ -47,9 +47,9 @@ def main() -> None:
         ref = ref.transpose(1, 2)
         p = check_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=causal, window_size=(-1, -1),
                         diagonal="bottom_right")
-        call = ops.Call(p)
+        call = planning.Call(p)
         out = torch.empty_like(q)
-        lse = ops.attention_forward(call, q, k, v, out)
+        lse = planning.run_forward(call, q, k, v, out)
         flops = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
         for kernel, candidates in CANDIDATES.items():
             rows = []
@@ -59,13 +59,13 @@ def main() -> None:
                 delta = torch.empty(batch, heads, seqlen, device="cuda")
                 if kernel == "attn_fwd":
                     o2 = torch.empty_like(q)
-                    plan = ops.forward_plan(call, q, k, v, o2, torch.empty_like(lse), config)
+                    plan = planning.forward_plan(call, q, k, v, o2, torch.empty_like(lse), config)
                     check = lambda: [_rel(o2, ref)]  # noqa: E731
                 else:
                     backend, det = ("fused", False) if kernel == "attn_bwd_fused" else ("split", True)
                     if kernel != "attn_bwd_fused":
                         dq = torch.empty_like(q)
-                    plans = ops.backward_plans(call, dout, q, k, v, out, lse, delta, dq, dk, dv, None, backend,
+                    plans = planning.backward_plans(call, dout, q, k, v, out, lse, delta, dq, dk, dv, None, backend,
                                                det, {kernel: config})
                     launch(plans[0])  # delta
                     plan = next(pl for pl in plans if pl.kernel.name == kernel)

@@ -2,21 +2,26 @@
 
 Triton decides at decoration time whether ``@triton.jit`` builds a compiled or an
 interpreted function, from ``triton.knobs.runtime.interpret``. To run the same kernels on
-CPU tensors in a process that also compiles them, the module holding them is loaded a
-second time, under another name, with that knob set while it executes. Its jit functions
-then call each other as interpreted functions.
+CPU tensors in a process that also compiles them, each module holding kernels is loaded
+a second time, under another name, with that knob set while it executes. Kernels it
+imports from other modules (a family's shared building blocks) arrive as compiled
+functions, which the interpreter cannot call: they are rebound to the same functions
+of those modules' interpreted copies, so a family can split its kernels over modules
+of one package.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import threading
 from types import ModuleType
 from typing import Any
 
 import triton
+from triton.runtime.jit import JITFunction
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # a module's copy loads the copies of the modules it imports from
 _modules: dict[str, ModuleType] = {}
 
 
@@ -30,12 +35,20 @@ def interpreted_module(module: str) -> ModuleType:
                 raise ImportError(f"no kernel module {module!r}")
             copy_spec = importlib.util.spec_from_file_location(f"{module}.__interpreted__", spec.origin)
             copy = importlib.util.module_from_spec(copy_spec)
+            # the modules it imports from must be loaded compiled, before the knob flips
+            importlib.import_module(module)
             previous = triton.knobs.runtime.interpret
             triton.knobs.runtime.interpret = True
             try:
                 copy_spec.loader.exec_module(copy)
             finally:
                 triton.knobs.runtime.interpret = previous
+            package = module.rpartition(".")[0] + "."
+            for name, value in list(vars(copy).items()):
+                # imported from a sibling module: compiled, not interpreted (Triton's own jit
+                # helpers, such as the combine functions tl.reduce takes, stay as they are)
+                if isinstance(value, JITFunction) and value.fn.__module__.startswith(package):
+                    setattr(copy, name, getattr(interpreted_module(value.fn.__module__), value.fn.__name__))
             _modules[module] = copy
         return copy
 

@@ -1,256 +1,33 @@
 """Public operators of the flash-attention family.
 
-Data flows one way: public call -> checks (:mod:`.checks`) -> launch plan (functional,
-configuration, grid, arguments) -> :func:`aotattn.runtime.launch`.
+Data flows one way: public call -> checks (:mod:`.checks`) -> planning (:mod:`.planning`:
+launch plans bound by name to the kernels' declarations) -> :func:`aotattn.runtime.launch`.
+Under ``torch.compile`` the call goes through the custom ops of :mod:`.custom_ops`, which
+plan the same way. This module adds the autograd Function and the plan cache.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 
 from aotattn.families.flash import rules
 from aotattn.families.flash.checks import (Problem, check_bias, check_bool, check_flash, check_sdpa,
                                            check_varlen)
+from aotattn.families.flash.planning import (Call, lse_shape, new_call, new_output, philox_state,
+                                             dropout_mask_plan, forward_plan, run_backward, run_forward)
 from aotattn.runtime import launch, prepare
 from aotattn.runtime.launcher import MODE_VAR
-from aotattn.spec import Config, Functional, KernelSpec, LaunchPlan
-
-LOG2E = 1.0 / math.log(2.0)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Every buffer the operators hand to a kernel comes from here (tests poison it)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-
-
-def philox_state(dropout_p: float) -> tuple[int, int]:
-    """(seed, offset) of one dropout call, drawn from torch's default generator.
-
-    ``torch.manual_seed`` therefore reproduces every mask; :func:`dropout_mask` draws
-    the same way, so with the generator in the same state it returns the call's mask.
-    """
-    if dropout_p == 0.0:
-        return 0, 0
-    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()
-    return seed, offset
-
-
-@dataclass(frozen=True)
-class Call:
-    """One attention call, validated: the problem plus its optional tensors and RNG state."""
-
-    p: Problem
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    bias: torch.Tensor | None = None  # (B, Hq, Sq, Sk) view in q's dtype
-    bias_grad: bool = False
-    seed: int = 0
-    offset: int = 0
-    aligned: bool = True  # every q/k/v pointer 16-byte aligned and tile stride divisible by 16
-
-    def functional(self, backward: bool = False) -> dict:
-        """The compile-time choices shared by the attention kernels."""
-        p = self.p
-        bucket = rules.head_dim_bucket(max(p.head_dim, p.head_dim_v))  # see rules._unequal_head_buckets
-        bias = 0 if self.bias is None else (2 if backward and self.bias_grad else 1)
-        return {
-            "dtype": rules.DTYPES[p.dtype],
-            "BLOCK_D": bucket,
-            "BLOCK_DV": bucket,
-            # the unpadded functionals are built with alignment hints (rules._aligned_when)
-            "PAD_HEAD": p.head_dim != bucket or p.head_dim_v != bucket or not self.aligned,
-            "MASK": p.mask,
-            "VARLEN": p.varlen,
-            "DROPOUT": p.dropout_p > 0.0,
-            "BIAS": bias,
-        }
-
-    def tiles_aligned(self, *tensors: torch.Tensor) -> bool:
-        return all(t.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in self.rows(t)) for t in tensors)
-
-    def rows(self, t: torch.Tensor) -> tuple[int, int, int]:
-        """(batch, head, row) strides of q/k/v-like tensors: (B, S, H, D), or (T, H, D) under varlen."""
-        if self.p.varlen:
-            return 0, t.stride(1), t.stride(0)
-        return t.stride(0), t.stride(2), t.stride(1)
-
-    def sequences(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.p.varlen:
-            return self.cu_seqlens_q, self.cu_seqlens_k
-        unused = torch.empty(0, dtype=torch.int32, device=device)
-        return unused, unused
-
-    def bias_args(self, like: torch.Tensor) -> tuple:
-        if self.bias is None:
-            return (like, 0, 0, 0, 0)
-        return (self.bias, *self.bias.stride())
-
-    def window(self) -> tuple[int, int]:
-        return self.p.kernel_window()
-
-    def dropout(self) -> tuple[int, float, int, int]:
-        """(threshold, scale, seed, offset): keep an element when its Philox word >= threshold."""
-        p = self.p.dropout_p
-        return min(int(p * 2.0**32), 2**32), 1.0 / (1.0 - p), self.seed, self.offset
-
-    def sizes(self) -> tuple[int, ...]:
-        p = self.p
-        return p.seqlen_q, p.seqlen_k, p.heads_q, p.group_size, p.head_dim, p.head_dim_v
-
-
-def _plan(kernel: KernelSpec, functional: Mapping, p: Problem, device: torch.device, config: Config | None,
-          grid: Callable[[Config], tuple[int, int, int]], args: tuple) -> LaunchPlan:
-    functional = Functional.of(functional)
-    if config is None:
-        config = rules.config_for(kernel, functional, device, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k)
-    return LaunchPlan(kernel, functional, config, grid(config), args)
-
-
-def forward_plan(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, config: Config | None = None) -> LaunchPlan:
-    """Plan of the forward kernel; ``lse`` is ``(B, Hq, Sq)``, or ``(Hq, total_q)`` under varlen."""
-    p = c.p
-    lse_strides = (0, lse.stride(0)) if p.varlen else (lse.stride(0), lse.stride(1))
-    left, right = c.window()
-    threshold, scale, seed, offset = c.dropout()
-    args = (q, k, v, out, lse, *c.sequences(q.device), c.bias_args(q)[0],
-            *c.rows(q), *c.rows(k), *c.rows(v), *c.rows(out), *lse_strides, *c.bias_args(q)[1:],
-            *c.sizes(), p.softmax_scale * LOG2E, left, right, threshold, scale, seed, offset)
-    return _plan(rules.ATTN_FWD, c.functional(), p, q.device, config,
-                 lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch), args)
-
-
-def _lse_shape(p: Problem, q: torch.Tensor) -> tuple[int, ...]:
-    return (p.heads_q, q.shape[0]) if p.varlen else (p.batch, p.heads_q, p.seqlen_q)
-
-
-def attention_forward(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      config: Config | None = None) -> torch.Tensor:
-    """Run the forward pass into ``out``; returns the log-sum-exp."""
-    lse = _empty(_lse_shape(c.p, q), torch.float32, q.device)
-    launch(forward_plan(c, q, k, v, out, lse, config))
-    return lse
-
-
-def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor,
-                   dk: torch.Tensor, dv: torch.Tensor, dbias: torch.Tensor | None, backend: str,
-                   deterministic: bool, configs: Mapping[str, Config] | None = None) -> list[LaunchPlan]:
-    """The launches of one backward pass, in order: preprocess, then the backend's kernels.
-
-    With ``backend="fused"`` and not ``deterministic``, ``dq`` must be a zeroed fp32
-    buffer that the kernel accumulates into with atomics.
-    """
-    configs = configs or {}
-    p = c.p
-    f = c.functional(backward=True)
-    dev = q.device
-    lse_strides = (0, lse.stride(0)) if p.varlen else (lse.stride(0), lse.stride(1))
-    cu_q, cu_k = c.sequences(dev)
-    # the preprocess is aligned exactly when the attention kernels are (dout was checked for it)
-    pre_f = {"dtype": f["dtype"], "BLOCK_DV": f["BLOCK_DV"], "PAD_HEAD": f["PAD_HEAD"], "VARLEN": p.varlen}
-    plans = [_plan(rules.ATTN_BWD_PREPROCESS, pre_f, p, dev, configs.get("attn_bwd_preprocess"),
-                   lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch),
-                   (out, dout, delta, cu_q, *c.rows(out), *c.rows(dout), *lse_strides, p.seqlen_q, p.head_dim_v))]
-    bias, *bias_strides = c.bias_args(q)
-    if dbias is None:
-        dbias_args, dbias_strides = delta, (0, 0, 0)
-    else:
-        dbias_args, dbias_strides = dbias, dbias.stride()[:3]
-    left, right = c.window()
-    scalars = (*c.sizes(), p.softmax_scale, p.softmax_scale * LOG2E, left, right, *c.dropout())
-    inputs = (*c.rows(q), *c.rows(k), *c.rows(v), *c.rows(dout))
-    dkdv_strides = (*c.rows(dk), *c.rows(dv))
-    if backend == "split":
-        plans.append(_plan(rules.ATTN_BWD_DKDV, f, p, dev, configs.get("attn_bwd_dkdv"),
-                           lambda cfg: (_cdiv(p.seqlen_k, cfg["BLOCK_N"]), p.heads_k, p.batch),
-                           (q, k, v, dout, dk, dv, lse, delta, cu_q, cu_k, bias, *inputs, *dkdv_strides,
-                            *lse_strides, *bias_strides, *scalars)))
-        plans.append(_plan(rules.ATTN_BWD_DQ, f, p, dev, configs.get("attn_bwd_dq"),
-                           lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch),
-                           (q, k, v, dout, dq, lse, delta, cu_q, cu_k, bias, dbias_args, *inputs, *c.rows(dq),
-                            *lse_strides, *bias_strides, *dbias_strides, *scalars)))
-    elif backend == "fused":
-        fused_f = {**f, "ATOMIC_DQ": not deterministic}
-
-        def grid(cfg: Config) -> tuple[int, int, int]:
-            programs = _cdiv(p.seqlen_k, cfg["BLOCK_N"])
-            if deterministic:
-                programs += p.group_size * _cdiv(p.seqlen_q, cfg["BLOCK_M"])
-            return programs, p.heads_k, p.batch
-
-        plans.append(_plan(rules.ATTN_BWD_FUSED, fused_f, p, dev, configs.get("attn_bwd_fused"), grid,
-                           (q, k, v, dout, dq, dk, dv, lse, delta, cu_q, cu_k, bias, dbias_args, *inputs,
-                            *c.rows(dq), *dkdv_strides, *lse_strides, *bias_strides, *dbias_strides, *scalars)))
-    else:
-        raise ValueError(f"backend: expected one of {rules.BACKENDS} or None, got {backend!r}")
-    return plans
-
-
-def choose_backend(c: Call, deterministic: bool, device: torch.device) -> str:
-    """The backend when the caller names none: the ``flash.backward`` table's choice on GPUs."""
-    if device.type == "cpu":
-        return "split"
-    f = c.functional()
-    functional = Functional.of({"dtype": f["dtype"], "BLOCK_D": f["BLOCK_D"], "MASK": f["MASK"],
-                                "DETERMINISTIC": deterministic})
-    config = rules.config_for(rules.BACKWARD, functional, device, seqlen_q=c.p.seqlen_q, seqlen_k=c.p.seqlen_k)
-    return config["backend"]
-
-
-def attention_backward(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, backend: str | None, deterministic: bool,
-                       configs: Mapping[str, Config] | None = None):
-    """dQ, dK, dV (contiguous, shaped like q, k, v) and dBias (``(B, Hq, Sq, Sk)`` or None)."""
-    if dout.stride(-1) != 1 or (c.functional()["PAD_HEAD"] is False and not c.tiles_aligned(dout)):
-        dout = dout.contiguous()  # a fresh contiguous tensor meets the aligned variant's assumptions
-    p = c.p
-    backend = backend or choose_backend(c, deterministic, q.device)
-    dev = q.device
-    dk = _empty(tuple(k.shape), k.dtype, dev)
-    dv = _empty(tuple(v.shape), v.dtype, dev)
-    delta = _empty(_lse_shape(p, q), torch.float32, dev)
-    atomic = backend == "fused" and not deterministic
-    dq = (torch.zeros(tuple(q.shape), dtype=torch.float32, device=dev) if atomic
-          else _empty(tuple(q.shape), q.dtype, dev))
-    dbias = None
-    if c.bias_grad:
-        # tiles outside the mask are skipped, never written: their gradient is exactly 0
-        dbias = torch.zeros((p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), dtype=torch.float32, device=dev)
-    for plan in backward_plans(c, dout, q, k, v, out, lse, delta, dq, dk, dv, dbias, backend, deterministic,
-                               configs):
-        launch(plan)
-    return (dq.to(q.dtype) if atomic else dq), dk, dv, dbias
-
-
-def new_output(p: Problem, q: torch.Tensor, heads_major: bool) -> torch.Tensor:
-    """The output, laid out like q: ``(B, Sq, Hq, Dv)`` (stored ``(B, Hq, Sq, Dv)`` when
-    ``heads_major``), or ``(total_q, Hq, Dv)`` under varlen."""
-    if p.varlen:
-        return _empty((q.shape[0], p.heads_q, p.head_dim_v), q.dtype, q.device)
-    if heads_major:
-        return _empty((p.batch, p.heads_q, p.seqlen_q, p.head_dim_v), q.dtype, q.device).transpose(1, 2)
-    return _empty((p.batch, p.seqlen_q, p.heads_q, p.head_dim_v), q.dtype, q.device)
+from aotattn.spec import LaunchPlan
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, c, heads_major, backend, deterministic):
         out = new_output(c.p, q, heads_major)
-        lse = attention_forward(c, q, k, v, out)
+        lse = run_forward(c, q, k, v, out)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = c
         ctx.backend = backend
@@ -261,7 +38,7 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, dbias = attention_backward(ctx.call, dout, q, k, v, out, lse, ctx.backend, ctx.deterministic)
+        dq, dk, dv, dbias = run_backward(ctx.call, dout, q, k, v, out, lse, ctx.backend, ctx.deterministic)
         return dq, dk, dv, (None if dbias is None else dbias.to(ctx.call.bias.dtype)), None, None, None, None
 
 
@@ -276,7 +53,7 @@ def _run(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_major
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, c.bias)):
         return _FlashAttention.apply(q, k, v, c.bias, c, heads_major, backend, deterministic)
     out = new_output(c.p, q, heads_major)
-    lse = _empty(_lse_shape(c.p, q), torch.float32, q.device)
+    lse = torch.empty(lse_shape(c.p, q), dtype=torch.float32, device=q.device)
     plan = forward_plan(c, q, k, v, out, lse)
     if cache_key is not None and c.bias is None and c.p.dropout_p == 0.0 and not c.p.varlen:
         _PLANS.store(cache_key, plan, q, k, v, out, lse, out.transpose(1, 2) if heads_major else out)
@@ -288,10 +65,10 @@ def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
             heads_major: bool, backend: object, deterministic: object, cache_key: tuple | None = None,
             cu_seqlens_q: torch.Tensor | None = None,
             cu_seqlens_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A validated call: run eagerly, or under ``torch.compile`` as one custom op (:mod:`.library`)."""
+    """A validated call: run eagerly, or under ``torch.compile`` as one custom op (:mod:`.custom_ops`)."""
     backend, deterministic = _check_backend(backend), _deterministic(deterministic)
     if not torch.compiler.is_compiling():
-        return _run(_new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k), q, k, v, heads_major, backend,
+        return _run(new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k), q, k, v, heads_major, backend,
                     deterministic, cache_key)
     max_q, max_k = (p.seqlen_q, p.seqlen_k) if p.varlen else (0, 0)
     out, lse, _ = torch.ops.aotattn.flash_fwd(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
@@ -304,23 +81,6 @@ def _cacheable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: obj
     """Inference calls without dropout or bias: those the plan cache serves."""
     return extra is None and dropout_p == 0.0 and not (
         torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-
-
-def _new_call(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None,
-              cu_q=None, cu_k=None, *, bias_grad: bool | None = None, rng: tuple[int, int] | None = None) -> Call:
-    """``bias_grad``: default, whether autograd wants the bias's gradient; ``rng``: a
-    dropout (seed, offset) to replay, else one drawn from torch's generator."""
-    seed, offset = rng if rng is not None else philox_state(p.dropout_p)
-    if cu_q is not None:
-        # the kernels read offsets at unit stride: a strided view (cu[::2]) would make them
-        # read past its storage (seen as heap corruption); this copies only such views
-        cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
-    if bias_grad is None:
-        bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
-    c = Call(p, cu_q, cu_k, bias, bias_grad, seed, offset)
-    if not c.tiles_aligned(q, k, v):
-        c = dataclasses.replace(c, aligned=False)
-    return c
 
 
 class _PlanCache:
@@ -374,8 +134,8 @@ class _PlanCache:
         if entry is None:
             return None
         run, out_shape, lse_shape, transposed = entry
-        out = _empty(out_shape, q.dtype, q.device)
-        lse = _empty(lse_shape, torch.float32, q.device)
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
         run((q, k, v, out.transpose(1, 2) if transposed else out, lse))
         return out, lse
 
@@ -533,10 +293,6 @@ def dropout_mask(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, dropout
     if not 0.0 < dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in (0, 1), got {dropout_p}")
     seed, offset = philox_state(dropout_p)
-    mask = _empty((batch, heads_q, seqlen_q, seqlen_k), torch.int8, device)
-    kernel = rules.DROPOUT_MASK
-    config = rules.config_for(kernel, Functional.of({}), device)
-    launch(LaunchPlan(kernel, Functional.of({}), config, (_cdiv(seqlen_q, config["BLOCK_M"]), heads_q, batch),
-                      (mask, *mask.stride()[:3], seqlen_q, seqlen_k, heads_q, min(int(dropout_p * 2.0**32), 2**32),
-                       seed, offset)))
+    mask = torch.empty((batch, heads_q, seqlen_q, seqlen_k), dtype=torch.int8, device=device)
+    launch(dropout_mask_plan(mask, seqlen_q, seqlen_k, heads_q, dropout_p, seed, offset))
     return mask.bool()

@@ -25,6 +25,8 @@ MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 
 # MASK axis: which diagonal a window (causal included) is aligned to.
 MASK_NONE, MASK_TOP_LEFT, MASK_BOTTOM_RIGHT = 0, 1, 2
+# BIAS axis: no bias, an additive bias, an additive bias whose gradient is wanted (backward only).
+BIAS_NONE, BIAS_ADD, BIAS_GRAD = 0, 1, 2
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -123,9 +125,8 @@ _COMMON_AXES = (
     ("VARLEN", (False, True)),
     ("DROPOUT", (False, True)),
 )
-# BIAS: 0 none, 1 an additive bias, 2 a bias whose gradient is wanted (backward only)
-_FWD_AXES = _COMMON_AXES + (("BIAS", (0, 1)),)
-_BWD_AXES = _COMMON_AXES + (("BIAS", (0, 1, 2)),)
+_FWD_AXES = _COMMON_AXES + (("BIAS", (BIAS_NONE, BIAS_ADD)),)
+_BWD_AXES = _COMMON_AXES + (("BIAS", (BIAS_NONE, BIAS_ADD, BIAS_GRAD)),)
 _TUNING = (
     ("BLOCK_M", (16, 32, 64, 128)),
     ("BLOCK_N", (16, 32, 64, 128)),

@@ -148,7 +148,7 @@ def test_backend_argument_is_checked():
 
 def test_unaligned_inputs_take_the_generic_kernels():
     """A q view that is not 16-byte aligned selects padded (generic) functionals everywhere."""
-    from aotattn.families.flash import ops
+    from aotattn.families.flash import planning
     from aotattn.families.flash.checks import check_flash
 
     base = torch.randn(1 * 40 * 2 * 64 + 1, dtype=torch.float16)
@@ -156,12 +156,12 @@ def test_unaligned_inputs_take_the_generic_kernels():
     k, v = (torch.randn(1, 40, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(2))
     p = check_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     diagonal="bottom_right")
-    call = ops._new_call(p, q, k, v)
+    call = planning.new_call(p, q, k, v)
     assert not call.aligned and call.functional()["PAD_HEAD"] is True
     dout = torch.randn(1, 40, 2, 64, dtype=torch.float16)
     out = torch.empty_like(dout)
-    lse = ops.attention_forward(call, q, k, v, out)
-    plans = ops.backward_plans(call, dout, q, k, v, out, lse, torch.empty(1, 2, 40), torch.empty_like(q),
+    lse = planning.run_forward(call, q, k, v, out)
+    plans = planning.backward_plans(call, dout, q, k, v, out, lse, torch.empty(1, 2, 40), torch.empty_like(q),
                                torch.empty_like(k), torch.empty_like(v), None, "split", True)
     assert all(plan.kernel.variant(plan.functional) == "generic" for plan in plans)
     check_gradients(q, k, v, ("split", False))

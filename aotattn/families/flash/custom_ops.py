@@ -5,8 +5,8 @@ host time per call rests on). Under ``torch.compile`` the public functions, havi
 validated the call while Dynamo traces them, call ``torch.ops.aotattn.flash_fwd``
 instead: one opaque node with a shape-only fake, differentiable through
 ``flash_bwd``, rather than a graph break on data pointers and driver calls. Both ops
-run the same internals as the eager path (:func:`.ops.attention_forward`,
-:func:`.ops.attention_backward`).
+run the same planning as the eager path (:func:`.planning.run_forward`,
+:func:`.planning.run_backward`).
 
 Varlen calls pass their offsets as tensors; their values are checked (on the host)
 when the op runs, since a trace cannot read them.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from aotattn.families.flash import ops
+from aotattn.families.flash import planning
 from aotattn.families.flash.checks import Problem, check_offsets
 
 
@@ -48,9 +48,9 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
         check_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     p = _problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, window_left, window_right,
                  dropout_p)
-    c = ops._new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k, bias_grad=False)
-    out = ops.new_output(p, q, heads_major)
-    lse = ops.attention_forward(c, q, k, v, out)
+    c = planning.new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k, bias_grad=False)
+    out = planning.new_output(p, q, heads_major)
+    lse = planning.run_forward(c, q, k, v, out)
     return out, lse, torch.tensor([c.seed, c.offset], dtype=torch.int64)
 
 
@@ -59,8 +59,8 @@ def _flash_fwd_fake(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
                     window_left, window_right, dropout_p, heads_major, backend, deterministic):
     p = _problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, window_left, window_right,
                  dropout_p)
-    lse = q.new_empty(ops._lse_shape(p, q), dtype=torch.float32)
-    return ops.new_output(p, q, heads_major), lse, torch.empty(2, dtype=torch.int64)
+    lse = q.new_empty(planning.lse_shape(p, q), dtype=torch.float32)
+    return planning.new_output(p, q, heads_major), lse, torch.empty(2, dtype=torch.int64)
 
 
 @torch.library.custom_op("aotattn::flash_bwd", mutates_args=())
@@ -75,8 +75,8 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     p = _problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, window_left, window_right,
                  dropout_p)
     seed, offset = rng.tolist()
-    c = ops._new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k, bias_grad=bias_grad, rng=(seed, offset))
-    dq, dk, dv, dbias = ops.attention_backward(c, dout, q, k, v, out, lse, backend, deterministic)
+    c = planning.new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k, bias_grad=bias_grad, rng=(seed, offset))
+    dq, dk, dv, dbias = planning.run_backward(c, dout, q, k, v, out, lse, backend, deterministic)
     dbias = q.new_empty(0) if dbias is None else dbias.to(bias.dtype)
     return dq, dk, dv, dbias
 

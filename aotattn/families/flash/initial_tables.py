@@ -1,6 +1,6 @@
 """Hand-picked seed tables for the tuning database (untuned; the tuner replaces them).
 
-    python -m aotattn.families.flash.seeds [ROOT]
+    python -m aotattn.families.flash.initial_tables [ROOT]
 
 writes ``ROOT/nvidia/sm_90`` (every table in full), ``ROOT/nvidia/sm_80`` (``#! base
 sm_90``, overriding the blocks whose sm_90 choices need more than the A100's 163 KB of
@@ -15,11 +15,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from aotattn.arch import ARCHES
 from aotattn.families.flash import rules
 from aotattn.spec import Config, Functional
 from aotattn.tuning import Table, write_table
 
-UNTUNED = "# Seeded by hand (aotattn.families.flash.seeds), NOT TUNED: one choice for every sequence length."
+UNTUNED = "# Seeded by hand (aotattn.families.flash.initial_tables), NOT TUNED: one choice for every sequence length."
 
 
 def _cfg(bm: int, bn: int, w: int, s: int) -> Config:
@@ -92,10 +93,9 @@ def build_table(spec, arch: str, choose, base: str | None = None) -> Table:
 
 def main(root: Path) -> None:
     inherit = lambda kernel, f: None  # noqa: E731  (a derived table that overrides nothing yet)
-    for vendor, arch, choose, base in (("nvidia", "sm_90", sm90, None), ("nvidia", "sm_80", sm80, "sm_90"),
-                                       ("nvidia", "sm_86", inherit, "sm_80"), ("nvidia", "sm_89", inherit, "sm_80"),
-                                       ("amd", "gfx942", inherit, "sm_90"), ("amd", "gfx90a", inherit, "gfx942"),
-                                       ("amd", "gfx950", inherit, "gfx942"), ("amd", "gfx1100", inherit, "gfx942")):
+    choosers = {"sm_90": sm90, "sm_80": sm80}
+    for a in ARCHES.values():
+        vendor, arch, choose, base = a.vendor, a.name, choosers.get(a.name, inherit), a.base
         directory = root / vendor / arch
         directory.mkdir(parents=True, exist_ok=True)
         for spec in rules.TABLES:

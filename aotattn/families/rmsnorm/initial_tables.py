@@ -1,10 +1,11 @@
-"""Seed table of the RMSNorm family (untuned): ``python -m aotattn.families.rmsnorm.seeds``."""
+"""Seed table of the RMSNorm family (untuned): ``python -m aotattn.families.rmsnorm.initial_tables``."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+from aotattn.arch import ARCHES
 from aotattn.families.rmsnorm import rules
 from aotattn.spec import Config, Functional
 from aotattn.tuning import Table, write_table
@@ -13,7 +14,7 @@ from aotattn.tuning import Table, write_table
 def main(root: Path) -> None:
     spec = rules.RMSNORM_FWD
     table = Table(spec.qualname, "sm_90", spec.tuning_keys,
-                  comments=["# Seeded by hand (aotattn.families.rmsnorm.seeds), NOT TUNED: warps grow with the row."])
+                  comments=["# Seeded by hand (aotattn.families.rmsnorm.initial_tables), NOT TUNED: warps grow with the row."])
     for warps in (1, 4, 8, 16):
         table.configs[f"w{warps}"] = Config.of(num_warps=warps, num_stages=1)
     for functional in spec.enumerate_functionals():
@@ -21,11 +22,10 @@ def main(root: Path) -> None:
         table.blocks[Functional.of(functional.as_dict())] = [[name] for _ in spec.tuning_keys[0][1]]
     path = root / "nvidia" / "sm_90" / f"{spec.qualname}.txt"
     path.write_text(write_table(spec, table))
-    for vendor, arch, base in (("nvidia", "sm_80", "sm_90"), ("nvidia", "sm_86", "sm_80"), ("nvidia", "sm_89", "sm_80"),
-                               ("amd", "gfx942", "sm_90"), ("amd", "gfx90a", "gfx942"), ("amd", "gfx950", "gfx942"),
-                               ("amd", "gfx1100", "gfx942")):
-        derived = Table(spec.qualname, arch, spec.tuning_keys, base, comments=table.comments)
-        (root / vendor / arch / f"{spec.qualname}.txt").write_text(write_table(spec, derived))
+    for a in ARCHES.values():
+        if a.base is not None:
+            derived = Table(spec.qualname, a.name, spec.tuning_keys, a.base, comments=table.comments)
+            (root / a.vendor / a.name / f"{spec.qualname}.txt").write_text(write_table(spec, derived))
 
 
 if __name__ == "__main__":

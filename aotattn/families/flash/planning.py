@@ -1,0 +1,296 @@
+"""Planning: a validated call becomes launch plans, bound to the kernels' declarations by name.
+
+The layer between the checks and the launcher. The public functions (:mod:`.ops`), the
+autograd path and the ``torch.compile`` custom ops (:mod:`.custom_ops`) all import it;
+it imports neither. A :class:`Call` is one validated call (the :class:`Problem` plus
+its tensors' layout and RNG state); ``forward_plan`` and ``backward_plans`` turn it
+into :class:`~aotattn.spec.LaunchPlan` s whose arguments are bound by name against the
+kernel's :class:`~aotattn.spec.KernelSpec` (a missing or unknown name is an error);
+``run_forward`` and ``run_backward`` allocate the outputs and launch them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from aotattn.families.flash import rules
+from aotattn.families.flash.checks import Problem
+from aotattn.runtime import launch
+from aotattn.spec import Config, Functional, KernelSpec, LaunchPlan
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def philox_state(dropout_p: float) -> tuple[int, int]:
+    """(seed, offset) of one dropout call, drawn from torch's default generator.
+
+    ``torch.manual_seed`` therefore reproduces every mask; :func:`dropout_mask_plan`'s
+    caller draws the same way, so with the generator in the same state it gets the
+    call's mask.
+    """
+    if dropout_p == 0.0:
+        return 0, 0
+    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()
+    return seed, offset
+
+
+@dataclass(frozen=True)
+class Call:
+    """One attention call, validated: the problem plus its optional tensors and RNG state."""
+
+    p: Problem
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # (B, Hq, Sq, Sk) view in q's dtype
+    bias_grad: bool = False
+    seed: int = 0
+    offset: int = 0
+    aligned: bool = True  # every q/k/v pointer 16-byte aligned and tile stride divisible by 16
+
+    def functional(self, backward: bool = False) -> dict:
+        """The compile-time choices shared by the attention kernels."""
+        p = self.p
+        bucket = rules.head_dim_bucket(max(p.head_dim, p.head_dim_v))  # see rules._unequal_head_buckets
+        if self.bias is None:
+            bias = rules.BIAS_NONE
+        else:
+            bias = rules.BIAS_GRAD if backward and self.bias_grad else rules.BIAS_ADD
+        return {
+            "dtype": rules.DTYPES[p.dtype],
+            "BLOCK_D": bucket,
+            "BLOCK_DV": bucket,
+            # the unpadded functionals are built with alignment hints (rules._aligned_when)
+            "PAD_HEAD": p.head_dim != bucket or p.head_dim_v != bucket or not self.aligned,
+            "MASK": p.mask,
+            "VARLEN": p.varlen,
+            "DROPOUT": p.dropout_p > 0.0,
+            "BIAS": bias,
+        }
+
+    def tiles_aligned(self, *tensors: torch.Tensor) -> bool:
+        return all(t.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in self.rows(t)) for t in tensors)
+
+    def rows(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """(batch, head, row) strides of q/k/v-like tensors: (B, S, H, D), or (T, H, D) under varlen."""
+        if self.p.varlen:
+            return 0, t.stride(1), t.stride(0)
+        return t.stride(0), t.stride(2), t.stride(1)
+
+    def tile_strides(self, kernel: KernelSpec, **tensors: torch.Tensor) -> dict[str, int]:
+        """The (batch, head, row) stride arguments of q/k/v-like tensors, by the kernel's names."""
+        bound: dict[str, int] = {}
+        for name, t in tensors.items():
+            bound.update(kernel.strides(name, self.rows(t)))
+        return bound
+
+    def lse_strides(self, kernel: KernelSpec, lse: torch.Tensor) -> dict[str, int]:
+        """``lse`` (and delta, laid out alike) is ``(B, Hq, Sq)``, or ``(Hq, total_q)`` under varlen."""
+        return kernel.strides("l", (0, lse.stride(0)) if self.p.varlen else (lse.stride(0), lse.stride(1)))
+
+    def sequences(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if self.p.varlen:
+            return {"CuSeqlensQ": self.cu_seqlens_q, "CuSeqlensK": self.cu_seqlens_k}
+        unused = torch.empty(0, dtype=torch.int32, device=device)
+        return {"CuSeqlensQ": unused, "CuSeqlensK": unused}
+
+    def bias_args(self, kernel: KernelSpec, like: torch.Tensor) -> dict:
+        """``Bias`` and its strides; without a bias, any pointer (never read) and zeros."""
+        if self.bias is None:
+            return {"Bias": like, **kernel.strides("b", (0, 0, 0, 0))}
+        return {"Bias": self.bias, **kernel.strides("b", self.bias.stride())}
+
+    def scalars(self, backward: bool = False) -> dict:
+        """Sizes, scales, window and dropout: the scalar arguments of the attention kernels."""
+        p = self.p
+        left, right = p.kernel_window()
+        values = {
+            "max_seqlen_q": p.seqlen_q, "max_seqlen_k": p.seqlen_k, "num_heads_q": p.heads_q,
+            "group_size": p.group_size, "head_dim": p.head_dim, "head_dim_v": p.head_dim_v,
+            "qk_scale": p.softmax_scale * LOG2E, "window_left": left, "window_right": right,
+            "dropout_threshold": dropout_threshold(p.dropout_p), "dropout_scale": 1.0 / (1.0 - p.dropout_p),
+            "philox_seed": self.seed, "philox_offset": self.offset,
+        }
+        if backward:
+            values["sm_scale"] = p.softmax_scale
+        return values
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """Keep an element when its Philox word is >= this (32-bit words)."""
+    return min(int(dropout_p * 2.0**32), 2**32)
+
+
+def new_call(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None,
+             cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None, *, bias_grad: bool | None = None,
+             rng: tuple[int, int] | None = None) -> Call:
+    """``bias_grad``: default, whether autograd wants the bias's gradient; ``rng``: a
+    dropout (seed, offset) to replay, else one drawn from torch's generator."""
+    seed, offset = rng if rng is not None else philox_state(p.dropout_p)
+    if cu_q is not None:
+        # the kernels read offsets at unit stride: a strided view (cu[::2]) would make them
+        # read past its storage (seen as heap corruption); this copies only such views
+        cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
+    if bias_grad is None:
+        bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
+    c = Call(p, cu_q, cu_k, bias, bias_grad, seed, offset)
+    if not c.tiles_aligned(q, k, v):
+        c = dataclasses.replace(c, aligned=False)
+    return c
+
+
+def _plan(kernel: KernelSpec, functional: Mapping, p: Problem, device: torch.device, config: Config | None,
+          grid: Callable[[Config], tuple[int, int, int]], args: dict) -> LaunchPlan:
+    functional = Functional.of(functional)
+    if config is None:
+        config = rules.config_for(kernel, functional, device, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k)
+    return LaunchPlan(kernel, functional, config, grid(config), kernel.bind(**args))
+
+
+def lse_shape(p: Problem, q: torch.Tensor) -> tuple[int, ...]:
+    return (p.heads_q, q.shape[0]) if p.varlen else (p.batch, p.heads_q, p.seqlen_q)
+
+
+def new_output(p: Problem, q: torch.Tensor, heads_major: bool) -> torch.Tensor:
+    """The output, laid out like q: ``(B, Sq, Hq, Dv)`` (stored ``(B, Hq, Sq, Dv)`` when
+    ``heads_major``), or ``(total_q, Hq, Dv)`` under varlen."""
+    if p.varlen:
+        return torch.empty((q.shape[0], p.heads_q, p.head_dim_v), dtype=q.dtype, device=q.device)
+    if heads_major:
+        return torch.empty((p.batch, p.heads_q, p.seqlen_q, p.head_dim_v), dtype=q.dtype,
+                           device=q.device).transpose(1, 2)
+    return torch.empty((p.batch, p.seqlen_q, p.heads_q, p.head_dim_v), dtype=q.dtype, device=q.device)
+
+
+def forward_plan(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, config: Config | None = None) -> LaunchPlan:
+    """Plan of the forward kernel; ``lse`` is ``(B, Hq, Sq)``, or ``(Hq, total_q)`` under varlen."""
+    p, kernel = c.p, rules.ATTN_FWD
+    args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **c.sequences(q.device), **c.bias_args(kernel, q),
+                **c.tile_strides(kernel, q=q, k=k, v=v, o=out), **c.lse_strides(kernel, lse), **c.scalars())
+    return _plan(kernel, c.functional(), p, q.device, config,
+                 lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch), args)
+
+
+def run_forward(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                config: Config | None = None) -> torch.Tensor:
+    """Run the forward pass into ``out``; returns the log-sum-exp."""
+    lse = torch.empty(lse_shape(c.p, q), dtype=torch.float32, device=q.device)
+    launch(forward_plan(c, q, k, v, out, lse, config))
+    return lse
+
+
+def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor,
+                   dk: torch.Tensor, dv: torch.Tensor, dbias: torch.Tensor | None, backend: str,
+                   deterministic: bool, configs: Mapping[str, Config] | None = None) -> list[LaunchPlan]:
+    """The launches of one backward pass, in order: preprocess, then the backend's kernels.
+
+    With ``backend="fused"`` and not ``deterministic``, ``dq`` must be a zeroed fp32
+    buffer that the kernel accumulates into with atomics.
+    """
+    if backend not in rules.BACKENDS:
+        raise ValueError(f"backend: expected one of {rules.BACKENDS} or None, got {backend!r}")
+    configs = configs or {}
+    p = c.p
+    f = c.functional(backward=True)
+    dev = q.device
+    # the preprocess is aligned exactly when the attention kernels are (dout was checked for it)
+    pre = rules.ATTN_BWD_PREPROCESS
+    pre_f = {"dtype": f["dtype"], "BLOCK_DV": f["BLOCK_DV"], "PAD_HEAD": f["PAD_HEAD"], "VARLEN": p.varlen}
+    plans = [_plan(pre, pre_f, p, dev, configs.get(pre.name),
+                   lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch),
+                   dict(Out=out, DO=dout, Delta=delta, CuSeqlensQ=c.sequences(dev)["CuSeqlensQ"],
+                        **c.tile_strides(pre, o=out, do=dout), **c.lse_strides(pre, lse),
+                        max_seqlen_q=p.seqlen_q, head_dim_v=p.head_dim_v))]
+
+    def args(kernel: KernelSpec, **outputs: torch.Tensor) -> dict:
+        """What every backward kernel reads, plus the gradients it writes (and their strides)."""
+        bound = dict(Q=q, K=k, V=v, DO=dout, Lse=lse, Delta=delta, **c.sequences(dev), **c.bias_args(kernel, q),
+                     **c.tile_strides(kernel, q=q, k=k, v=v, do=dout), **c.lse_strides(kernel, lse),
+                     **c.scalars(backward=True))
+        for name, t in outputs.items():
+            if name == "DBias":  # (B, Hq, Sq, Sk) fp32, unit stride along keys; absent: never written
+                bound[name] = delta if t is None else t
+                bound.update(kernel.strides("db", (0, 0, 0) if t is None else t.stride()[:3]))
+            else:
+                bound[name] = t
+                bound.update(kernel.strides(name.lower(), c.rows(t)))
+        return bound
+
+    if backend == "split":
+        dkdv, dq_kernel = rules.ATTN_BWD_DKDV, rules.ATTN_BWD_DQ
+        plans.append(_plan(dkdv, f, p, dev, configs.get(dkdv.name),
+                           lambda cfg: (_cdiv(p.seqlen_k, cfg["BLOCK_N"]), p.heads_k, p.batch),
+                           args(dkdv, DK=dk, DV=dv)))
+        plans.append(_plan(dq_kernel, f, p, dev, configs.get(dq_kernel.name),
+                           lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch),
+                           args(dq_kernel, DQ=dq, DBias=dbias)))
+    else:
+        fused = rules.ATTN_BWD_FUSED
+
+        def grid(cfg: Config) -> tuple[int, int, int]:
+            programs = _cdiv(p.seqlen_k, cfg["BLOCK_N"])
+            if deterministic:
+                programs += p.group_size * _cdiv(p.seqlen_q, cfg["BLOCK_M"])
+            return programs, p.heads_k, p.batch
+
+        plans.append(_plan(fused, {**f, "ATOMIC_DQ": not deterministic}, p, dev, configs.get(fused.name), grid,
+                           args(fused, DQ=dq, DK=dk, DV=dv, DBias=dbias)))
+    return plans
+
+
+def choose_backend(c: Call, deterministic: bool, device: torch.device) -> str:
+    """The backend when the caller names none: the ``flash.backward`` table's choice on GPUs."""
+    if device.type == "cpu":
+        return "split"
+    f = c.functional()
+    functional = Functional.of({"dtype": f["dtype"], "BLOCK_D": f["BLOCK_D"], "MASK": f["MASK"],
+                                "DETERMINISTIC": deterministic})
+    config = rules.config_for(rules.BACKWARD, functional, device, seqlen_q=c.p.seqlen_q, seqlen_k=c.p.seqlen_k)
+    return config["backend"]
+
+
+def run_backward(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, backend: str | None, deterministic: bool,
+                 configs: Mapping[str, Config] | None = None):
+    """dQ, dK, dV (contiguous, shaped like q, k, v) and dBias (``(B, Hq, Sq, Sk)`` or None)."""
+    if dout.stride(-1) != 1 or (c.functional()["PAD_HEAD"] is False and not c.tiles_aligned(dout)):
+        dout = dout.contiguous()  # a fresh contiguous tensor meets the aligned variant's assumptions
+    p = c.p
+    backend = backend or choose_backend(c, deterministic, q.device)
+    dev = q.device
+    dk = torch.empty(tuple(k.shape), dtype=k.dtype, device=dev)
+    dv = torch.empty(tuple(v.shape), dtype=v.dtype, device=dev)
+    delta = torch.empty(lse_shape(p, q), dtype=torch.float32, device=dev)
+    atomic = backend == "fused" and not deterministic
+    dq = (torch.zeros(tuple(q.shape), dtype=torch.float32, device=dev) if atomic
+          else torch.empty(tuple(q.shape), dtype=q.dtype, device=dev))
+    dbias = None
+    if c.bias_grad:
+        # tiles outside the mask are skipped, never written: their gradient is exactly 0
+        dbias = torch.zeros((p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), dtype=torch.float32, device=dev)
+    for plan in backward_plans(c, dout, q, k, v, out, lse, delta, dq, dk, dv, dbias, backend, deterministic,
+                               configs):
+        launch(plan)
+    return (dq.to(q.dtype) if atomic else dq), dk, dv, dbias
+
+
+def dropout_mask_plan(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, heads_q: int, dropout_p: float,
+                      seed: int, offset: int) -> LaunchPlan:
+    """Plan of the kernel writing the keep-mask (int8 ``(B, Hq, Sq, Sk)``) the attention kernels apply."""
+    kernel = rules.DROPOUT_MASK
+    config = rules.config_for(kernel, Functional.of({}), mask.device)
+    args = kernel.bind(Mask=mask, **kernel.strides("m", mask.stride()[:3]), max_seqlen_q=seqlen_q,
+                       max_seqlen_k=seqlen_k, num_heads_q=heads_q, dropout_threshold=dropout_threshold(dropout_p),
+                       philox_seed=seed, philox_offset=offset)
+    return LaunchPlan(kernel, Functional.of({}), config, (_cdiv(seqlen_q, config["BLOCK_M"]), heads_q, mask.shape[0]),
+                      args)
