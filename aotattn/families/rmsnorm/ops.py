@@ -51,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     functional = Functional.of({"dtype": rules.DTYPES[x.dtype], "BLOCK": block, "HAS_WEIGHT": weight is not None})
     kernel = rules.RMSNORM_FWD
     config = rules.config_for(kernel, functional, x.device, n_rows=rows.shape[0])
-    launch(LaunchPlan(kernel, functional, config, (rows.shape[0], 1, 1),
-                      (rows, rows if weight is None else weight, y, rstd, rows.stride(0), y.stride(0), n_cols,
-                       float(eps))))
+    args = kernel.bind(X=rows, W=rows if weight is None else weight, Y=y, Rstd=rstd, stride_x=rows.stride(0),
+                       stride_y=y.stride(0), n_cols=n_cols, eps=float(eps))
+    launch(LaunchPlan(kernel, functional, config, (rows.shape[0], 1, 1), args))
     return y.reshape(x.shape)
