@@ -90,7 +90,7 @@ def _options(
 
 
 def _register_subcommands() -> None:
-    from aotattn.build.cli import build_command, images_app
+    from aotattn.compiler.cli import build_command, images_app
     from aotattn.perfmon.cli import perfdb_app, perfmon_app
     from aotattn.pgdef.cli import app as pgdef_app
     from aotattn.tune.cli import app as tune_app

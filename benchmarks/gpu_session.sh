@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh [tests] [sweep] [bench] [features] [latency]   (default: all)
 #
 # The GPU tests run through Triton's JIT (TESTS_MODE=aot to use images); the AOT path is
-# tested by tests/runtime/test_aot.py, which builds its images (carry build/cache to
+# tested by tests/runtime/test_image_loader_gpu.py, which builds its images (carry build/cache to
 # reuse what was compiled on the CPU machine).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}

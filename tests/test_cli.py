@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import aotattn
 from aotattn import families
-from aotattn.build import enumerate_jobs
+from aotattn.compiler import enumerate_jobs
 from aotattn.cli import app
 from aotattn.runtime import images
 from aotattn.tuning import Database

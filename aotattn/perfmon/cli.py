@@ -191,7 +191,7 @@ def images(arch: str = typer.Option("sm_90", help="target architecture"),
            timeout: float = typer.Option(600.0, help="seconds before one kernel's compilation is abandoned"),
            dry_run: bool = typer.Option(False, "--dry-run", help="only list the kernels")) -> None:
     """Compile exactly the kernels a run of these entries loads (forward, both backward backends)."""
-    from aotattn.build.builder import DEFAULT_CACHE, DEFAULT_OUT
+    from aotattn.compiler.builder import DEFAULT_CACHE, DEFAULT_OUT
     from aotattn.perfmon import images as imaging
 
     entries = _entries(match, group)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from aotattn import tuning
-from aotattn.build.compiler import Job
+from aotattn.compiler.jobs import Job
 from aotattn.perfmon import providers as P
 from aotattn.perfmon.entries import Entry
 
@@ -87,7 +87,7 @@ def build(entries: Iterable[Entry], arch: str, out: Path, cache: Path, workers: 
 
     Returns (outcomes, archives).
     """
-    from aotattn.build import builder
+    from aotattn.compiler import builder
 
     jobs = needed_jobs(entries, arch, db)
     outcomes = builder.run_jobs(jobs, cache, workers, timeout, on_outcome)

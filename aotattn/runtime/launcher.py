@@ -55,7 +55,7 @@ def launch(plan: LaunchPlan) -> None:
     device = _device_of(plan.args)
     if device.type == "cuda":
         if mode() == "aot":
-            from aotattn.runtime.aot import launch_aot
+            from aotattn.runtime.image_loader import launch_aot
 
             launch_aot(plan, device)
             return
@@ -89,7 +89,7 @@ def prepare(plan: LaunchPlan, dynamic: Sequence[tuple[int, int]]) -> Callable[[S
     device = _device_of(plan.args)
     positions = {pos for pos, _ in dynamic}
     if device.type == "cuda" and mode() == "aot":
-        from aotattn.runtime.aot import prepare_aot
+        from aotattn.runtime.image_loader import prepare_aot
 
         static = [None if i in positions else (a.data_ptr() if isinstance(a, torch.Tensor) else a)
                   for i, a in enumerate(plan.args)]

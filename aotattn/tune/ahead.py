@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aotattn.build.builder import Outcome, pack, run_jobs
-from aotattn.build.compiler import Job
+from aotattn.compiler.builder import Outcome, pack, run_jobs
+from aotattn.compiler.jobs import Job
 from aotattn.spec import Functional
 from aotattn.tune import candidates as cand
 from aotattn.tune.harnesses import harness

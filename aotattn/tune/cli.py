@@ -179,7 +179,7 @@ def compile_command(batch: Path = typer.Argument(..., help="pgdef batch file or 
                     tuning_db: Path = TUNING_DB,
                     dry_run: bool = typer.Option(False, "--dry-run", help="only count the kernels")) -> None:
     """Compile every kernel a batch needs, ahead of the GPU slice, into an image folder."""
-    from aotattn.build.builder import DEFAULT_CACHE
+    from aotattn.compiler.builder import DEFAULT_CACHE
     from aotattn.tune import ahead
 
     db = _db(tuning_db)

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from aotattn import families
 from aotattn.cli import app
-from aotattn.runtime import aot, images
+from aotattn.runtime import image_loader, images
 from aotattn.runtime.images import Archive, Entry, ImageError, write_archive
 
 HEAD = struct.Struct("<8sIQ32s")
@@ -231,7 +231,7 @@ def test_the_runtime_loader_reports_archive_errors_as_one_image_error(tmp_path, 
     path.parent.mkdir(parents=True)
     make_archive(path)
     mutate(path, SCHEMA_CASES["wrong type"])
-    archive = aot.ImageStore(tmp_path)._archive("sm_90", TABLE, plan)
+    archive = image_loader.ImageStore(tmp_path)._archive("sm_90", TABLE, plan)
     broken, fine = (e["key"] for e in split(path)[0]["entries"])
     with pytest.raises(ImageError) as info:
         archive.entry(broken)
@@ -239,7 +239,7 @@ def test_the_runtime_loader_reports_archive_errors_as_one_image_error(tmp_path, 
     assert archive.binary(archive.entry(fine))[:4] == b"\x7fELF"
     mutate(path, SCHEMA_CASES["extra header key"])
     with pytest.raises(ImageError) as info:
-        aot.ImageStore(tmp_path)._archive("sm_90", TABLE, plan)
+        image_loader.ImageStore(tmp_path)._archive("sm_90", TABLE, plan)
     assert "extra" in one_line_error(info.value, path)
 
 
@@ -388,7 +388,7 @@ def _open_for_runtime(tmp_path, **kwargs):
     path = images.archive_path(tmp_path, "sm_90", TABLE)
     path.parent.mkdir(parents=True, exist_ok=True)
     make_archive(path, **kwargs)
-    return aot.ImageStore(tmp_path)._archive("sm_90", TABLE, SimpleNamespace(kernel=spec)), path
+    return image_loader.ImageStore(tmp_path)._archive("sm_90", TABLE, SimpleNamespace(kernel=spec)), path
 
 
 def test_the_runtime_refuses_another_triton_abi_naming_both_versions(tmp_path):

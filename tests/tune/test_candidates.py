@@ -111,7 +111,7 @@ def test_operator_tables_are_not_pruned_and_names():
 def test_estimate_matches_a_compiled_kernel():
     """One real sm_90 compile (no GPU needed): the estimate is Triton's figure within 8 KB."""
     pytest.importorskip("triton")
-    from aotattn.build.compiler import Job, compile_job
+    from aotattn.compiler.jobs import Job, compile_job
 
     kernel, d, config = random.choice([("attn_fwd", 64, _cfg(64, 64, 4, 2)), ("attn_bwd_dq", 64, _cfg(64, 64, 4, 3)),
                                        ("attn_bwd_dkdv", 64, _cfg(32, 64, 4, 2))])

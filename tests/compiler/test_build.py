@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from aotattn.build import build, enumerate_jobs
+from aotattn.compiler import build, enumerate_jobs
 from aotattn.cli import app
 from aotattn.runtime.images import Archive, Entry, ImageError, write_archive
 from aotattn.tuning import Database
@@ -22,7 +22,7 @@ TABLES = ["flash.attn_bwd_preprocess", "flash.dropout_mask"]
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """One small build for both targets, shared by the tests below."""
-    root = tmp_path_factory.mktemp("aot")
+    root = tmp_path_factory.mktemp("images")
     report = build(["sm_90", "gfx942"], TABLES, WHERE, root / "images", root / "cache", workers=2, timeout=300,
                    db=Database())
     return root, report
@@ -118,7 +118,7 @@ def test_a_path_traversing_archive_is_rejected(tmp_path):
 
 
 def test_build_reports_failures_without_stopping(tmp_path, monkeypatch):
-    from aotattn.build import builder
+    from aotattn.compiler import builder
 
     real = builder.compile_job
 
@@ -138,7 +138,7 @@ def test_build_reports_failures_without_stopping(tmp_path, monkeypatch):
 def test_build_kills_a_hanging_compile(tmp_path, monkeypatch):
     import time
 
-    from aotattn.build import builder
+    from aotattn.compiler import builder
 
     monkeypatch.setattr(builder, "compile_job", lambda job: time.sleep(60))
     report = build(["sm_90"], ["flash.dropout_mask"], None, tmp_path / "i", tmp_path / "c", workers=1, timeout=1.0,

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from aotattn import families
-from aotattn.build.compiler import TARGETS, Job, cache_key, compile_job, source_hash
+from aotattn import arch as arches
+from aotattn.compiler.jobs import Job, cache_key, compile_job, source_hash
 from aotattn.runtime.images import Archive, Entry, ImageError, archive_path, write_archive
 from aotattn.spec import Functional, parse_where
 from aotattn.tuning import Database, TuningError
@@ -24,9 +25,12 @@ DEFAULT_CACHE = PROJECT / "build" / "cache"
 
 
 def check_archs(archs: Sequence[str]) -> None:
-    for arch in archs:
-        if arch not in TARGETS:
-            raise ValueError(f"--arch: no target {arch!r}; expected one of {', '.join(TARGETS)}")
+    """Every name one of :data:`aotattn.arch.ARCHES` (ValueError naming them otherwise)."""
+    for name in archs:
+        try:
+            arches.arch(name)
+        except ValueError as exc:
+            raise ValueError(f"--arch: {exc}") from None
 
 
 def enumerate_jobs(db: Database, archs: Sequence[str], tables: Sequence[str], where: str | None = None) -> list[Job]:

@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table as RichTable
 
+from aotattn.arch import ARCHES
 from aotattn.runtime.images import ENV_VAR, SUFFIX, Archive, ImageError, images_root
 
 console = Console(soft_wrap=True)  # one problem, one line, whatever the terminal's width
@@ -31,13 +32,23 @@ def _default_arch() -> str:
     return "sm_90"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container or
+    ``taskset`` narrows), the default number of compiler processes."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 def build_command(
-    arch: list[str] = typer.Option(None, "--arch", help="target (repeatable): sm_80 sm_86 sm_89 sm_90 gfx90a "
-                                   "gfx942 gfx950 gfx1100; default: the GPU present, else sm_90"),
+    arch: list[str] = typer.Option(None, "--arch", help=f"target (repeatable): {' '.join(ARCHES)}; default: the "
+                                   "GPU present, else sm_90"),
     family: list[str] = typer.Option(None, "--family", help="only these families (repeatable)"),
     kernel: list[str] = typer.Option(None, "--kernel", help="only these kernels, family.kernel or kernel (repeatable)"),
     where: str = typer.Option(None, help='only functionals matching, e.g. "dtype=bf16 BLOCK_D=128"'),
-    jobs: int = typer.Option(os.cpu_count() or 1, help="parallel compiler processes"),
+    jobs: int = typer.Option(None, min=1, help="parallel compiler processes (default: every core this process may "
+                             "use)"),
     timeout: float = typer.Option(600.0, help="seconds before one kernel's compilation is abandoned"),
     out: Path = typer.Option(None, help="where the archives go (default: $AOTATTN_IMAGES, else images/)"),
     cache: Path = typer.Option(None, help="compiled-kernel cache (default: build/cache/)"),
@@ -50,7 +61,7 @@ def build_command(
     cache. A failing or hanging kernel is reported and does not stop the others.
     """
     from aotattn import families
-    from aotattn.build.builder import DEFAULT_CACHE, build, check_archs, enumerate_jobs
+    from aotattn.compiler.builder import DEFAULT_CACHE, build, check_archs, enumerate_jobs
     from aotattn.tuning import Database
 
     archs = arch or [_default_arch()]
@@ -62,7 +73,7 @@ def build_command(
     if not tables:
         raise ValueError(f"--family/--kernel: no kernel matches {' '.join(family or [])} {' '.join(kernel or [])} "
                          f"(kernels: {', '.join(known)})")
-    db = Database(tuning_db) if tuning_db else Database()
+    db = Database(tuning_db, families.tables()) if tuning_db else Database(specs=families.tables())
     planned = enumerate_jobs(db, archs, tables, where)  # refuses a bad --where before anything starts
     if dry_run:
         for job in planned:
@@ -83,8 +94,8 @@ def build_command(
                                               f" {outcome.job.config}: {outcome.message.splitlines()[-1] if outcome.message else ''}"),
                                        style="red")
 
-        report = build(archs, tables, where, out or images_root(), cache or DEFAULT_CACHE, jobs, timeout, db,
-                       on_outcome=done)
+        report = build(archs, tables, where, out or images_root(), cache or DEFAULT_CACHE, jobs or usable_cores(),
+                       timeout, db, on_outcome=done)
     counts = {}
     for outcome in report.outcomes:
         counts[outcome.status] = counts.get(outcome.status, 0) + 1
@@ -152,7 +163,7 @@ def verify(paths: list[Path] = typer.Argument(None, help="archives or folders (d
     paths extract would write, the Triton version and the kernel source it was built from.
     """
     from aotattn import families
-    from aotattn.runtime.aot import check_loadable
+    from aotattn.runtime.image_loader import check_loadable
 
     archives = _archives(paths)
     if not archives:

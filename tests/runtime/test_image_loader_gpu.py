@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from aotattn.build import build
-from aotattn.build.builder import DEFAULT_CACHE
+from aotattn.compiler import build
+from aotattn.compiler.builder import DEFAULT_CACHE
 from aotattn.tuning import Database
 
 PROJECT = Path(__file__).resolve().parents[2]

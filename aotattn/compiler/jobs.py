@@ -8,21 +8,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from aotattn import arch as arches
 from aotattn.runtime import images
 from aotattn.runtime.images import Entry, entry_key
 from aotattn.spec import Config, Functional
-
-# architecture -> (backend, arch, warp size) for triton.backends.compiler.GPUTarget
-TARGETS: dict[str, tuple[str, Any, int]] = {
-    "sm_80": ("cuda", 80, 32),
-    "sm_86": ("cuda", 86, 32),
-    "sm_89": ("cuda", 89, 32),
-    "sm_90": ("cuda", 90, 32),
-    "gfx90a": ("hip", "gfx90a", 64),
-    "gfx942": ("hip", "gfx942", 64),
-    "gfx950": ("hip", "gfx950", 64),
-    "gfx1100": ("hip", "gfx1100", 32),
-}
 
 
 @dataclass(frozen=True)
@@ -48,7 +37,7 @@ class Job:
 
     def file(self) -> str:
         digest = hashlib.sha256(self.key.encode()).hexdigest()[:16]
-        return f"{self.table}/{digest}.{'hsaco' if TARGETS[self.arch][0] == 'hip' else 'cubin'}"
+        return f"{self.table}/{digest}.{'hsaco' if arches.arch(self.arch).target[0] == 'hip' else 'cubin'}"
 
 
 def source_hash(spec: Any) -> str:
@@ -75,9 +64,10 @@ def cache_key(job: Job) -> str:
     import triton
 
     fn, signature, constexprs, attrs, options = _triton_inputs(job)
+    target = arches.arch(job.arch).target
     payload = json.dumps([fn.cache_key, signature, {k: str(v) for k, v in constexprs.items()},
-                          sorted((str(k), v) for k, v in attrs.items()), options, TARGETS[job.arch],
-                          triton.__version__], sort_keys=True)
+                          sorted((str(k), v) for k, v in attrs.items()), options, target, triton.__version__],
+                         sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -87,7 +77,7 @@ def compile_job(job: Job) -> tuple[Entry, bytes]:
     from triton.compiler import ASTSource
 
     fn, signature, constexprs, attrs, options = _triton_inputs(job)
-    backend, arch, warp_size = TARGETS[job.arch]
+    backend, arch, warp_size = arches.arch(job.arch).target
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(backend, arch, warp_size),
                               options=options)
     md = compiled.metadata

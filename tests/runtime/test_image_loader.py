@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aotattn.runtime import aot
+from aotattn.runtime import image_loader
 from aotattn.runtime import driver as cuda
 from aotattn.runtime.images import Entry, ImageError
 from aotattn.spec import Config, Functional, LaunchPlan
@@ -66,12 +66,12 @@ def entry(shared: int, global_scratch: int = 0) -> Entry:
 @pytest.fixture
 def driver(monkeypatch):
     fake = FakeDriver()
-    monkeypatch.setattr(aot, "_driver", lambda: fake.driver)
+    monkeypatch.setattr(image_loader, "_driver", lambda: fake.driver)
     return fake
 
 
 def test_arguments_are_packed_in_8_byte_slots_then_two_scratch_pointers(driver):
-    kernel = aot.LoadedKernel(entry(shared=1024), b"\x7fELF", ["*bf16", "i32", "i64", "fp32", "*fp32"])
+    kernel = image_loader.LoadedKernel(entry(shared=1024), b"\x7fELF", ["*bf16", "i32", "i64", "fp32", "*fp32"])
     driver.slots = 7
     kernel.launch((3, 2, 1), [0x1000, -7, 2**40 + 5, 0.5, 0x2000], stream=99, device=torch.device("cpu"))
     name, args = driver.calls[-1]
@@ -92,12 +92,12 @@ def test_arguments_are_packed_in_8_byte_slots_then_two_scratch_pointers(driver):
 
 
 def test_large_shared_memory_raises_the_dynamic_limit_first(driver):
-    aot.LoadedKernel(entry(shared=200 * 1024), b"\x7fELF", ["*fp16"])
+    image_loader.LoadedKernel(entry(shared=200 * 1024), b"\x7fELF", ["*fp16"])
     assert ("cuFuncSetAttribute", (0x222, 8, 200 * 1024)) in driver.calls
 
 
 def test_global_scratch_is_allocated_per_program(driver):
-    kernel = aot.LoadedKernel(entry(shared=0, global_scratch=128), b"\x7fELF", ["*fp16"])
+    kernel = image_loader.LoadedKernel(entry(shared=0, global_scratch=128), b"\x7fELF", ["*fp16"])
     driver.slots = 3
     kernel.launch((4, 1, 2), [0x10], stream=0, device=torch.device("cpu"))
     assert struct.unpack("<Q", driver.launched[1])[0] != 0  # an 8*128-byte buffer
@@ -105,7 +105,7 @@ def test_global_scratch_is_allocated_per_program(driver):
 
 
 def test_a_thread_without_a_context_gets_the_primary_one_and_the_launch_is_retried(driver):
-    kernel = aot.LoadedKernel(entry(shared=0), b"\x7fELF", ["*fp16"])
+    kernel = image_loader.LoadedKernel(entry(shared=0), b"\x7fELF", ["*fp16"])
     driver.slots, driver.context = 3, 0
     driver.fail["cuLaunchKernel"] = cuda.CUDA_ERROR_INVALID_CONTEXT
     kernel.launch((1, 1, 1), [0x10], stream=0, device=torch.device("cpu"))
@@ -115,14 +115,14 @@ def test_a_thread_without_a_context_gets_the_primary_one_and_the_launch_is_retri
 
 
 def test_driver_errors_carry_the_function_and_the_error_name(driver):
-    kernel = aot.LoadedKernel(entry(shared=0), b"\x7fELF", ["*fp16"])
+    kernel = image_loader.LoadedKernel(entry(shared=0), b"\x7fELF", ["*fp16"])
     driver.slots = 3
     driver.fail["cuLaunchKernel"] = 700
     with pytest.raises(cuda.DriverError, match=r"cuLaunchKernel\(kern\) failed: CUDA_ERROR_ILLEGAL_ADDRESS"):
         kernel.launch((1, 1, 1), [0x10], stream=0, device=torch.device("cpu"))
     driver.fail["cuModuleLoadData"] = 200
     with pytest.raises(cuda.DriverError, match=r"cuModuleLoadData\(kern\) failed: CUDA_ERROR_UNKNOWN"):
-        aot.LoadedKernel(entry(shared=0), b"\x7fELF", ["*fp16"])
+        image_loader.LoadedKernel(entry(shared=0), b"\x7fELF", ["*fp16"])
 
 
 def test_without_a_driver_library_the_error_says_so(monkeypatch):
@@ -136,12 +136,12 @@ def test_without_a_driver_library_the_error_says_so(monkeypatch):
 
 def test_amd_images_are_refused_with_a_reason(driver):
     with pytest.raises(ImageError, match="HIP runtime"):
-        aot.LoadedKernel(Entry(**{**entry(0).__dict__, "binary": "hsaco"}), b"", [])
+        image_loader.LoadedKernel(Entry(**{**entry(0).__dict__, "binary": "hsaco"}), b"", [])
 
 
 def test_a_missing_image_says_how_to_build_it():
     spec = SimpleNamespace(qualname="flash.attn_fwd", variant=lambda f: "aligned")
     plan = LaunchPlan(spec, Functional.of({"dtype": "bf16", "MASK": 0}), Config.of(BLOCK_M=128), (1, 1, 1), ())
-    text = aot.ImageStore._missing("sm_90", plan, "no archive x")
+    text = image_loader.ImageStore._missing("sm_90", plan, "no archive x")
     assert "no kernel image for sm_90 / flash.attn_fwd / [MASK=0,dtype=bf16]" in text
     assert 'aotattn build --arch sm_90 --kernel flash.attn_fwd --where "MASK=0 dtype=bf16"' in text
