@@ -30,47 +30,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from aotattn import arch as arches
+from aotattn.arch import Arch
 from aotattn.spec import Config, Functional
 
 ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
-MAX_REGISTERS = 255
 
 
-@dataclass(frozen=True)
-class Target:
-    """What bounds a configuration on one architecture.
-
-    Attributes:
-        shared_bytes: shared memory (LDS) one block may use, opt-in maximum.
-        warp_size: threads per warp (wavefront).
-        warpgroup_mma: Hopper's warp-group MMA (tiles buffered ``num_stages`` deep).
-        registers: 32-bit registers one thread may use.
-    """
-
-    shared_bytes: int
-    warp_size: int = 32
-    warpgroup_mma: bool = False
-    registers: int = MAX_REGISTERS
-
-
-# Per-block opt-in shared memory (CUDA programming guide, compute capabilities table;
-# AMD: LDS per workgroup) and warp sizes as the build's targets use them.
-TARGETS: dict[str, Target] = {
-    "sm_80": Target(163 * 1024),
-    "sm_86": Target(99 * 1024),
-    "sm_89": Target(99 * 1024),
-    "sm_90": Target(227 * 1024, warpgroup_mma=True),
-    "gfx90a": Target(64 * 1024, warp_size=64, registers=512),
-    "gfx942": Target(64 * 1024, warp_size=64, registers=512),
-    "gfx950": Target(160 * 1024, warp_size=64, registers=512),
-    "gfx1100": Target(64 * 1024, warp_size=32, registers=256),
-}
-
-
-def target(arch: str) -> Target:
-    if arch not in TARGETS:
-        raise ValueError(f"arch: expected one of {', '.join(TARGETS)}, got {arch!r}")
-    return TARGETS[arch]
+def target(name: str) -> Arch:
+    """The architecture's limits (:mod:`aotattn.arch`: shared memory, registers, warp size, wgmma)."""
+    return arches.arch(name)
 
 
 @dataclass(frozen=True)
@@ -130,7 +99,7 @@ def _values(functional: Functional, config: Config) -> dict[str, Any]:
     return {**functional.as_dict(), **config.as_dict()}
 
 
-def pipeline_depth(footprint: Footprint, values: Mapping[str, Any], tgt: Target) -> int:
+def pipeline_depth(footprint: Footprint, values: Mapping[str, Any], tgt: Arch) -> int:
     stages = int(values.get("num_stages", 1))
     if not footprint.tensor_cores(values):
         return stages  # fp32 (FMA dots): measured num_stages deep
@@ -139,7 +108,7 @@ def pipeline_depth(footprint: Footprint, values: Mapping[str, Any], tgt: Target)
     return stages if warpgroup else max(stages - 1, 1)
 
 
-def shared_bytes(footprint: Footprint, functional: Functional, config: Config, tgt: Target) -> int:
+def shared_bytes(footprint: Footprint, functional: Functional, config: Config, tgt: Arch) -> int:
     """Estimated shared memory of one program (bytes)."""
     values = _values(functional, config)
     resident = sum(t.bytes(values) for t in footprint.resident if t.present(values))
@@ -147,19 +116,19 @@ def shared_bytes(footprint: Footprint, functional: Functional, config: Config, t
     return resident + pipeline_depth(footprint, values, tgt) * pipelined
 
 
-def accumulator_registers(footprint: Footprint, functional: Functional, config: Config, tgt: Target) -> float:
+def accumulator_registers(footprint: Footprint, functional: Functional, config: Config, tgt: Arch) -> float:
     """fp32 accumulator registers per thread (elements of the accumulator tiles / threads)."""
     values = _values(functional, config)
     threads = int(values.get("num_warps", 4)) * tgt.warp_size
     return sum(t.elements(values) for t in footprint.accumulators if t.present(values)) / threads
 
 
-def why_pruned(footprint: Footprint, functional: Functional, config: Config, tgt: Target) -> str | None:
+def why_pruned(footprint: Footprint, functional: Functional, config: Config, tgt: Arch) -> str | None:
     """The reason this configuration is not worth compiling, or None when it is a candidate."""
     values = _values(functional, config)
     smem = shared_bytes(footprint, functional, config, tgt)
-    if smem > tgt.shared_bytes:
-        return f"shared memory ~{smem} B > {tgt.shared_bytes} B"
+    if smem > tgt.shared_memory:
+        return f"shared memory ~{smem} B > {tgt.shared_memory} B"
     regs = accumulator_registers(footprint, functional, config, tgt)
     if regs > tgt.registers:
         return f"accumulators ~{regs:.0f} registers/thread > {tgt.registers}"
@@ -179,7 +148,7 @@ def why_pruned(footprint: Footprint, functional: Functional, config: Config, tgt
 BALANCE = 128
 
 
-def score(footprint: Footprint, functional: Functional, config: Config, tgt: Target,
+def score(footprint: Footprint, functional: Functional, config: Config, tgt: Arch,
           sizes: Mapping[str, int]) -> float:
     """A rough speed model (higher is faster), only used to rank fitting configurations.
 

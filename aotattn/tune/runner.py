@@ -344,7 +344,7 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
     h = run.harness
     configs, pruned, current = run.candidates()
     images = image_lookup(task, device)
-    limit = cand.target(task.arch).shared_bytes
+    limit = cand.target(task.arch).shared_memory
     problems = [h.Problem(task.table, task.functional, shape, device, run.generator)
                 for shape in h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch,
                                                settings.accuracy_heads)]

@@ -32,7 +32,7 @@ def test_shared_memory_by_hand():
     f, c = _functional("attn_fwd"), _cfg(128, 128, 8, 3)
     expected = 128 * 128 * 2 + 3 * (128 * 128 * 2 * 2)
     assert cand.shared_bytes(flash.FOOTPRINTS["attn_fwd"], f, c, SM90) == expected
-    assert expected <= SM90.shared_bytes and cand.why_pruned(flash.FOOTPRINTS["attn_fwd"], f, c, SM90) is None
+    assert expected <= SM90.shared_memory and cand.why_pruned(flash.FOOTPRINTS["attn_fwd"], f, c, SM90) is None
     assert cand.why_pruned(flash.FOOTPRINTS["attn_fwd"], f, _cfg(128, 128, 8, 4), SM90).startswith("shared memory")
     # two warps: no warp-group MMA, the loads are buffered one stage less
     c2 = _cfg(64, 64, 2, 3)
@@ -65,7 +65,7 @@ def test_candidates_fit_and_respect_limit(table):
     everything, pruned_all = cand.candidates(spec, f, "sm_90", fp)
     assert len(everything) + len(pruned_all) == 256 and everything
     for config in everything:
-        assert cand.shared_bytes(fp, f, config, SM90) <= SM90.shared_bytes
+        assert cand.shared_bytes(fp, f, config, SM90) <= SM90.shared_memory
     keep = next(iter(pruned_all))  # a configuration the estimates refuse, kept on request
     size = random.choice(rules.SEQLEN_BUCKETS)
     kept, pruned = cand.candidates(spec, f, "sm_90", fp, keep=[keep], sizes={"seqlen_q": size, "seqlen_k": size},
