@@ -23,6 +23,7 @@ from aotattn import tuning
 from aotattn.compiler.jobs import Job
 from aotattn.perfmon import providers as P
 from aotattn.perfmon.entries import Entry
+from aotattn.perfmon.provenance import uncached_plans
 
 
 class _NoLaunch:
@@ -37,9 +38,11 @@ def planning_for(arch: str, db: tuning.Database | None = None) -> Iterator[set[J
     """Inside the block, flash operators on CPU tensors plan for ``arch`` and run nothing;
     the jobs their plans name are collected into the yielded set.
 
-    Two seams are used: the family's ``rules.config_for`` (every configuration a plan
-    gets) answers with ``arch``'s database, and the runtime's interpreter (where CPU
-    launches go) hands out kernels that do nothing.
+    Three seams are used: the family's ``rules.config_for`` (every configuration a plan
+    gets) answers with ``arch``'s database; the runtime's interpreter (where CPU launches
+    go) hands out kernels that do nothing; and the operators' plan cache is a fresh one
+    for the block, so no call is served a plan made before (its configurations would not
+    be looked up) and no plan made for ``arch`` outlives the block.
     """
     from aotattn.families.flash import rules
     from aotattn.runtime import interpreter
@@ -57,7 +60,8 @@ def planning_for(arch: str, db: tuning.Database | None = None) -> Iterator[set[J
     rules.config_for = config_for
     interpreter.interpreted_function = lambda module, function: _NoLaunch()
     try:
-        yield jobs
+        with uncached_plans():
+            yield jobs
     finally:
         rules.config_for, interpreter.interpreted_function = original_config_for, original_interpreted
 

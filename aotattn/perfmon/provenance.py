@@ -10,6 +10,7 @@ block (after the declared fallbacks) and the cell each came from, the way
 from __future__ import annotations
 
 import contextlib
+import importlib
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -35,14 +36,27 @@ class Lookup:
 
 
 @contextlib.contextmanager
+def uncached_plans(family: str = "flash") -> Iterator[None]:
+    """Inside the block, ``family``'s operators plan every call the long way: their plan
+    cache is a fresh one, dropped on exit (a cached call looks nothing up, and a plan made
+    inside, under a seam, must not serve calls made after)."""
+    ops = importlib.import_module(f"aotattn.families.{family}.ops")
+    original = ops._PLANS
+    ops._PLANS = type(original)()
+    try:
+        yield
+    finally:
+        ops._PLANS = original
+
+
+@contextlib.contextmanager
 def recording_lookups(family: str = "flash") -> Iterator[list[Lookup]]:
     """Record every configuration lookup of ``family``'s operators inside the block.
 
     The operators resolve configurations through their rules module's ``config_for``;
-    it is wrapped here (the operators run unchanged) and restored on exit.
+    it is wrapped here (the operators run unchanged, planning each call anew: see
+    :func:`uncached_plans`) and restored on exit.
     """
-    import importlib
-
     rules = importlib.import_module(f"aotattn.families.{family}.rules")
     original = rules.config_for
     seen: list[Lookup] = []
@@ -54,7 +68,8 @@ def recording_lookups(family: str = "flash") -> Iterator[list[Lookup]]:
 
     rules.config_for = recorded
     try:
-        yield seen
+        with uncached_plans(family):
+            yield seen
     finally:
         rules.config_for = original
 

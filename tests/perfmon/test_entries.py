@@ -128,11 +128,11 @@ def test_select():
     assert select(ENTRIES, ["no-such-*"]) == []
 
 
-# one entry per kind of call (group, dtype, head-dim bucket, mask, api, dropout, bias,
-# determinism); the whole declaration is planned by `aotattn perfmon images --dry-run`
-# (the smallest of each kind: planning allocates the entry's tensors)
-KINDS = list({(e.group, e.dtype, rules.head_dim_bucket(max(e.head_dim, e.head_dim_v)), e.mask_name.split("(")[0],
-               e.api, e.dropout_p > 0, e.bias, e.deterministic, e.head_dim % 16 == 0): e
+# one entry per kind of call (dtype, head-dim bucket, mask, api, dropout, bias, determinism,
+# padded or unequal heads); the whole declaration is planned by `aotattn perfmon images
+# --dry-run` (the smallest of each kind: planning allocates the entry's tensors)
+KINDS = list({(e.dtype, rules.head_dim_bucket(max(e.head_dim, e.head_dim_v)), e.mask_name.split("(")[0], e.api,
+               e.dropout_p > 0, e.bias, e.deterministic, e.head_dim % 16 == 0, e.head_dim == e.head_dim_v): e
               for e in sorted(ENTRIES, key=lambda e: -e.seqlen_q * e.seqlen_k)}.values())
 
 

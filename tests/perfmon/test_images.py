@@ -33,11 +33,14 @@ def test_jobs_are_the_database_configurations_of_every_kernel_a_call_runs():
         spec = families.tables()[job.table]
         assert job.arch == "sm_90"
         assert job.config == db.lookup("sm_90", spec, job.functional, {"seqlen_q": 4096, "seqlen_k": 4096})
-    # planning touched nothing for good
+    # planning touched nothing for good, and kept nothing it planned for another architecture
+    from aotattn.families.flash import ops
+
+    plans = ops._PLANS
     assert rules.config_for.__module__ == "aotattn.families.flash.rules"
     assert interpreter.interpreted_function.__module__ == "aotattn.runtime.interpreter"
     twice = images.needed_jobs([entry, entry], "sm_90")
-    assert twice == jobs
+    assert twice == jobs and ops._PLANS is plans
 
 
 def test_a_bad_patch_changes_the_jobs_and_only_where_it_says(tmp_path):
