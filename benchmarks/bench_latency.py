@@ -65,36 +65,55 @@ def first_call(impl: str, env: dict, profile: bool = False) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def _median_us(fn, rounds: int = 7, calls: int = 200, sync_each_round: bool = True) -> float:
+    """Median over rounds of the host time per call, timed before synchronizing."""
+    import torch
+
+    samples = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        if sync_each_round:
+            torch.cuda.synchronize()
+    return sorted(samples)[len(samples) // 2]
+
+
 def host_overhead() -> dict:
-    """Per tiny call: the host's time to issue it (200 calls, timed before synchronizing:
-    fewer than the launch queue holds, so the GPU never holds the host back), and the
-    time per call back to back (2000 calls, synchronized: the larger of host and GPU)."""
+    """Per tiny call (B1 H1 S128 D64 bf16): the host's time to issue it (200 calls, timed
+    before synchronizing: fewer than the launch queue holds, so the GPU never holds the
+    host back), and the time per call back to back (2000 calls, synchronized: the larger
+    of host and GPU). Inference calls, training forwards (inputs that require grad) and
+    training forward + backward, aotattn beside PyTorch's SDPA."""
     import torch
 
     import aotattn
 
     q = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
+    qg, kg, vg = (torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                  for _ in range(3))
+    grad = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
     results = {}
     for name, fn in (("aotattn", aotattn.scaled_dot_product_attention),
                      ("sdpa", torch.nn.functional.scaled_dot_product_attention)):
-        for _ in range(50):
-            fn(q, q, q)
-        torch.cuda.synchronize()
-        issue, back_to_back = [], []
-        for _ in range(7):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(200):
-                fn(q, q, q)
-            issue.append((time.perf_counter() - start) / 200 * 1e6)
-            torch.cuda.synchronize()
+        calls = {
+            "": lambda: fn(q, q, q),
+            " train fwd": lambda: fn(qg, kg, vg),
+            " train fwd+bwd": lambda: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), grad),
+        }
+        for label, call in calls.items():
+            for _ in range(50):
+                call()
+            results[name + label] = _median_us(call)
+        back_to_back = []
         for _ in range(5):
             start = time.perf_counter()
             for _ in range(2000):
                 fn(q, q, q)
             torch.cuda.synchronize()
             back_to_back.append((time.perf_counter() - start) / 2000 * 1e6)
-        results[name] = sorted(issue)[len(issue) // 2]
         results[name + " back to back"] = sorted(back_to_back)[len(back_to_back) // 2]
     results["breakdown"] = breakdown(q)
     return results
@@ -107,27 +126,19 @@ def breakdown(q) -> dict:
 
     from aotattn.families.flash import ops
 
-    def issue_us(fn) -> float:
-        samples = []
-        for _ in range(7):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(200):
-                fn()
-            samples.append((time.perf_counter() - start) / 200 * 1e6)
-            torch.cuda.synchronize()
-        return sorted(samples)[3]
-
-    key = ops._PLANS.key(q, q, q, "sdpa", False, None, False)
-    run, out_shape, lse_shape, _ = ops._PLANS.entries[key]
-    out, lse = torch.empty(out_shape, dtype=q.dtype, device=q.device), torch.empty(lse_shape, device=q.device)
+    flags = ("sdpa", False, None, False, False, None)
+    key = ops._PLANS.key(q, q, q, *flags)
+    entry = ops._PLANS.entries[key]
+    qt = q.transpose(1, 2)
+    out = torch.empty(entry.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(entry.lse_shape, device=q.device)
+    out = out.transpose(1, 2) if entry.heads_major else out
     return {
-        "checks + cache key": issue_us(lambda: ops._cacheable(q, q, q, 0.0, None)
-                                       and ops._PLANS.key(q, q, q, "sdpa", False, None, False)),
-        "two output allocations": issue_us(lambda: (torch.empty(out_shape, dtype=q.dtype, device=q.device),
-                                                    torch.empty(lse_shape, device=q.device))),
-        "launch (pack + cuLaunchKernel)": issue_us(lambda: run((q, q, q, out, lse))),
-        "whole call": issue_us(lambda: ops.scaled_dot_product_attention(q, q, q)),
+        "checks + cache key": _median_us(lambda: ops._cacheable(q, q, q, 0.0, None) and ops._PLANS.key(q, q, q, *flags)),
+        "two output allocations": _median_us(lambda: (torch.empty(entry.out_shape, dtype=q.dtype, device=q.device),
+                                                      torch.empty(entry.lse_shape, device=q.device))),
+        "launch (pack + cuLaunchKernel)": _median_us(lambda: entry.launch_forward((qt, qt, qt, out, lse))),
+        "whole call": _median_us(lambda: ops.scaled_dot_product_attention(q, q, q)),
     }
 
 
@@ -166,8 +177,11 @@ def main() -> None:
         imports = ", ".join(f"{s['import_ms']:.0f}" for s in samples)
         print(f"  {name:<36} first call {calls}   import {imports}   rel diff {samples[0]['rel_diff']:.1e}"
               f"   triton imported: {samples[0]['triton_imported']}")
-    print(f"host time per tiny forward call (B1 H1 S128 D64 bf16): aotattn {overhead['aotattn']:.1f} us, "
-          f"SDPA {overhead['sdpa']:.1f} us, ratio {overhead['aotattn'] / overhead['sdpa']:.2f}")
+    for label, what in (("", "inference forward"), (" train fwd", "training forward (inputs require grad)"),
+                        (" train fwd+bwd", "training forward + backward")):
+        ours, theirs = overhead["aotattn" + label], overhead["sdpa" + label]
+        print(f"host time per tiny call, {what} (B1 H1 S128 D64 bf16): aotattn {ours:.1f} us, "
+              f"SDPA {theirs:.1f} us, ratio {ours / theirs:.2f}")
     print("  aotattn's call, part by part (us): " + ", ".join(f"{k} {v:.1f}" for k, v in overhead["breakdown"].items()))
     print(f"  back to back, synchronized (the larger of host and GPU time): aotattn "
           f"{overhead['aotattn back to back']:.1f} us, SDPA {overhead['sdpa back to back']:.1f} us")

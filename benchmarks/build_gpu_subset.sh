@@ -8,6 +8,7 @@ python -m aotattn.cli build --arch sm_90 --out "$out" --kernel attn_fwd --kernel
   --where "dtype=bf16 BLOCK_D=128 $common"
 python -m aotattn.cli build --arch sm_90 --out "$out" --kernel attn_fwd --kernel attn_bwd_dkdv --kernel attn_bwd_dq \
   --where "dtype=fp16 BLOCK_D=64 MASK=2 $common"
-python -m aotattn.cli build --arch sm_90 --out "$out" --kernel attn_fwd --where "dtype=bf16 BLOCK_D=64 MASK=0 $common"
+python -m aotattn.cli build --arch sm_90 --out "$out" --kernel attn_fwd --kernel attn_bwd_dkdv --kernel attn_bwd_dq \
+  --kernel attn_bwd_fused --where "dtype=bf16 BLOCK_D=64 MASK=0 $common"
 python -m aotattn.cli build --arch sm_90 --out "$out" --kernel attn_bwd_preprocess --where "PAD_HEAD=False VARLEN=False"
 python -m aotattn.cli build --arch sm_90 --out "$out" --kernel rmsnorm_fwd --where "dtype=bf16 BLOCK=1024"

@@ -16,30 +16,40 @@ import torch
 from aotattn.families.flash import rules
 from aotattn.families.flash.checks import (Problem, check_bias, check_bool, check_flash, check_sdpa,
                                            check_varlen)
-from aotattn.families.flash.planning import (Call, lse_shape, new_call, new_output, philox_state,
-                                             dropout_mask_plan, forward_plan, run_backward, run_forward)
+from aotattn.families.flash.planning import (Call, backward_buffers, backward_dout, backward_plans, choose_backend,
+                                             dropout_mask_plan, finish_dq, forward_plan, lse_shape, new_call,
+                                             new_output, philox_state, run_backward, run_forward)
 from aotattn.runtime import launch, prepare
 from aotattn.runtime.launcher import MODE_VAR
+from aotattn.tuning import ENV_VAR as TUNING_DB_VAR
 from aotattn.spec import LaunchPlan
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, c, heads_major, backend, deterministic):
-        out = new_output(c.p, q, heads_major)
-        lse = run_forward(c, q, k, v, out)
+    def forward(ctx, q, k, v, bias, c, heads_major, backend, deterministic, cached):
+        """``cached``: the plan cache's entry for this call's key, or None (see :class:`_PlanCache`)."""
+        if cached is not None:
+            out, lse = cached.forward(q, k, v)
+        else:
+            out = new_output(c.p, q, heads_major)
+            lse = run_forward(c, q, k, v, out)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = c
         ctx.backend = backend
         ctx.deterministic = deterministic
+        ctx.cached = cached
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        if ctx.cached is not None:
+            dq, dk, dv = ctx.cached.backward(dout, q, k, v, out, lse, ctx.backend, ctx.deterministic)
+            return dq, dk, dv, None, None, None, None, None, None
         dq, dk, dv, dbias = run_backward(ctx.call, dout, q, k, v, out, lse, ctx.backend, ctx.deterministic)
-        return dq, dk, dv, (None if dbias is None else dbias.to(ctx.call.bias.dtype)), None, None, None, None
+        return dq, dk, dv, (None if dbias is None else dbias.to(ctx.call.bias.dtype)), None, None, None, None, None
 
 
 def _check_backend(backend: object) -> str | None:
@@ -48,17 +58,21 @@ def _check_backend(backend: object) -> str | None:
     return backend
 
 
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _run(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_major: bool,
          backend: str | None, deterministic: bool, cache_key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, c.bias)):
-        return _FlashAttention.apply(q, k, v, c.bias, c, heads_major, backend, deterministic)
-    out = new_output(c.p, q, heads_major)
-    lse = torch.empty(lse_shape(c.p, q), dtype=torch.float32, device=q.device)
-    plan = forward_plan(c, q, k, v, out, lse)
+    cached = None
     if cache_key is not None and c.bias is None and c.p.dropout_p == 0.0 and not c.p.varlen:
-        _PLANS.store(cache_key, plan, q, k, v, out, lse, out.transpose(1, 2) if heads_major else out)
-    launch(plan)
-    return out, lse
+        cached = _PLANS.store(cache_key, c, q, k, v, heads_major)
+    if _needs_grad(q, k, v, c.bias):
+        return _FlashAttention.apply(q, k, v, c.bias, c, heads_major, backend, deterministic, cached)
+    if cached is not None:
+        return cached.forward(q, k, v)
+    out = new_output(c.p, q, heads_major)
+    return out, run_forward(c, q, k, v, out)
 
 
 def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
@@ -77,26 +91,84 @@ def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
     return out, lse
 
 
-def _cacheable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: object, extra: object) -> bool:
-    """Inference calls without dropout or bias: those the plan cache serves."""
-    return extra is None and dropout_p == 0.0 and not (
-        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+def _cacheable(q: object, k: object, v: object, dropout_p: object, extra: object) -> bool:
+    """Calls without dropout or bias, with or without autograd: those the plan cache serves."""
+    return (not torch.compiler.is_compiling() and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor) and extra is None and dropout_p == 0.0)
+
+
+# Which call tensor each kernel argument stands for, by the declarations' argument names:
+# forward (q, k, v, out, lse), backward (dout, q, k, v, out, lse, delta, dq, dk, dv). Without
+# a bias the kernels' Bias (and DBias) pointers are placeholders bound to q (and delta).
+_FORWARD_ROLES = {"Q": 0, "K": 1, "V": 2, "Out": 3, "Lse": 4, "Bias": 0}
+_BACKWARD_ROLES = {"DO": 0, "Q": 1, "K": 2, "V": 3, "Out": 4, "Lse": 5, "Delta": 6, "DQ": 7, "DK": 8, "DV": 9,
+                   "Bias": 1, "DBias": 6}
+
+
+def _prepare(plan: LaunchPlan, roles: dict[str, int]):
+    """A launcher of ``plan`` for new tensors: the arguments named in ``roles`` come from the
+    tensors of each call (by role, never by identity: ``f(x, x, x)`` binds Q, K and V to
+    one tensor, and a later ``f(q, k, v)`` must not reuse that binding)."""
+    return prepare(plan, [(pos, roles[name]) for pos, name in enumerate(plan.kernel.argument_names)
+                          if name in roles])
+
+
+class _Entry:
+    """One cached call: its validated :class:`Call`, the prepared forward launch and,
+    filled on first use, the prepared backward launches per backward choice."""
+
+    def __init__(self, c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_major: bool):
+        self.call = c
+        out = new_output(c.p, q, heads_major)
+        lse = torch.empty(lse_shape(c.p, q), dtype=torch.float32, device=q.device)
+        self.out_shape = tuple(out.transpose(1, 2).shape if heads_major else out.shape)
+        self.lse_shape = tuple(lse.shape)
+        self.heads_major = heads_major
+        self.launch_forward = _prepare(forward_plan(c, q, k, v, out, lse), _FORWARD_ROLES)
+        self.backwards: dict[tuple, tuple] = {}
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        out = out.transpose(1, 2) if self.heads_major else out
+        self.launch_forward((q, k, v, out, lse))
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, backend: str | None, deterministic: bool):
+        c = self.call
+        dout = backward_dout(c, dout)
+        choice = (dout.stride(), dout.data_ptr() % 16 == 0, backend, deterministic)
+        prepared = self.backwards.get(choice)
+        if prepared is None:
+            chosen = backend or choose_backend(c, deterministic, q.device)
+            delta, dq, dk, dv, _ = backward_buffers(c, q, k, v, chosen, deterministic)
+            plans = backward_plans(c, dout, q, k, v, out, lse, delta, dq, dk, dv, None, chosen, deterministic)
+            prepared = chosen, [_prepare(plan, _BACKWARD_ROLES) for plan in plans]
+            self.backwards[choice] = prepared  # a race stores an equal value twice
+        chosen, launches = prepared
+        delta, dq, dk, dv, _ = backward_buffers(c, q, k, v, chosen, deterministic)
+        tensors = (dout, q, k, v, out, lse, delta, dq, dk, dv)
+        for launch_one in launches:
+            launch_one(tensors)
+        return finish_dq(dq, q), dk, dv
 
 
 class _PlanCache:
-    """Launch-plan cache of the inference forward: the hot path of small calls.
+    """Launch-plan cache: the hot path of small calls, inference and training alike.
 
-    A forward call without autograd, dropout or bias is decided entirely by its tensors'
-    metadata (shapes, strides, dtypes, device, 16-byte alignment) and its arguments; a
-    call that repeats those repeats every check's outcome and the whole plan. So the
-    first call goes the long way (checks, plan) and stores a template; the next ones
-    only allocate the outputs and launch with new pointers.
+    A call without dropout or bias is decided entirely by its tensors' metadata (shapes,
+    strides, dtypes, device, 16-byte alignment) and its arguments; a call that repeats
+    those repeats every check's outcome and the whole plan. So the first call goes the
+    long way (checks, plans) and stores an :class:`_Entry`; the next ones only allocate
+    their outputs and launch with new pointers, under autograd too (the backward's
+    launches are prepared on its first run). Buffers are fresh on every call, never
+    reused, so CUDA-graph capture of a cached call is safe.
     """
 
     SIZE = 256
 
     def __init__(self) -> None:
-        self.entries: dict[tuple, tuple] = {}
+        self.entries: dict[tuple, _Entry] = {}
         self.lock = threading.Lock()
 
     @staticmethod
@@ -111,33 +183,32 @@ class _PlanCache:
         aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
         typed = tuple((type(f), tuple((type(x), x) for x in f) if type(f) in (tuple, list) else f) for f in flags)
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, aligned, os.environ.get(MODE_VAR), typed)
+               q.device, k.device, v.device, aligned, os.environ.get(MODE_VAR), os.environ.get(TUNING_DB_VAR),
+               torch.are_deterministic_algorithms_enabled(), typed)
         try:
             hash(key)
         except TypeError:
             return None
         return key
 
-    def store(self, key: tuple, plan: LaunchPlan, q, k, v, out, lse, out_base: torch.Tensor) -> None:
-        """``out`` is the view the kernel writes, ``out_base`` the tensor it views."""
-        source = {id(t): i for i, t in enumerate((q, k, v, out, lse))}
-        dynamic = [(pos, source[id(a)]) for pos, a in enumerate(plan.args) if id(a) in source]
-        entry = (prepare(plan, dynamic), tuple(out_base.shape), tuple(lse.shape), out.shape != out_base.shape)
+    def store(self, key: tuple, c: Call, q, k, v, heads_major: bool) -> _Entry:
+        entry = _Entry(c, q, k, v, heads_major)
         with self.lock:  # threads may store at once; lookups are plain dict reads
             if len(self.entries) >= self.SIZE:
                 self.entries.pop(next(iter(self.entries)))
             self.entries[key] = entry
+        return entry
 
-    def run(self, key: tuple, q, k, v) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the output as stored, the log-sum-exp), or None on a miss."""
+    def run(self, key: tuple | None, q, k, v, backend: str | None,
+            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(out, lse), or None on a miss."""
         entry = self.entries.get(key) if key is not None else None
         if entry is None:
             return None
-        run, out_shape, lse_shape, transposed = entry
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-        run((q, k, v, out.transpose(1, 2) if transposed else out, lse))
-        return out, lse
+        if _needs_grad(q, k, v):
+            return _FlashAttention.apply(q, k, v, None, entry.call, entry.heads_major, backend, deterministic,
+                                         entry)
+        return entry.forward(q, k, v)
 
 
 _PLANS = _PlanCache()
@@ -193,10 +264,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         ``out (B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
     """
     key = None
-    if not torch.compiler.is_compiling() and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) \
-            and isinstance(v, torch.Tensor) and _cacheable(q, k, v, dropout_p, bias):
-        key = _PLANS.key(q, k, v, "flash", softmax_scale, causal, window_size, diagonal, return_lse)
-        hit = _PLANS.run(key, q, k, v)
+    if _cacheable(q, k, v, dropout_p, bias):
+        key = _PLANS.key(q, k, v, "flash", softmax_scale, causal, window_size, diagonal, return_lse, deterministic,
+                         backend)
+        hit = _PLANS.run(key, q, k, v, backend, deterministic or torch.are_deterministic_algorithms_enabled())
         if hit is not None:
             return hit if return_lse else hit[0]
     p = check_flash(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
@@ -263,12 +334,12 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         ``(B, Hq, Sq, Dv)`` in query's dtype.
     """
     cache_key = None
-    if not torch.compiler.is_compiling() and isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) \
-            and isinstance(value, torch.Tensor) and _cacheable(query, key, value, dropout_p, attn_mask):
-        cache_key = _PLANS.key(query, key, value, "sdpa", is_causal, scale, enable_gqa)
-        hit = _PLANS.run(cache_key, query, key, value)
+    if _cacheable(query, key, value, dropout_p, attn_mask):
+        cache_key = _PLANS.key(query, key, value, "sdpa", is_causal, scale, enable_gqa, deterministic, backend)
+        hit = _PLANS.run(cache_key, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), backend,
+                         deterministic or torch.are_deterministic_algorithms_enabled())
         if hit is not None:
-            return hit[0]
+            return hit[0].transpose(1, 2)
     p = check_sdpa(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                    enable_gqa=enable_gqa)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))

@@ -259,29 +259,51 @@ def choose_backend(c: Call, deterministic: bool, device: torch.device) -> str:
     return config["backend"]
 
 
-def run_backward(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor, backend: str | None, deterministic: bool,
-                 configs: Mapping[str, Config] | None = None):
-    """dQ, dK, dV (contiguous, shaped like q, k, v) and dBias (``(B, Hq, Sq, Sk)`` or None)."""
+def backward_dout(c: Call, dout: torch.Tensor) -> torch.Tensor:
+    """``dout`` as the backward kernels read it: a contiguous copy where its layout would not
+    meet the call's variant (unit last stride; 16-aligned tiles for the aligned variant)."""
     if dout.stride(-1) != 1 or (c.functional()["PAD_HEAD"] is False and not c.tiles_aligned(dout)):
-        dout = dout.contiguous()  # a fresh contiguous tensor meets the aligned variant's assumptions
-    p = c.p
-    backend = backend or choose_backend(c, deterministic, q.device)
-    dev = q.device
+        return dout.contiguous()  # a fresh contiguous tensor meets the aligned variant's assumptions
+    return dout
+
+
+def backward_buffers(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
+                     deterministic: bool) -> tuple[torch.Tensor, ...]:
+    """(delta, dq, dk, dv, dbias or None), fresh: the backward kernels' outputs.
+
+    The fused backend without ``deterministic`` accumulates dQ with atomics into a
+    zeroed fp32 buffer (:func:`finish_dq` converts it)."""
+    p, dev = c.p, q.device
     dk = torch.empty(tuple(k.shape), dtype=k.dtype, device=dev)
     dv = torch.empty(tuple(v.shape), dtype=v.dtype, device=dev)
     delta = torch.empty(lse_shape(p, q), dtype=torch.float32, device=dev)
-    atomic = backend == "fused" and not deterministic
-    dq = (torch.zeros(tuple(q.shape), dtype=torch.float32, device=dev) if atomic
-          else torch.empty(tuple(q.shape), dtype=q.dtype, device=dev))
+    if backend == "fused" and not deterministic:
+        dq = torch.zeros(tuple(q.shape), dtype=torch.float32, device=dev)
+    else:
+        dq = torch.empty(tuple(q.shape), dtype=q.dtype, device=dev)
     dbias = None
     if c.bias_grad:
         # tiles outside the mask are skipped, never written: their gradient is exactly 0
         dbias = torch.zeros((p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), dtype=torch.float32, device=dev)
+    return delta, dq, dk, dv, dbias
+
+
+def finish_dq(dq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """dQ in q's dtype (the atomic path accumulated it in fp32)."""
+    return dq if dq.dtype == q.dtype else dq.to(q.dtype)
+
+
+def run_backward(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, backend: str | None, deterministic: bool,
+                 configs: Mapping[str, Config] | None = None):
+    """dQ, dK, dV (contiguous, shaped like q, k, v) and dBias (``(B, Hq, Sq, Sk)`` or None)."""
+    dout = backward_dout(c, dout)
+    backend = backend or choose_backend(c, deterministic, q.device)
+    delta, dq, dk, dv, dbias = backward_buffers(c, q, k, v, backend, deterministic)
     for plan in backward_plans(c, dout, q, k, v, out, lse, delta, dq, dk, dv, dbias, backend, deterministic,
                                configs):
         launch(plan)
-    return (dq.to(q.dtype) if atomic else dq), dk, dv, dbias
+    return finish_dq(dq, q), dk, dv, dbias
 
 
 def dropout_mask_plan(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, heads_q: int, dropout_p: float,

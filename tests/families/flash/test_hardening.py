@@ -240,3 +240,68 @@ def test_cpu_calls_pass_under_warnings_as_errors():
     run = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3])))
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+# ------------------------------------------------ the plan cache binds by role, trains too
+
+
+def test_plan_cache_does_not_alias_self_attention_into_later_calls():
+    """``f(x, x, x)`` first, then ``f(q, k, v)`` of the same layout: the cached launch must
+    take q, k and v each from its own argument (it once bound them by object identity)."""
+    x = torch.randn(1, 16, 2, 16)
+    aotattn.flash_attn_func(x, x, x)
+    q, k, v = (torch.randn(1, 16, 2, 16) for _ in range(3))
+    assert_forward_matches(aotattn.flash_attn_func(q, k, v), None, q, k, v)
+    query = torch.randn(1, 2, 16, 16)
+    aotattn.scaled_dot_product_attention(query, query, query)
+    query, key, value = (torch.randn(1, 2, 16, 16) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(query.double(), key.double(), value.double())
+    assert rel_err(aotattn.scaled_dot_product_attention(query, key, value), want) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("backend,deterministic", [(None, False), ("split", False), ("fused", False),
+                                                   ("fused", True)])
+def test_training_calls_served_by_the_plan_cache_match_the_reference(backend, deterministic):
+    """Repeated training calls (inputs that require grad) replay cached forward and
+    backward launches; every repeat, on fresh inputs, matches the reference."""
+    ops._PLANS.entries.clear()
+    for trial in range(3):
+        q, k, v = make_qkv(2, 21, 27, 4, 2, 24, 24, torch.float32, "cpu", requires_grad=True)
+        dout = torch.randn(2, 21, 4, 24)
+        out = aotattn.flash_attn_func(q, k, v, causal=True, backend=backend, deterministic=deterministic)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref, _ = reference.attention(qd, kd, vd, causal=True)
+        ref_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.double())
+        assert rel_err(out, ref) < TOLERANCE[torch.float32]
+        for got, want in zip(grads, ref_grads):
+            assert rel_err(got, want) < TOLERANCE[torch.float32], trial
+    assert len(ops._PLANS.entries) == 1
+    (entry,) = ops._PLANS.entries.values()
+    assert len(entry.backwards) == 1
+
+
+def test_cached_training_call_with_a_strided_dout():
+    ops._PLANS.entries.clear()
+    for trial in range(2):
+        q, k, v = make_qkv(1, 16, 16, 2, 2, 16, 16, torch.float32, "cpu", requires_grad=True)
+        out = aotattn.flash_attn_func(q, k, v)
+        dout = torch.randn(1, 2, 16, 32)[..., ::2].transpose(1, 2)  # last stride 2: copied first
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref_grads = torch.autograd.grad(reference.attention(qd, kd, vd)[0], (qd, kd, vd), dout.double())
+        for got, want in zip(grads, ref_grads):
+            assert rel_err(got, want) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("bad,error", [(dict(backend="bogus"), ValueError), (dict(deterministic=1), TypeError)])
+def test_plan_cache_checks_backward_options_when_warm(bad, error):
+    q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
+    good = {"backend": "split", "deterministic": True}
+    good = {name: good[name] for name in bad}
+    for _ in range(2):
+        aotattn.flash_attn_func(q, k, v, **good).sum().backward()
+    with pytest.raises(error, match=next(iter(bad))):
+        aotattn.flash_attn_func(q, k, v, **bad)
+    with torch.no_grad(), pytest.raises(error, match=next(iter(bad))):
+        aotattn.flash_attn_func(q, k, v, **bad)
