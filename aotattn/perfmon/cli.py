@@ -178,7 +178,7 @@ def _progress(entry: Entry, records, seconds: float, done: int, total: int) -> s
     for r in records:
         if r.ok and r.ratio is not None and not r.provider.startswith("aotattn"):
             best[r.pass_] = min(best.get(r.pass_, math.inf), r.ratio)
-    peers = ", ".join(f"{p} best peer x{1 / v:.2f}" for p, v in best.items())
+    peers = ", ".join(f"{p} {v:.2f}x the best peer's speed" for p, v in best.items())
     return f"[{done}/{total}] {entry.name} {seconds:.1f}s: {'; '.join(parts)}" + (f" ({peers})" if peers else "")
 
 

@@ -86,13 +86,16 @@ def _runner(entry: Entry, x: P.Inputs, pass_: str, provider: str) -> Callable[[]
 
 
 class _Reference:
-    """Float64 slices, computed on first use: with aotattn's dropout mask, and without dropout."""
+    """Float64 slices, computed on first use: with aotattn's dropout mask, and without dropout.
+    One per entry: its passes share it (gradients are computed when any pass is a backward)."""
 
-    def __init__(self, entry: Entry, x: P.Inputs, backward: bool, seed: int):
-        self.entry, self.x, self.backward, self.seed = entry, x, backward, seed
+    def __init__(self, entry: Entry, x: P.Inputs, seed: int):
+        self.entry, self.x, self.seed = entry, x, seed
+        self.backward = any(p in BACKWARD_PASSES for p in entry.passes)
         self.cache: dict[bool, dict[str, torch.Tensor]] = {}
 
-    def get(self, with_dropout: bool) -> dict[str, torch.Tensor]:
+    def get(self, with_dropout: bool, pass_: str) -> dict[str, torch.Tensor]:
+        """The slices a pass checks: the output, and the gradients for backward passes."""
         with_dropout = with_dropout and self.entry.dropout_p > 0
         if with_dropout not in self.cache:
             mask = None
@@ -104,7 +107,8 @@ class _Reference:
                                             self.x.q.device)[:1, P.checked_heads(e)[0]]
             self.cache[with_dropout] = P.reference_slice(self.entry, self.x, self.x.dout if self.backward else None,
                                                          mask, self.entry.dropout_p if with_dropout else 0.0)
-        return self.cache[with_dropout]
+        found = self.cache[with_dropout]
+        return found if pass_ in BACKWARD_PASSES else {"out": found["out"]}
 
 
 def _check(entry: Entry, x: P.Inputs, got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
@@ -142,9 +146,7 @@ def provenance_note(lookups: list[Lookup], pass_: str, arch: str | None) -> str:
 
 
 def measure_pass(entry: Entry, x: P.Inputs, pass_: str, options: Options, device: torch.device,
-                 arch: str | None) -> list[Record]:
-    backward = pass_ in BACKWARD_PASSES
-    reference = _Reference(entry, x, backward, options.seed)
+                 arch: str | None, reference: _Reference) -> list[Record]:
     notes: dict[str, str] = {}
     runners: dict[str, Callable[[], object]] = {}
     baseline: dict[str, torch.Tensor] | None = None
@@ -166,7 +168,7 @@ def measure_pass(entry: Entry, x: P.Inputs, pass_: str, options: Options, device
                 notes[provider] = provenance_note(lookups, pass_, arch)
             against = baseline if (provider != P.AOTATTN and (ours or not entry.dropout_p)) else None
             tolerance = (P.TOLERANCE if ours else P.PEER_TOLERANCE)[entry.dtype]
-            error = _check(entry, x, got, reference.get(ours), against, tolerance, "aotattn")
+            error = _check(entry, x, got, reference.get(ours, pass_), against, tolerance, "aotattn")
             if provider == P.AOTATTN:
                 baseline = got if error is None else None
             if error is not None:
@@ -222,10 +224,11 @@ def measure_entry(entry: Entry, device: torch.device, options: Options) -> list[
 
         arch = arch_of(device)
     x = P.make_inputs(entry, device, options.seed)
+    reference = _Reference(entry, x, options.seed)
     records = []
     for pass_ in entry.passes:
-        records += measure_pass(entry, x, pass_, options, device, arch)
-    del x
+        records += measure_pass(entry, x, pass_, options, device, arch, reference)
+    del x, reference
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return records
