@@ -36,9 +36,9 @@ summary=()
 aot() { python -m aotattn.cli "$@"; }
 mkdir -p "$STATE"
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,utilization.gpu,memory.used \
-  --format=csv > "$OUT/env.txt" 2>&1
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cudnn', torch.backends.cudnn.version())" >> "$OUT/env.txt" 2>&1
+# the clocks and load before the run (the perfdb header records versions, GPU and tuning revision)
+{ nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,temperature.gpu,utilization.gpu,memory.used --format=csv
+  aot info; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
 for step in $steps; do
