@@ -14,14 +14,14 @@ from typing import Any
 
 from aotattn import families
 from aotattn import arch as arches
+from aotattn import paths
 from aotattn.compiler.jobs import Job, cache_key, compile_job, source_hash
 from aotattn.runtime.images import Archive, Entry, ImageError, archive_path, write_archive
 from aotattn.spec import Functional, parse_where
 from aotattn.tuning import Database, TuningError
 
-PROJECT = Path(__file__).resolve().parents[2]
-DEFAULT_OUT = PROJECT / "images"
-DEFAULT_CACHE = PROJECT / "build" / "cache"
+DEFAULT_OUT = paths.default_images()  # a checkout's images/, else ~/.cache/aotattn/images
+DEFAULT_CACHE = paths.default_build_cache()  # a checkout's build/cache/, else ~/.cache/aotattn/build
 
 
 def check_archs(archs: Sequence[str]) -> None:

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table as RichTable
 
 from aotattn.arch import ARCHES
-from aotattn.runtime.images import ENV_VAR, SUFFIX, Archive, ImageError, images_root
+from aotattn.runtime.images import ENV_VAR, SUFFIX, Archive, ImageError, image_roots, images_root
 
 console = Console(soft_wrap=True)  # one problem, one line, whatever the terminal's width
 images_app = typer.Typer(help="List, extract and verify kernel image archives (docs/image-archive-format.md).",
@@ -50,9 +50,12 @@ def build_command(
     jobs: int = typer.Option(None, min=1, help="parallel compiler processes (default: every core this process may "
                              "use)"),
     timeout: float = typer.Option(600.0, help="seconds before one kernel's compilation is abandoned"),
-    out: Path = typer.Option(None, help="where the archives go (default: $AOTATTN_IMAGES, else images/)"),
-    cache: Path = typer.Option(None, help="compiled-kernel cache (default: build/cache/)"),
-    tuning_db: Path = typer.Option(None, "--tuning-db", help="tuning database root (default: tuning/)"),
+    out: Path = typer.Option(None, help="where the archives go (default: $AOTATTN_IMAGES, else images/ in a "
+                             "checkout, else ~/.cache/aotattn/images)"),
+    cache: Path = typer.Option(None, help="compiled-kernel cache (default: build/cache/ in a checkout, else "
+                               "~/.cache/aotattn/build)"),
+    tuning_db: Path = typer.Option(None, "--tuning-db", help="tuning database root (default: $AOTATTN_TUNING_DB, "
+                                   "else the one installed with aotattn)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="only list what would be compiled"),
 ) -> None:
     """Compile every kernel variant the tuning database names, for each arch, into image archives.
@@ -108,11 +111,18 @@ def build_command(
         raise typer.Exit(1)
 
 
+_FOLDERS = ("archives or folders (default: the folders the runtime reads: $AOTATTN_IMAGES alone when set, else "
+            "the build's default folder and the images installed with aotattn)")
+
+
 def _archives(paths: list[Path] | None) -> list[Path]:
-    """The archives under ``paths`` (default: $AOTATTN_IMAGES, else images/). A named path
-    that is not a folder is taken as an archive (the reader refuses what is not a plain file)."""
+    """The archives under ``paths`` (default: the folders the runtime reads, which exist).
+    A named path that is not a folder is taken as an archive (the reader refuses what is
+    not a plain file)."""
+    if not paths:
+        paths = [root for root in image_roots() if root.is_dir()] or [images_root()]
     found = []
-    for path in paths or [images_root()]:
+    for path in paths:
         if path.is_dir():
             found += sorted(path.rglob(f"*{SUFFIX}"))
         elif os.path.lexists(path):
@@ -124,8 +134,7 @@ def _archives(paths: list[Path] | None) -> list[Path]:
 
 
 @images_app.command("ls")
-def ls(paths: list[Path] = typer.Argument(None, help="archives or folders (default: $AOTATTN_IMAGES, else images/)")
-       ) -> None:
+def ls(paths: list[Path] = typer.Argument(None, help=_FOLDERS)) -> None:
     """List archives and the kernels inside them."""
     table = RichTable("archive", "arch", "table", "kernels", "triton", "size")
     bad = 0
@@ -155,8 +164,7 @@ def extract(archive: Path = typer.Argument(..., help="an archive"),
 
 
 @images_app.command()
-def verify(paths: list[Path] = typer.Argument(None, help="archives or folders (default: $AOTATTN_IMAGES, "
-                                               "else images/)")) -> None:
+def verify(paths: list[Path] = typer.Argument(None, help=_FOLDERS)) -> None:
     """Check every archive, every kernel in it, and that this aotattn would load it.
 
     The header, the index's checksum and schema, each kernel's size and checksum, the
@@ -167,7 +175,7 @@ def verify(paths: list[Path] = typer.Argument(None, help="archives or folders (d
 
     archives = _archives(paths)
     if not archives:
-        raise ImageError(f"no image archives under {' '.join(map(str, paths or [images_root()]))}: build them with "
+        raise ImageError(f"no image archives under {' '.join(map(str, paths or image_roots()))}: build them with "
                          "aotattn build --arch <arch>")
     problems = []
     for path in archives:

@@ -11,8 +11,10 @@ driver calls are the ctypes bindings of :mod:`aotattn.runtime.driver`.
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,8 @@ import torch
 
 from aotattn.runtime import driver as cuda
 from aotattn.runtime.device import arch_of
-from aotattn.runtime.images import (Archive, Entry, ImageError, archive_path, entry_key, images_root, source_hash,
-                                    triton_abi)
+from aotattn.runtime.images import (ENV_VAR, SUFFIX, Archive, Entry, ImageError, ImageMissing, archive_path,
+                                    entry_key, image_roots, source_hash, triton_abi)
 from aotattn.spec import LaunchPlan
 
 # The argument layout LoadedKernel packs: Triton 3.6's (runtime arguments, then the global
@@ -107,70 +109,98 @@ def check_loadable(archive: Archive, arch: str, table: str, module: str) -> None
 
 
 class ImageStore:
-    """Archives under one root, opened on first use."""
+    """The archives under some folders, opened on first use. A kernel comes from the first
+    folder whose archive for its architecture and kernel holds it; every archive found is
+    checked (:func:`check_loadable`) before any is used, so a stale or damaged one is an
+    error even where another folder would have the kernel."""
 
-    def __init__(self, root: Path):
-        self.root = root
-        self._archives: dict[tuple[str, str], Archive] = {}
+    def __init__(self, roots: Sequence[Path]):
+        self.roots = tuple(Path(r) for r in roots)
+        self._archives: dict[tuple[str, str], tuple[Archive, ...]] = {}
         self._kernels: dict[tuple, LoadedKernel] = {}
+        self._missing: dict[tuple, tuple[str, ...]] = {}  # key -> ImageMissing's arguments, if asked again
         self._lock = threading.Lock()
 
     def kernel(self, plan: LaunchPlan, device: torch.device) -> LoadedKernel:
+        """The plan's kernel loaded on ``device``; :class:`ImageMissing` when no archive
+        holds it, :class:`ImageError` when an archive cannot be used."""
         spec = plan.kernel
         index = device.index if device.index is not None else torch.cuda.current_device()
         key = (index, spec.qualname, plan.functional, plan.config)
         loaded = self._kernels.get(key)
         if loaded is not None:
             return loaded
+        missing = self._missing.get(key)
+        if missing is not None:
+            raise ImageMissing(*missing)
         with self._lock:
             loaded = self._kernels.get(key)
             if loaded is None:
                 arch = arch_of(device)
-                archive = self._archive(arch, spec.qualname, plan)
+                archives = self.archives(arch, spec.qualname, spec.module)
                 variant = spec.variant(plan.functional)
-                entry = archive.entry(entry_key(plan.functional.as_dict(), plan.config.as_dict(), variant))
-                if entry is None:
-                    raise ImageError(self._missing(arch, plan, f"{archive.path} has no such kernel"))
+                wanted = entry_key(plan.functional.as_dict(), plan.config.as_dict(), variant)
+                found = next(((a, e) for a in archives if (e := a.entry(wanted)) is not None), None)
+                if found is None:
+                    why = (f"{', '.join(str(a.path) for a in archives)} hold(s) no such kernel" if archives else
+                           f"no archive {arch}/{spec.qualname}{SUFFIX} under {', '.join(map(str, self.roots))}")
+                    self._missing[key] = missing_image(arch, plan, why)
+                    raise ImageMissing(*self._missing[key])
+                archive, entry = found
                 with torch.cuda.device(device):
                     loaded = LoadedKernel(entry, archive.binary(entry), list(spec.signature(plan.functional).values()),
                                           index)
                 self._kernels[key] = loaded
         return loaded
 
-    def _archive(self, arch: str, table: str, plan: LaunchPlan) -> Archive:
-        archive = self._archives.get((arch, table))
-        if archive is None:
-            path = archive_path(self.root, arch, table)
-            if not path.is_file():
-                raise ImageError(self._missing(arch, plan, f"no archive {path}"))
-            archive = Archive(path)
-            check_loadable(archive, arch, table, plan.kernel.module)
-            self._archives[(arch, table)] = archive
-        return archive
-
-    @staticmethod
-    def _missing(arch: str, plan: LaunchPlan, why: str) -> str:
-        spec = plan.kernel
-        where = " ".join(f"{k}={v}" for k, v in plan.functional.items)
-        return (f"no kernel image for {arch} / {spec.qualname} / [{plan.functional}] / {plan.config} "
-                f"({spec.variant(plan.functional)}): {why}. Build it with: aotattn build --arch {arch} "
-                f"--kernel {spec.qualname} --where \"{where}\"   (or set AOTATTN_MODE=jit to compile at run time)")
+    def archives(self, arch: str, table: str, module: str) -> tuple[Archive, ...]:
+        """The archives of ``arch`` / ``table`` under the roots, in order, opened and checked."""
+        found = self._archives.get((arch, table))
+        if found is None:
+            found = tuple(Archive(path) for root in self.roots
+                          if os.path.lexists(path := archive_path(root, arch, table)))
+            for archive in found:
+                check_loadable(archive, arch, table, module)
+            self._archives[(arch, table)] = found
+        return found
 
 
-_stores: dict[Path, ImageStore] = {}
+def missing_image(arch: str, plan: LaunchPlan, why: str) -> tuple[str, str, str, str]:
+    """The arguments of :class:`ImageMissing` for a plan's kernel: the message, the arch,
+    the table and the command that builds the image."""
+    spec = plan.kernel
+    where = " ".join(f"{k}={v}" for k, v in plan.functional.items)
+    command = f"aotattn build --arch {arch} --kernel {spec.qualname}" + (f' --where "{where}"' if where else "")
+    return (f"no kernel image for {arch} / {spec.qualname} / [{plan.functional}] / {plan.config} "
+            f"({spec.variant(plan.functional)}): {why}. Build it with: {command}   (or run without AOTATTN_MODE=aot "
+            "to compile it at run time with Triton's JIT)", arch, spec.qualname, command)
+
+
+_stores: dict[str | None, ImageStore] = {}
 
 
 def _store() -> ImageStore:
-    root = images_root()
-    store = _stores.get(root)
+    """The store of the image folders the environment names now (:func:`image_roots`)."""
+    named = os.environ.get(ENV_VAR)
+    store = _stores.get(named)
     if store is None:
-        store = _stores.setdefault(root, ImageStore(root))
+        store = _stores.setdefault(named, ImageStore(image_roots()))
     return store
 
 
-def prepare_aot(plan: LaunchPlan, device: torch.device, static: list, dynamic) -> Any:
+def load(plan: LaunchPlan, device: torch.device) -> LoadedKernel:
+    """The plan's kernel from the images, loaded on ``device`` (once per process and device).
+
+    Raises:
+        ImageMissing: no archive holds it (the default mode then compiles it with Triton).
+        ImageError: an archive cannot be used (damaged, stale, another Triton), or the
+            image is not one this runtime loads (AMD).
+    """
+    return _store().kernel(plan, device)
+
+
+def prepare_loaded(kernel: LoadedKernel, plan: LaunchPlan, device: torch.device, static: list, dynamic) -> Any:
     """See :func:`aotattn.runtime.launcher.prepare`: static values are already pointers."""
-    kernel = _store().kernel(plan, device)
     grid, index = plan.grid, kernel.device_index
 
     def run(tensors) -> None:
@@ -186,8 +216,7 @@ def prepare_aot(plan: LaunchPlan, device: torch.device, static: list, dynamic) -
     return run
 
 
-def launch_aot(plan: LaunchPlan, device: torch.device) -> None:
-    kernel = _store().kernel(plan, device)
+def launch_loaded(kernel: LoadedKernel, plan: LaunchPlan, device: torch.device) -> None:
     values = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in plan.args]
     with torch.cuda.device(kernel.device_index):  # the driver launches into the current device's context
         kernel.launch(plan.grid, values, _raw_stream(kernel.device_index), device)

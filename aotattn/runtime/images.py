@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from aotattn import paths
 from aotattn.errors import AotattnError
 
 MAGIC = b"AOTIMG\r\n"
@@ -48,7 +49,6 @@ VERSION = 1
 _HEAD = struct.Struct("<8sIQ32s")
 SUFFIX = ".aotimg"
 ENV_VAR = "AOTATTN_IMAGES"
-PROJECT_IMAGES = Path(__file__).resolve().parents[2] / "images"
 
 # Limits the reader enforces (docs/image-archive-format.md, "Limits"). The full sm_90 set
 # is about 3500 kernels in 231 MB over nine archives; its largest cubin is under 2 MB.
@@ -75,7 +75,15 @@ class ImageError(AotattnError):
 class ImageMissing(ImageError):
     """No image of a kernel: no archive for its architecture and kernel, or none that holds
     it. The only image error the default mode falls back from (to Triton's JIT); a damaged,
-    stale or refused archive stays an error."""
+    stale or refused archive stays an error.
+
+    ``arch``, ``table``: whose image is missing; ``command``: the ``aotattn build`` command
+    that makes it.
+    """
+
+    def __init__(self, message: str, arch: str = "", table: str = "", command: str = ""):
+        super().__init__(message)
+        self.arch, self.table, self.command = arch, table, command
 
 
 @dataclass(frozen=True)
@@ -109,8 +117,19 @@ class Header:
 
 
 def images_root() -> Path:
-    """Where the runtime and ``aotattn images`` look: ``$AOTATTN_IMAGES`` or the project's images/."""
-    return Path(os.environ.get(ENV_VAR) or PROJECT_IMAGES)
+    """Where ``aotattn build`` writes: ``$AOTATTN_IMAGES``, else the checkout's ``images/``,
+    else the user's cache (``~/.cache/aotattn/images``); see :mod:`aotattn.paths`."""
+    return Path(os.environ.get(ENV_VAR) or paths.default_images())
+
+
+def image_roots() -> list[Path]:
+    """Where the runtime and ``aotattn images`` look, in order: ``$AOTATTN_IMAGES`` alone
+    when it is set; else :func:`images_root`, then the images installed with the package
+    (a wheel built to carry them)."""
+    if os.environ.get(ENV_VAR):
+        return [Path(os.environ[ENV_VAR])]
+    packaged = paths.package_data(paths.IMAGES)
+    return [paths.default_images()] + ([packaged] if packaged is not None else [])
 
 
 def entry_key(functional: dict, config: dict, variant: str) -> str:

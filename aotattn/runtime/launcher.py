@@ -1,9 +1,18 @@
 """Execute a :class:`~aotattn.spec.LaunchPlan`.
 
-CUDA tensors run prebuilt images through the CUDA driver (``AOTATTN_MODE=aot``, the
-default) or compile with Triton's JIT (``AOTATTN_MODE=jit``, for development and the
-tuner); CPU tensors run the same source in Triton's interpreter (slow: for tests and
-debugging). Triton is imported only by the JIT and the interpreter paths.
+CUDA tensors run prebuilt images through the CUDA driver, or Triton's JIT; CPU tensors
+run the same source in Triton's interpreter (slow: for tests and debugging).
+``AOTATTN_MODE`` chooses for CUDA tensors:
+
+- ``auto`` (the default): the image when one is installed or built, else Triton's JIT,
+  with one warning per kernel table naming the ``aotattn build`` command. Only a
+  *missing* image falls back: a damaged or stale archive is an error. On AMD GPUs
+  (a ROCm build of PyTorch), whose images are built and verified but not loaded yet,
+  always the JIT.
+- ``aot``: images only; a missing image is an error naming the command that builds it.
+- ``jit``: Triton's JIT always (development, the tuner).
+
+Triton is imported only by the JIT and the interpreter paths.
 """
 
 from __future__ import annotations
@@ -18,10 +27,11 @@ from typing import Any
 
 import torch
 
+from aotattn.errors import AotattnWarning
 from aotattn.spec import KernelSpec, LaunchPlan
 
 MODE_VAR = "AOTATTN_MODE"
-MODES = ("aot", "jit")
+MODES = ("auto", "aot", "jit")
 
 # Triton's interpreter patches triton.language's functions for the duration of a launch
 # (process-wide state): two interpreted launches from different threads corrupt each
@@ -31,10 +41,18 @@ MODES = ("aot", "jit")
 _SERIAL = threading.Lock()
 
 
+class JitFallbackWarning(AotattnWarning):
+    """A kernel runs through Triton's JIT because no image of it is installed or built."""
+
+
+_warned: set[str] = set()  # kernel tables (and "hip") already warned about in this process
+_warned_lock = threading.Lock()
+
+
 def mode() -> str:
-    value = os.environ.get(MODE_VAR, "aot")
+    value = os.environ.get(MODE_VAR) or "auto"
     if value not in MODES:
-        raise ValueError(f"{MODE_VAR}: expected one of {MODES}, got {value!r}")
+        raise ValueError(f"{MODE_VAR}: expected one of {', '.join(MODES)}, got {value!r}")
     return value
 
 
@@ -49,31 +67,73 @@ def jit_function(kernel: KernelSpec) -> Any:
     return getattr(importlib.import_module(kernel.module), kernel.function)
 
 
+def _warn_once(subject: str, message: str) -> None:
+    with _warned_lock:
+        if subject in _warned:
+            return
+        _warned.add(subject)
+    warnings.warn(message, JitFallbackWarning, stacklevel=4)
+
+
+def _image(plan: LaunchPlan, device: torch.device) -> Any:
+    """The plan's loaded image, or None where the mode says Triton's JIT runs it."""
+    current = mode()
+    if current == "jit":
+        return None
+    if current == "auto" and torch.version.hip:
+        _warn_once("hip", "aotattn: AMD GPUs run aotattn's kernels through Triton's JIT (their images are built and "
+                          "verified, but not loaded yet): each new kernel variant compiles on its first call")
+        return None
+    from aotattn.runtime import image_loader
+    from aotattn.runtime.images import ImageMissing
+
+    try:
+        return image_loader.load(plan, device)
+    except ImageMissing as exc:
+        if current == "aot":
+            raise
+        _warn_once(exc.table, f"aotattn: no kernel image for {exc.table} on {exc.arch}: compiling with Triton's "
+                              "JIT instead (seconds per new kernel variant, on its first call). Build the images "
+                              f"once with: aotattn build --arch {exc.arch}   (all kernels; this one alone: "
+                              f"{exc.command}). {MODE_VAR}=aot makes a missing image an error; said once per "
+                              "kernel per process")
+        return None
+
+
+def _launch_jit(plan: LaunchPlan, device: torch.device) -> None:
+    fn = jit_function(plan.kernel)
+    with _SERIAL, torch.cuda.device(device):
+        fn[plan.grid](*plan.args, **plan.kernel.constexprs(plan.functional, plan.config),
+                      num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
+
+
+def _launch_interpreted(plan: LaunchPlan) -> None:
+    from aotattn.runtime.interpreter import interpreted_function
+
+    fn = interpreted_function(plan.kernel.module, plan.kernel.function)
+    # The interpreter's own warnings (numpy 2.3's array-to-scalar deprecation inside
+    # Triton 3.6, numpy overflow notes from exp2 of masked scores) are not the caller's:
+    # under `python -W error` or pytest's error filters they would fail every CPU call.
+    # Filters are process-wide; the lock keeps other interpreted launches out meanwhile.
+    with _SERIAL, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fn[plan.grid](*plan.args, **plan.kernel.constexprs(plan.functional, plan.config))
+
+
 def launch(plan: LaunchPlan) -> None:
     if 0 in plan.grid:
         return
     device = _device_of(plan.args)
     if device.type == "cuda":
-        if mode() == "aot":
-            from aotattn.runtime.image_loader import launch_aot
+        kernel = _image(plan, device)
+        if kernel is not None:
+            from aotattn.runtime.image_loader import launch_loaded
 
-            launch_aot(plan, device)
-            return
-        fn = jit_function(plan.kernel)
-        with _SERIAL, torch.cuda.device(device):
-            fn[plan.grid](*plan.args, **plan.kernel.constexprs(plan.functional, plan.config),
-                          num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
+            launch_loaded(kernel, plan, device)
+        else:
+            _launch_jit(plan, device)
     elif device.type == "cpu":
-        from aotattn.runtime.interpreter import interpreted_function
-
-        fn = interpreted_function(plan.kernel.module, plan.kernel.function)
-        # The interpreter's own warnings (numpy 2.3's array-to-scalar deprecation inside
-        # Triton 3.6, numpy overflow notes from exp2 of masked scores) are not the caller's:
-        # under `python -W error` or pytest's error filters they would fail every CPU call.
-        # Filters are process-wide; the lock keeps other interpreted launches out meanwhile.
-        with _SERIAL, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fn[plan.grid](*plan.args, **plan.kernel.constexprs(plan.functional, plan.config))
+        _launch_interpreted(plan)
     else:
         raise ValueError(f"no launcher for device type {device.type!r}")
 
@@ -83,24 +143,29 @@ def prepare(plan: LaunchPlan, dynamic: Sequence[tuple[int, int]]) -> Callable[[S
 
     ``dynamic`` lists ``(argument position, index into the tensors)``: the arguments that
     change from call to call. The others keep the plan's values; the plan's tensors at
-    dynamic positions are not kept. On the AOT path the loaded kernel is resolved here,
-    once, and a call only packs pointers and launches.
+    dynamic positions are not kept. Whether the image or the JIT runs it is decided here,
+    once; on the image path the loaded kernel is resolved here too, and a call only packs
+    pointers and launches.
     """
     device = _device_of(plan.args)
     positions = {pos for pos, _ in dynamic}
-    if device.type == "cuda" and mode() == "aot":
-        from aotattn.runtime.image_loader import prepare_aot
+    kernel = _image(plan, device) if device.type == "cuda" and 0 not in plan.grid else None
+    if kernel is not None:
+        from aotattn.runtime.image_loader import prepare_loaded
 
         static = [None if i in positions else (a.data_ptr() if isinstance(a, torch.Tensor) else a)
                   for i, a in enumerate(plan.args)]
-        return prepare_aot(plan, device, static, dynamic)
+        return prepare_loaded(kernel, plan, device, static, dynamic)
     static_args = [None if i in positions else a for i, a in enumerate(plan.args)]
     bare = dataclasses.replace(plan, args=())
+    run_on = _launch_jit if device.type == "cuda" else (lambda p, _: launch(p))
 
     def run(tensors: Sequence[torch.Tensor]) -> None:
         args = list(static_args)
         for pos, src in dynamic:
             args[pos] = tensors[src]
-        launch(dataclasses.replace(bare, args=tuple(args)))
+        p = dataclasses.replace(bare, args=tuple(args))
+        if 0 not in p.grid:
+            run_on(p, device)
 
     return run

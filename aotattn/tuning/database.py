@@ -2,8 +2,9 @@
 
 Layout: ``<root>/<vendor>/<arch>/<family>.<name>.txt`` and, beside it, patches
 ``<family>.<name>.<NNNN>-<what>.dbpatch`` applied in numeric order. The root is the
-project's ``tuning/`` directory unless ``AOTATTN_TUNING_DB`` (or ``--tuning-db``) names
-another, so a tuning can be tried without touching the installed one.
+database installed with aotattn (package data; a checkout's top-level ``tuning/``, see
+:mod:`aotattn.paths`) unless ``AOTATTN_TUNING_DB`` (or ``--tuning-db``) names another,
+so a tuning can be tried without touching the installed one.
 """
 
 from __future__ import annotations
@@ -16,17 +17,19 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from aotattn.paths import installed_tuning_db
 from aotattn.spec import Config, Functional
 from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, bucket_index, parse_patch,
                                    parse_table, write_table)
 
 ENV_VAR = "AOTATTN_TUNING_DB"
 MAX_BASE_DEPTH = 16  # `#! base` hops from a table to its root (the project's longest is 1)
-PROJECT_ROOT = Path(__file__).resolve().parents[2] / "tuning"
+PROJECT_ROOT = installed_tuning_db()  # the database installed with aotattn
 _PATCH_NAME = re.compile(r"^(?P<table>[A-Za-z0-9_]+\.[A-Za-z0-9_]+)\.(?P<number>\d{4})-(?P<what>[A-Za-z0-9_.-]+)\.dbpatch$")
 
 
 def default_root() -> Path:
+    """``$AOTATTN_TUNING_DB``, else the database installed with aotattn."""
     return Path(os.environ.get(ENV_VAR) or PROJECT_ROOT)
 
 
@@ -69,6 +72,10 @@ class Database:
 
     def arch_dir(self, arch: str) -> Path:
         vendor = self.archs().get(arch)
+        if vendor is None and not self.root.is_dir():
+            hint = ("this aotattn was installed without its database: reinstall it" if self.root == PROJECT_ROOT
+                    else f"name an existing one with --tuning-db or {ENV_VAR}")
+            raise TuningError(f"no tuning database at {self.root}: {hint}")
         if vendor is None:
             raise TuningError(f"no architecture {arch!r} in the tuning database {self.root} "
                               f"(have: {', '.join(self.archs()) or 'none'})")

@@ -3,7 +3,6 @@ scratch pointers, the dynamic shared-memory attribute, threads per block, error 
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from types import SimpleNamespace
 
@@ -14,47 +13,7 @@ from aotattn.runtime import image_loader
 from aotattn.runtime import driver as cuda
 from aotattn.runtime.images import Entry, ImageError
 from aotattn.spec import Config, Functional, LaunchPlan
-
-
-class FakeDriver:
-    """A stand-in libcuda: Python functions behind the runtime's own ctypes prototypes
-    (so arguments go through the same conversions as with the real library). Records
-    every call; ``fail`` maps a function name to the CUresult it returns."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, tuple]] = []
-        self.fail: dict[str, int] = {}
-        self.context = 0
-        functions = {name: self._recorder(name) for name in cuda.PROTOTYPES}
-        self.driver = cuda.Driver(functions)
-
-    def _recorder(self, name):
-        def call(*args):
-            self.calls.append((name, args))
-            if name in self.fail:
-                return self.fail.pop(name)
-            if name == "cuGetErrorName":
-                args[1][0] = self._names.get(args[0], b"CUDA_ERROR_UNKNOWN")
-            elif name == "cuCtxGetCurrent":
-                args[0][0] = self.context
-            elif name == "cuDevicePrimaryCtxRetain":
-                args[0][0] = 0xC0
-            elif name == "cuCtxSetCurrent":
-                self.context = args[0]
-            elif name == "cuModuleLoadData":
-                args[0][0] = 0x111
-            elif name == "cuModuleGetFunction":
-                args[0][0] = 0x222
-            elif name == "cuLaunchKernel":
-                params = ctypes.cast(args[9], ctypes.POINTER(ctypes.c_void_p))
-                self.launched = [ctypes.string_at(params[i], 8) for i in range(self.slots)]
-            return 0
-        return call
-
-    _names = {cuda.CUDA_ERROR_INVALID_CONTEXT: b"CUDA_ERROR_INVALID_CONTEXT", 700: b"CUDA_ERROR_ILLEGAL_ADDRESS"}
-
-    def names(self) -> list[str]:
-        return [name for name, _ in self.calls]
+from tests.runtime.fake_driver import FakeDriver
 
 
 def entry(shared: int, global_scratch: int = 0) -> Entry:
@@ -142,6 +101,8 @@ def test_amd_images_are_refused_with_a_reason(driver):
 def test_a_missing_image_says_how_to_build_it():
     spec = SimpleNamespace(qualname="flash.attn_fwd", variant=lambda f: "aligned")
     plan = LaunchPlan(spec, Functional.of({"dtype": "bf16", "MASK": 0}), Config.of(BLOCK_M=128), (1, 1, 1), ())
-    text = image_loader.ImageStore._missing("sm_90", plan, "no archive x")
+    text, arch, table, command = image_loader.missing_image("sm_90", plan, "no archive x")
+    assert (arch, table, command) == (
+        "sm_90", "flash.attn_fwd", 'aotattn build --arch sm_90 --kernel flash.attn_fwd --where "MASK=0 dtype=bf16"')
     assert "no kernel image for sm_90 / flash.attn_fwd / [MASK=0,dtype=bf16]" in text
     assert 'aotattn build --arch sm_90 --kernel flash.attn_fwd --where "MASK=0 dtype=bf16"' in text

@@ -132,3 +132,39 @@ def test_a_missing_image_names_the_build_command(tmp_path):
     assert run.returncode != 0
     assert "no kernel image for sm_90 / flash.attn_fwd" in run.stderr
     assert "aotattn build --arch sm_90 --kernel flash.attn_fwd --where" in run.stderr
+
+
+FALLBACK = textwrap.dedent("""
+    import json, warnings
+    import torch, aotattn
+    from aotattn import reference
+    from aotattn.runtime.launcher import JitFallbackWarning
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, 300, 4, 64, generator=g, dtype=torch.float64) for _ in range(4))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        x = [t.to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v)]
+        out = aotattn.flash_attn_func(*x, causal=True)
+        grads = torch.autograd.grad(out, x, do.to("cuda", torch.bfloat16))
+        aotattn.flash_attn_func(*x, causal=True)  # the same kernels again: no second warning
+    exact = [t.requires_grad_() for t in (q, k, v)]
+    ref, _ = reference.attention(*exact, causal=True)
+    ref_grads = torch.autograd.grad(ref, exact, do)
+    errors = [((a.detach().double().cpu() - b).norm() / b.norm()).item()
+              for a, b in zip((out, *grads), (ref, *ref_grads))]
+    warned = [str(w.message).split()[5] for w in record if issubclass(w.category, JitFallbackWarning)]
+    print(json.dumps({"errors": errors, "warned": warned}))
+""")
+
+
+@pytest.mark.gpu
+def test_with_no_images_the_default_mode_runs_forward_and_backward_through_the_jit(tmp_path):
+    """The README's install on a GPU, no build step: the first call works (issue 16, item 2)."""
+    env = {k: v for k, v in os.environ.items() if k != "AOTATTN_MODE"}
+    env.update(AOTATTN_IMAGES=str(tmp_path / "none"), PYTHONPATH=str(PROJECT))
+    run = subprocess.run([sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert max(result["errors"]) < 1e-2, result
+    warned = result["warned"]
+    assert "flash.attn_fwd" in warned and len(warned) == len(set(warned)) >= 3, warned

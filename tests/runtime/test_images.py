@@ -14,7 +14,6 @@ import sys
 import threading
 import tracemalloc
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -226,12 +225,11 @@ def test_a_key_given_twice_in_one_json_object_is_refused(tmp_path):
 
 def test_the_runtime_loader_reports_archive_errors_as_one_image_error(tmp_path, monkeypatch):
     spec = families.kernels()[TABLE]
-    plan = SimpleNamespace(kernel=spec, functional=None, config=None)
     path = images.archive_path(tmp_path, "sm_90", TABLE)
     path.parent.mkdir(parents=True)
     make_archive(path)
     mutate(path, SCHEMA_CASES["wrong type"])
-    archive = image_loader.ImageStore(tmp_path)._archive("sm_90", TABLE, plan)
+    archive, = image_loader.ImageStore([tmp_path]).archives("sm_90", TABLE, spec.module)
     broken, fine = (e["key"] for e in split(path)[0]["entries"])
     with pytest.raises(ImageError) as info:
         archive.entry(broken)
@@ -239,7 +237,7 @@ def test_the_runtime_loader_reports_archive_errors_as_one_image_error(tmp_path, 
     assert archive.binary(archive.entry(fine))[:4] == b"\x7fELF"
     mutate(path, SCHEMA_CASES["extra header key"])
     with pytest.raises(ImageError) as info:
-        image_loader.ImageStore(tmp_path)._archive("sm_90", TABLE, plan)
+        image_loader.ImageStore([tmp_path]).archives("sm_90", TABLE, spec.module)
     assert "extra" in one_line_error(info.value, path)
 
 
@@ -388,7 +386,7 @@ def _open_for_runtime(tmp_path, **kwargs):
     path = images.archive_path(tmp_path, "sm_90", TABLE)
     path.parent.mkdir(parents=True, exist_ok=True)
     make_archive(path, **kwargs)
-    return image_loader.ImageStore(tmp_path)._archive("sm_90", TABLE, SimpleNamespace(kernel=spec)), path
+    return image_loader.ImageStore([tmp_path]).archives("sm_90", TABLE, spec.module)[0], path
 
 
 def test_the_runtime_refuses_another_triton_abi_naming_both_versions(tmp_path):
