@@ -60,7 +60,8 @@ def parse_payload(data: Any):
         entry = Entry.parse(data["entry"], data["describe"])
         raw = data["options"]
         if not isinstance(raw, Mapping) or set(raw) != set(_OPTION_FIELDS):
-            raise ValueError(f"options: expected keys {_OPTION_FIELDS}, got {sorted(raw) if isinstance(raw, Mapping) else raw}")
+            got = sorted(raw) if isinstance(raw, Mapping) else raw
+            raise ValueError(f"options: expected keys {_OPTION_FIELDS}, got {got}")
         counts = [raw[k] for k in ("rounds", "reps", "warmup", "seed")]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in counts) or min(counts[:2]) < 1 \
                 or counts[2] < 0 or not all(isinstance(raw[k], bool) for k in ("peers", "flex")):

@@ -96,8 +96,9 @@ def list_entries(match: list[str] = MATCH, group: list[str] = GROUP,
         for e in entries:
             groups.setdefault(e.group, []).append(e)
         for name, members in groups.items():
+            seconds_of = sum(entry_seconds(e, _providers(e, not no_peers, not no_flex), plan) for e in members)
             table.add_row(name, str(len(members)), f"{sum(e.flops('fwd') for e in members) / 1e9:.0f}",
-                          f"{sum(entry_seconds(e, _providers(e, not no_peers, not no_flex), plan) for e in members):.0f}")
+                          f"{seconds_of:.0f}")
     console.print(table)
 
 
@@ -113,7 +114,7 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
         no_flex: bool = typer.Option(False, "--no-flex", help="skip FlexAttention (it compiles per shape)"),
         resume: bool = typer.Option(False, "--resume", help="keep the tag's measured entries, run the others"),
         force: bool = typer.Option(False, "--force", help="replace an existing file of this tag"),
-        device: str = typer.Option(None, help="cuda (default when present) or cpu (the interpreter: tiny entries only)"),
+        device: str = typer.Option(None, help="cuda (default when present) or cpu (the interpreter: tiny entries)"),
         seed: int = typer.Option(0, help="inputs and dropout draws"),
         out: Path = typer.Option(None, "--out", help="write here instead of perfdb/<arch>/<tag>.txt"),
         root: Path = ROOT) -> None:
@@ -345,7 +346,8 @@ def compare(a: str = typer.Argument(..., help="the baseline: a tag or a perfdb f
                                                "default aotattn; 'all' for every one)"),
             threshold: float = typer.Option(0.03, help="a change smaller than this fraction is never flagged"),
             all_rows: bool = typer.Option(False, "--all", help="list every entry, not only the changes"),
-            fail: bool = typer.Option(False, "--fail-on-regression", help="exit 1 on a regression or a lost figure")) -> None:
+            fail: bool = typer.Option(False, "--fail-on-regression",
+                                      help="exit 1 on a regression or a lost figure")) -> None:
     """Per-entry ratios B against A, geometric means per group, regressions beyond the noise."""
     from aotattn.perfmon.analysis import compare as compare_runs
 

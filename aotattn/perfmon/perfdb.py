@@ -17,7 +17,7 @@ provider::
 
     [results]
     # entry                                  pass    provider        ms        spread%  TFLOP/s   aot/x  note
-    dense-bf16-d128-s4096-causal             bwd     aotattn         2.540     0.4      270.6     1.000  choice=split ...
+    dense-bf16-d128-s4096-causal       bwd     aotattn         2.540     0.4      270.6     1.000  choice=split ...
 
 ``ms`` is the median, ``spread%`` the run-to-run spread (largest minus smallest of the
 round medians) in percent of it, ``aot/x`` the provider's time over aotattn's unforced

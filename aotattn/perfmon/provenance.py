@@ -135,7 +135,6 @@ def suggest_patch(changes: Mapping[Cell, Config], comments: list[str]) -> dict[s
     """Patch texts (one per table) that set each cell to its configuration."""
     by_table: dict[str, Patch] = {}
     for cell, config in sorted(changes.items(), key=lambda item: str(item[0])):
-        spec = families.tables()[cell.table]
         patch = by_table.setdefault(cell.table, Patch(cell.table, comments=[f"# {c}" for c in comments]))
         name = config_name(config)
         patch.configs[name] = config

@@ -13,7 +13,7 @@ from aotattn.perfmon.entries import Entry
 from aotattn.perfmon.measure import Options
 from aotattn.perfmon.perfdb import Perfdb
 from aotattn.pgdef import Client, PayloadError, Worker, run_offline
-from tests.pgdef.conftest import admin_dsn, client, dsn, template  # noqa: F401  (a real PostgreSQL per test)
+from tests.pgdef.conftest import admin_dsn, dsn, template  # noqa: F401  (a real PostgreSQL per test)
 from tests.pgdef.conftest import fast_config
 
 APP = "aotattn.perfmon.app"
