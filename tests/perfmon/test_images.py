@@ -75,3 +75,23 @@ def test_cli_images_dry_run_and_bad_patch_guard(tmp_path):
     assert refused.exit_code != 0 and "a copy" in refused.output
     nothing = runner.invoke(cli, ["perfmon", "images", "--dry-run", "--match", "no-such-entry"])
     assert nothing.exit_code != 0 and "no entry matches" in nothing.output
+
+
+def test_the_session_script_calls_only_commands_and_options_that_exist():
+    """benchmarks/perfmon_session.sh runs where no one can fix a typo: every `aot <group>
+    <command> --option` it writes must be one the CLI declares."""
+    import re
+
+    import typer.main
+
+    script = (Path(__file__).resolve().parents[2] / "benchmarks" / "perfmon_session.sh").read_text()
+    joined = script.replace("\\\n", " ")
+    group = typer.main.get_command(cli)
+    calls = re.findall(r"\baot (perfmon|perfdb) ([a-z-]+)([^;\n}&|]*)", joined)
+    assert {(g, c) for g, c, _ in calls} >= {("perfmon", "images"), ("perfmon", "run"), ("perfdb", "faults"),
+                                            ("perfdb", "plot"), ("perfdb", "compare"), ("perfmon", "bad-patch")}
+    for sub, name, rest in calls:
+        command = group.commands[sub].commands[name]
+        declared = {opt for param in command.params for opt in param.opts}
+        for option in re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", rest):
+            assert option in declared, f"aot {sub} {name}: no option {option}"
