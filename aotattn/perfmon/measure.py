@@ -49,7 +49,7 @@ def _one_line(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:120]
 
 
-def _results(pass_: str, out: torch.Tensor, grads: Iterable[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
+def _results(out: torch.Tensor, grads: Iterable[torch.Tensor] = ()) -> dict[str, torch.Tensor]:
     found = {"out": out.detach()}
     found.update({name: g for name, g in zip(GRAD_NAMES, grads)})
     return found
@@ -59,9 +59,9 @@ def _evaluate(entry: Entry, x: P.Inputs, pass_: str, provider: str, dropout_p: f
     """One untimed call (forward, plus backward for backward passes) and its results."""
     if pass_ == "fwd":
         with torch.set_grad_enabled(entry.training):
-            return _results(pass_, P.call(entry, x, provider, dropout_p))
+            return _results(P.call(entry, x, provider, dropout_p))
     out = P.call(entry, x, provider, dropout_p)
-    return _results(pass_, out, torch.autograd.grad(out, x.leaves(), x.dout))
+    return _results(out, torch.autograd.grad(out, x.leaves(), x.dout))
 
 
 def _runner(entry: Entry, x: P.Inputs, pass_: str, provider: str) -> Callable[[], object]:
@@ -101,10 +101,10 @@ class _Reference:
             mask = None
             if with_dropout:
                 e = self.entry
-                sequences = 1 if e.api != "varlen" else len(e.lengths)
                 torch.manual_seed(self.seed)  # the state the checked call drew its Philox state from
-                mask = aotattn.dropout_mask(sequences, e.heads_q, e.seqlen_q, e.seqlen_k, e.dropout_p,
-                                            self.x.q.device)[:1, P.checked_heads(e)[0]]
+                # the first sequence's mask does not depend on how many follow it
+                mask = aotattn.dropout_mask(1, e.heads_q, e.seqlen_q, e.seqlen_k, e.dropout_p,
+                                            self.x.q.device)[:, P.checked_heads(e)[0]]
             self.cache[with_dropout] = P.reference_slice(self.entry, self.x, self.x.dout if self.backward else None,
                                                          mask, self.entry.dropout_p if with_dropout else 0.0)
         found = self.cache[with_dropout]
@@ -181,7 +181,9 @@ def measure_pass(entry: Entry, x: P.Inputs, pass_: str, options: Options, device
         except Exception as exc:  # a peer without a kernel for this shape; a missing image
             notes[provider] = f"{'error' if ours else 'skipped'}: {_one_line(exc)}"
     del baseline
-    timed = _time(entry, runners, options.plan, device)
+    timed, failed = _time(entry, runners, options.plan, device)
+    for provider, error in failed.items():
+        notes[provider] = f"{'error' if provider.startswith(P.AOTATTN) else 'skipped'}: while timing, {error}"
     records = []
     ours_ms = timed.get(P.AOTATTN, (None, None))[0]
     for provider in P.ALL:
@@ -193,27 +195,37 @@ def measure_pass(entry: Entry, x: P.Inputs, pass_: str, options: Options, device
 
 
 def _time(entry: Entry, runners: dict[str, Callable[[], object]], plan: Plan,
-          device: torch.device) -> dict[str, tuple[float, float]]:
-    """(median ms, spread ms) per provider, from interleaved rounds of :func:`aotattn.tune.timing.measure`.
+          device: torch.device) -> tuple[dict[str, tuple[float, float]], dict[str, str]]:
+    """(median ms, spread ms) per provider, from interleaved rounds of :func:`aotattn.tune.timing.measure`,
+    and the providers that raised meanwhile (out of memory, say), with the error.
 
     Training entries are timed without the cache flush: back to back, the host's time to
     issue a call shows whenever it exceeds the GPU's.
     """
+    samples: dict[str, list[float]] = {p: [] for p in runners}
+    rounds: dict[str, list[float]] = {p: [] for p in runners}
+    failed: dict[str, str] = {}
+    order = list(runners)
     with P.quiet():
-        for run in runners.values():
-            for _ in range(plan.warmup):
-                run()
-        samples: dict[str, list[float]] = {p: [] for p in runners}
-        rounds: dict[str, list[float]] = {p: [] for p in runners}
-        order = list(runners)
-        for r in range(plan.rounds):
+        for r in range(-1, plan.rounds):  # round -1: the warm-up calls
             for provider in order[r % len(order):] + order[:r % len(order)] if order else ():
+                if provider in failed:
+                    continue
                 run = runners[provider]
-                got = timing.measure(lambda _, run=run: run(), lambda: None, device=device, warmup=0,
-                                     repeats=plan.reps, flush=not entry.training)
+                try:
+                    if r < 0:
+                        for _ in range(plan.warmup):
+                            run()
+                        continue
+                    got = timing.measure(lambda _, run=run: run(), lambda: None, device=device, warmup=0,
+                                         repeats=plan.reps, flush=not entry.training)
+                except Exception as exc:
+                    failed[provider] = _one_line(exc)
+                    continue
                 samples[provider] += got.samples_ms
                 rounds[provider].append(got.median_ms)
-    return {p: (statistics.median(samples[p]), max(rounds[p]) - min(rounds[p])) for p in runners}
+    timed = {p: (statistics.median(samples[p]), max(rounds[p]) - min(rounds[p])) for p in runners if p not in failed}
+    return timed, failed
 
 
 def measure_entry(entry: Entry, device: torch.device, options: Options) -> list[Record]:
@@ -223,7 +235,11 @@ def measure_entry(entry: Entry, device: torch.device, options: Options) -> list[
         from aotattn.runtime.device import arch_of
 
         arch = arch_of(device)
-    x = P.make_inputs(entry, device, options.seed)
+    try:
+        x = P.make_inputs(entry, device, options.seed)
+    except Exception as exc:  # out of memory, say: the entry is recorded as not measured
+        return [Record(entry.name, pass_, provider, note=f"error: inputs: {_one_line(exc)}")
+                for pass_ in entry.passes for provider in P.ALL]
     reference = _Reference(entry, x, options.seed)
     records = []
     for pass_ in entry.passes:

@@ -156,3 +156,34 @@ def test_recording_lookups_sees_the_unforced_choice_and_restores_the_rules():
         torch.autograd.grad(out, x.leaves(), x.dout)
     assert rules.config_for is original
     assert {lk.spec.name for lk in seen} >= {"attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq", "attn_bwd_preprocess"}
+
+
+def test_a_provider_failing_while_timed_loses_its_figure_and_the_others_keep_theirs(monkeypatch):
+    from aotattn.tune import timing
+
+    real = timing.measure
+    calls = {"n": 0}
+
+    def flaky(fn, inputs, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second provider timed in the first round
+            raise RuntimeError("CUDA out of memory")
+        return real(fn, inputs, **kwargs)
+
+    monkeypatch.setattr(timing, "measure", flaky)
+    records = by_key(measure.measure_entry(dataclasses.replace(SQUARE, passes=("bwd",)), CPU,
+                                           measure.Options(Plan(2, 1, 0), peers=False)))
+    timed = [records[("bwd", p)] for p in ("aotattn", "aotattn:split", "aotattn:fused")]
+    lost = [r for r in timed if not r.ok]
+    assert len(lost) == 1 and lost[0].note == "error: while timing, RuntimeError: CUDA out of memory"
+    assert all(r.ok for r in timed if r is not lost[0])
+
+
+def test_inputs_that_cannot_be_made_leave_every_record_without_figures(monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    monkeypatch.setattr(P, "make_inputs", no_memory)
+    records = measure.measure_entry(SQUARE, CPU, QUICK)
+    assert len(records) == len(SQUARE.passes) * len(P.ALL)
+    assert all(not r.ok and r.note.startswith("error: inputs: RuntimeError: CUDA out of memory") for r in records)
