@@ -17,7 +17,8 @@ from aotattn.spec import Arg, Config, Functional, KernelSpec, OperatorSpec
 
 FAMILY = "flash"
 BACKENDS = ("split", "fused")
-KERNELS_MODULE = "aotattn.families.flash.kernels"
+_KERNELS = "aotattn.families.flash.kernels"  # a package, one module per pass
+FORWARD_MODULE, BACKWARD_MODULE, DROPOUT_MODULE = (f"{_KERNELS}.{m}" for m in ("forward", "backward", "dropout"))
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
@@ -134,15 +135,16 @@ _TUNING = (
     ("num_stages", (1, 2, 3, 4)),
 )
 
-def _attention_kernel(name: str, arguments: tuple[Arg, ...], functionals, derive=_derive) -> KernelSpec:
+def _attention_kernel(name: str, module: str, arguments: tuple[Arg, ...], functionals,
+                      derive=_derive) -> KernelSpec:
     """An attention kernel: the flash tuning space, keys, fallbacks and alignment rule."""
-    return KernelSpec(family=FAMILY, name=name, module=KERNELS_MODULE, function=name, arguments=arguments,
+    return KernelSpec(family=FAMILY, name=name, module=module, function=name, arguments=arguments,
                       functionals=functionals, tuning_space=_TUNING, derive=derive, disabled=_disabled,
                       tuning_keys=_SEQ_KEYS, fallback=_fallback, aligned_when=_aligned_when)
 
 
 ATTN_FWD = _attention_kernel(
-    "attn_fwd",
+    "attn_fwd", FORWARD_MODULE,
     (
         _tile("Q"), _tile("K"), _tile("V"),
         _tile("Out"), Arg("Lse", "*fp32"), *_SEQUENCES, Arg("Bias", "*{dtype}"),
@@ -157,7 +159,7 @@ ATTN_FWD = _attention_kernel(
 ATTN_BWD_PREPROCESS = KernelSpec(
     family=FAMILY,
     name="attn_bwd_preprocess",
-    module=KERNELS_MODULE,
+    module=BACKWARD_MODULE,
     function="attn_bwd_preprocess",
     arguments=(
         _tile("Out"), _tile("DO"), Arg("Delta", "*fp32"), Arg("CuSeqlensQ", "*i32"),
@@ -177,7 +179,7 @@ ATTN_BWD_PREPROCESS = KernelSpec(
 )
 
 ATTN_BWD_DKDV = _attention_kernel(
-    "attn_bwd_dkdv",
+    "attn_bwd_dkdv", BACKWARD_MODULE,
     (
         _tile("Q"), _tile("K"), _tile("V"), _tile("DO"),
         _tile("DK"), _tile("DV"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"),
@@ -188,7 +190,7 @@ ATTN_BWD_DKDV = _attention_kernel(
 )
 
 ATTN_BWD_DQ = _attention_kernel(
-    "attn_bwd_dq",
+    "attn_bwd_dq", BACKWARD_MODULE,
     (
         _tile("Q"), _tile("K"), _tile("V"), _tile("DO"),
         _tile("DQ"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"), *_SEQUENCES,
@@ -199,7 +201,7 @@ ATTN_BWD_DQ = _attention_kernel(
 )
 
 ATTN_BWD_FUSED = _attention_kernel(
-    "attn_bwd_fused",
+    "attn_bwd_fused", BACKWARD_MODULE,
     (
         _tile("Q"), _tile("K"), _tile("V"), _tile("DO"),
         _tile("DQ", "*{dq_type}"), _tile("DK"), _tile("DV"),
@@ -214,7 +216,7 @@ ATTN_BWD_FUSED = _attention_kernel(
 DROPOUT_MASK = KernelSpec(
     family=FAMILY,
     name="dropout_mask",
-    module=KERNELS_MODULE,
+    module=DROPOUT_MODULE,
     function="dropout_mask_kernel",
     arguments=(
         Arg("Mask", "*i8"), *_strides("stride_mz", "stride_mh", "stride_mm"),
@@ -229,7 +231,7 @@ DROPOUT_MASK = KernelSpec(
 PHILOX_WORDS = KernelSpec(
     family=FAMILY,
     name="philox_words",
-    module=KERNELS_MODULE,
+    module=DROPOUT_MODULE,
     function="philox_words",
     arguments=(Arg("Out", "*i64"), Arg("seed", _I64), Arg("offset", _I64), Arg("base", _I64), Arg("n", _I32)),
     functionals=(),

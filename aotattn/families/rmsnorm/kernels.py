@@ -1,6 +1,6 @@
 """Triton kernel of the RMSNorm family: y = x / sqrt(mean(x^2) + eps) * weight, per row.
 
-Like every family's kernels it uses builtins only (see aotattn/families/flash/kernels.py):
+Like every family's kernels it uses builtins only (see aotattn/families/flash/kernels/common.py):
 the interpreter runs this source from a copy of the module.
 """
 

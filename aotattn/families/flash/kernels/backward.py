@@ -1,0 +1,332 @@
+"""The backward kernels: delta, then dK/dV and dQ (split backend) or all three in one launch.
+
+With p = exp(s - lse) recomputed from the saved lse, z the keep-mask, r = 1 / (1 - p_drop)
+and delta_i = sum_d dO[i, d] * O[i, d]:
+    dv_j = sum_i z_ij r p_ij dO_i         dp_ij = z_ij r (dO_i . v_j)
+    ds_ij = p_ij (dp_ij - delta_i)        (= d loss / d bias_ij)
+    dq_i = scale sum_j ds_ij k_j          dk_j = scale sum_i ds_ij q_i
+Key-major programs (dK, dV) hold a key block and loop over the query blocks that see
+it, for every query head of the GQA group; query-major programs (dQ) hold a query
+block and loop over its keys. Both split the loop into the three runs of
+:func:`.common.key_blocks` (masked edges, unmasked interior). Fully masked rows have
+lse = +inf, so p = 0 and every gradient they touch is exactly 0.
+
+Stride arguments travel between the functions here as tuples, one per tensor:
+``(batch, head, row)`` for q/k/v-like tensors, ``(batch, head)`` for lse/delta,
+``(batch, head, row, column)`` for the bias and ``(batch, head, row)`` for its gradient.
+"""
+
+import triton
+import triton.language as tl
+
+from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, diagonal, dropout_keep, key_blocks,
+                                                   load_rows, mma, row_sum, segment, sequence, visible)
+
+
+@triton.jit
+def attn_bwd_preprocess(
+    Out, DO, Delta, CuSeqlensQ,
+    stride_oz, stride_oh, stride_om,
+    stride_doz, stride_doh, stride_dom,
+    stride_lz, stride_lh,
+    max_seqlen_q, head_dim_v,
+    BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(dO * O) in fp32; grid (m blocks, Hq, B)."""
+    off_h = tl.program_id(1).to(tl.int64)
+    off_z = tl.program_id(2)
+    q_start, seqlen_q, _, _ = sequence(CuSeqlensQ, CuSeqlensQ, off_z, max_seqlen_q, max_seqlen_q, VARLEN)
+    off_z = off_z.to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_in = offs_m < seqlen_q
+    rows = q_start + offs_m[:, None].to(tl.int64)
+    o = load_rows(Out + off_z * stride_oz + off_h * stride_oh + rows * stride_om + offs_dv[None, :],
+                  0, 0, m_in, offs_dv < head_dim_v, True, PAD_HEAD).to(tl.float32)
+    do = load_rows(DO + off_z * stride_doz + off_h * stride_doh + rows * stride_dom + offs_dv[None, :],
+                   0, 0, m_in, offs_dv < head_dim_v, True, PAD_HEAD).to(tl.float32)
+    tl.store(Delta + off_z * stride_lz + off_h * stride_lh + q_start + offs_m, row_sum(o * do), mask=m_in)
+
+
+@triton.jit
+def _dkdv_program(
+    pid_n, off_hk, off_z,
+    Q, K, V, DO, DK, DV, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+    stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_l, stride_dq, stride_b, stride_db,
+    max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
+    window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
+    MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
+    VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK, dV of BLOCK_N keys of one key/value head, summed over its query heads.
+
+    With ATOMIC_DQ it also adds each query block's share of dQ into a zeroed fp32 DQ
+    (and writes dBias)."""
+    q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
+                                                    VARLEN)
+    start_n = pid_n * BLOCK_N
+    if start_n >= seqlen_k:  # varlen: this sequence is shorter than the longest
+        return
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_mask = offs_d < head_dim
+    dv_mask = offs_dv < head_dim_v
+    n_in = offs_n < seqlen_k
+    keys = k_start + offs_n[:, None].to(tl.int64)
+    k = load_rows(K + off_z * stride_k[0] + off_hk * stride_k[1] + keys * stride_k[2] + offs_d[None, :],
+                  0, 0, n_in, d_mask, True, PAD_HEAD)
+    v = load_rows(V + off_z * stride_v[0] + off_hk * stride_v[1] + keys * stride_v[2] + offs_dv[None, :],
+                  0, 0, n_in, dv_mask, True, PAD_HEAD)
+    dk = tl.full((BLOCK_N, BLOCK_D), 0.0, tl.float32)
+    dv = tl.full((BLOCK_N, BLOCK_DV), 0.0, tl.float32)
+
+    diag = diagonal(seqlen_q, seqlen_k, MASK)
+    # the queries that see these keys: the window transposed
+    lo, a, b, hi = key_blocks(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k), seqlen_q, -diag,
+                              window_right, window_left, MASK, BLOCK_M)
+    for g in range(0, group_size):
+        off_h = off_hk * group_size + g
+        drop_base = (off_z * num_heads_q + off_h) * max_seqlen_q * max_seqlen_k
+        rows0 = q_start + offs_m[:, None].to(tl.int64)
+        q_ptrs = Q + off_z * stride_q[0] + off_h * stride_q[1] + rows0 * stride_q[2] + offs_d[None, :]
+        do_ptrs = DO + off_z * stride_do[0] + off_h * stride_do[1] + rows0 * stride_do[2] + offs_dv[None, :]
+        dq_ptrs = DQ + off_z * stride_dq[0] + off_h * stride_dq[1] + rows0 * stride_dq[2] + offs_d[None, :]
+        # bias tiles read transposed: [BLOCK_N keys, BLOCK_M queries]
+        bias_ptrs = (Bias + off_z * stride_b[0] + off_h * stride_b[1] + offs_m[None, :] * stride_b[2]
+                     + offs_n[:, None].to(tl.int64) * stride_b[3])
+        dbias_ptrs = (DBias + off_z * stride_db[0] + off_h * stride_db[1] + offs_m[None, :] * stride_db[2]
+                      + offs_n[:, None].to(tl.int64))
+        lse_ptr = Lse + off_z * stride_l[0] + off_h * stride_l[1] + q_start
+        delta_ptr = Delta + off_z * stride_l[0] + off_h * stride_l[1] + q_start
+        for seg in tl.static_range(3):
+            masked = seg != 1  # the window's edges; the interior needs no mask
+            start, end = segment(seg, lo, a, b, hi)
+            for start_m in range(start, end, BLOCK_M):
+                m_off = tl.cast(start_m, tl.int64)
+                rows = start_m + offs_m
+                m_in = rows < seqlen_q
+                q = load_rows(q_ptrs, m_off, stride_q[2], m_in, d_mask, masked, PAD_HEAD)  # [BLOCK_M, BLOCK_D]
+                do = load_rows(do_ptrs, m_off, stride_do[2], m_in, dv_mask, masked, PAD_HEAD)  # [BLOCK_M, BLOCK_DV]
+                if masked:
+                    lse = tl.load(lse_ptr + rows, mask=m_in, other=float("inf"))
+                    delta = tl.load(delta_ptr + rows, mask=m_in, other=0.0)
+                else:
+                    lse = tl.load(lse_ptr + rows)
+                    delta = tl.load(delta_ptr + rows)
+                # [BLOCK_N, BLOCK_M]: keys down, queries across
+                s_t = mma(k, tl.trans(q), tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32), PRECISION) * qk_scale
+                if BIAS != BIAS_NONE:
+                    bias_t = tl.load(bias_ptrs + m_off * stride_b[2], mask=n_in[:, None] & m_in[None, :], other=0.0)
+                    s_t += bias_t.to(tl.float32) * LOG2E
+                p_t = tl.exp2(s_t - (lse * LOG2E)[None, :])
+                if masked:
+                    keep = visible(offs_n, rows, seqlen_q, -diag, window_right, window_left, MASK)
+                    p_t = tl.where(keep, p_t, 0.0)
+                dp_t = mma(v, tl.trans(do), tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32), PRECISION)
+                if DROPOUT:
+                    z_t = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_base, rows[None, :],
+                                       offs_n[:, None], max_seqlen_k)
+                    dv = mma((tl.where(z_t, p_t, 0.0) * dropout_scale).to(do.dtype), do, dv, PRECISION)
+                    dp_t = tl.where(z_t, dp_t * dropout_scale, 0.0)
+                else:
+                    dv = mma(p_t.to(do.dtype), do, dv, PRECISION)
+                ds_t = p_t * (dp_t - delta[None, :])
+                dk = mma(ds_t.to(q.dtype), q, dk, PRECISION)
+                if ATOMIC_DQ:
+                    # Keys past seqlen_k (the last key block's tail) load as zero, so their scores are 0
+                    # and p = exp2(-lse2), unmasked: a row whose lse is very negative (it sees one key
+                    # with a large negative score) overflows fp16 there, and inf * (k = 0) is NaN in dQ.
+                    # dK/dV drop those rows at the store; dQ sums over them, so they are zeroed here.
+                    ds_t = tl.where(n_in[:, None], ds_t, 0.0)
+                    dq = mma(tl.trans(ds_t.to(k.dtype)), k, tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32), PRECISION)
+                    tl.atomic_add(dq_ptrs + m_off * stride_dq[2], dq * sm_scale,
+                                  mask=m_in[:, None] & d_mask[None, :], sem="relaxed")
+                    if BIAS == BIAS_GRAD:
+                        tl.store(dbias_ptrs + m_off * stride_db[2], ds_t, mask=n_in[:, None] & m_in[None, :])
+    dk = dk * sm_scale
+    tl.store(DK + off_z * stride_dk[0] + off_hk * stride_dk[1] + keys * stride_dk[2] + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=n_in[:, None] & d_mask[None, :])
+    tl.store(DV + off_z * stride_dv[0] + off_hk * stride_dv[1] + keys * stride_dv[2] + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=n_in[:, None] & dv_mask[None, :])
+
+
+@triton.jit
+def _dq_program(
+    pid_m, off_h, off_z,
+    Q, K, V, DO, DQ, Lse, Delta, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+    stride_q, stride_k, stride_v, stride_do, stride_l, stride_dq, stride_b, stride_db,
+    max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
+    window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
+    MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
+    VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ (and dBias) of BLOCK_M query rows of one query head."""
+    q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
+                                                    VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:  # varlen: this sequence is shorter than the longest
+        return
+    off_hk = (off_h // group_size).to(tl.int64)
+    off_h = off_h.to(tl.int64)
+    drop_base = (off_z * num_heads_q + off_h) * max_seqlen_q * max_seqlen_k
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_mask = offs_d < head_dim
+    dv_mask = offs_dv < head_dim_v
+    m_in = offs_m < seqlen_q
+    rows = q_start + offs_m[:, None].to(tl.int64)
+    q = load_rows(Q + off_z * stride_q[0] + off_h * stride_q[1] + rows * stride_q[2] + offs_d[None, :],
+                  0, 0, m_in, d_mask, True, PAD_HEAD)
+    do = load_rows(DO + off_z * stride_do[0] + off_h * stride_do[1] + rows * stride_do[2] + offs_dv[None, :],
+                   0, 0, m_in, dv_mask, True, PAD_HEAD)
+    lse_ptr = Lse + off_z * stride_l[0] + off_h * stride_l[1] + q_start + offs_m
+    lse2 = tl.load(lse_ptr, mask=m_in, other=float("inf")) * LOG2E
+    delta = tl.load(Delta + off_z * stride_l[0] + off_h * stride_l[1] + q_start + offs_m, mask=m_in, other=0.0)
+    keys = k_start + offs_n[:, None]
+    k_ptrs = K + off_z * stride_k[0] + off_hk * stride_k[1] + keys * stride_k[2] + offs_d[None, :]
+    v_ptrs = V + off_z * stride_v[0] + off_hk * stride_v[1] + keys * stride_v[2] + offs_dv[None, :]
+    local_rows = offs_m[:, None].to(tl.int64)
+    bias_ptrs = (Bias + off_z * stride_b[0] + off_h * stride_b[1] + local_rows * stride_b[2]
+                 + offs_n[None, :] * stride_b[3])
+    dbias_ptrs = DBias + off_z * stride_db[0] + off_h * stride_db[1] + local_rows * stride_db[2] + offs_n[None, :]
+    dq = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
+
+    diag = diagonal(seqlen_q, seqlen_k, MASK)
+    lo, a, b, hi = key_blocks(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q), seqlen_k, diag,
+                              window_left, window_right, MASK, BLOCK_N)
+    for seg in tl.static_range(3):
+        masked = seg != 1  # the window's edges; the interior needs no mask
+        start, end = segment(seg, lo, a, b, hi)
+        for start_n in range(start, end, BLOCK_N):
+            n_off = tl.cast(start_n, tl.int64)
+            cols = start_n + offs_n
+            n_in = cols < seqlen_k
+            k = load_rows(k_ptrs, n_off, stride_k[2], n_in, d_mask, masked, PAD_HEAD)  # [BLOCK_N, BLOCK_D]
+            v = load_rows(v_ptrs, n_off, stride_v[2], n_in, dv_mask, masked, PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
+            s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION) * qk_scale
+            if BIAS != BIAS_NONE:
+                bias = tl.load(bias_ptrs + n_off * stride_b[3], mask=m_in[:, None] & n_in[None, :], other=0.0)
+                s += bias.to(tl.float32) * LOG2E
+            p = tl.exp2(s - lse2[:, None])
+            if masked:
+                p = tl.where(visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), p, 0.0)
+            dp = mma(do, tl.trans(v), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)
+            if DROPOUT:
+                z = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_base, offs_m[:, None],
+                                 cols[None, :], max_seqlen_k)
+                dp = tl.where(z, dp * dropout_scale, 0.0)
+            ds = p * (dp - delta[:, None])
+            if BIAS == BIAS_GRAD:
+                tl.store(dbias_ptrs + n_off, ds, mask=m_in[:, None] & n_in[None, :])
+            dq = mma(ds.to(k.dtype), k, dq, PRECISION)
+    dq = dq * sm_scale
+    tl.store(DQ + off_z * stride_dq[0] + off_h * stride_dq[1] + rows * stride_dq[2] + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=m_in[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def attn_bwd_dkdv(
+    Q, K, V, DO, DK, DV, Lse, Delta, CuSeqlensQ, CuSeqlensK, Bias,
+    stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+    stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+    stride_lz, stride_lh, stride_bz, stride_bh, stride_bm, stride_bn,
+    max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
+    window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
+    MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
+    VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Split backend, first kernel: dK and dV; grid (n blocks, Hk, B)."""
+    no_stride = (0, 0, 0)
+    _dkdv_program(tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
+                  Q, K, V, DO, DK, DV, Lse, Delta, DK, CuSeqlensQ, CuSeqlensK, Bias, DK,
+                  (stride_qz, stride_qh, stride_qm), (stride_kz, stride_kh, stride_kn),
+                  (stride_vz, stride_vh, stride_vn), (stride_doz, stride_doh, stride_dom),
+                  (stride_dkz, stride_dkh, stride_dkn), (stride_dvz, stride_dvh, stride_dvn), (stride_lz, stride_lh),
+                  no_stride, (stride_bz, stride_bh, stride_bm, stride_bn), no_stride,
+                  max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
+                  window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
+                  MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, False, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def attn_bwd_dq(
+    Q, K, V, DO, DQ, Lse, Delta, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+    stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+    stride_dqz, stride_dqh, stride_dqm, stride_lz, stride_lh,
+    stride_bz, stride_bh, stride_bm, stride_bn, stride_dbz, stride_dbh, stride_dbm,
+    max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
+    window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
+    MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
+    VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Split backend, second kernel: dQ (and dBias); grid (m blocks, Hq, B)."""
+    _dq_program(tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64),
+                Q, K, V, DO, DQ, Lse, Delta, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+                (stride_qz, stride_qh, stride_qm), (stride_kz, stride_kh, stride_kn),
+                (stride_vz, stride_vh, stride_vn), (stride_doz, stride_doh, stride_dom), (stride_lz, stride_lh),
+                (stride_dqz, stride_dqh, stride_dqm), (stride_bz, stride_bh, stride_bm, stride_bn),
+                (stride_dbz, stride_dbh, stride_dbm),
+                max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
+                window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
+                MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def attn_bwd_fused(
+    Q, K, V, DO, DQ, DK, DV, Lse, Delta, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+    stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+    stride_dqz, stride_dqh, stride_dqm,
+    stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+    stride_lz, stride_lh, stride_bz, stride_bh, stride_bm, stride_bn, stride_dbz, stride_dbh, stride_dbm,
+    max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
+    window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
+    MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
+    VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
+    PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Fused backend: dK, dV and dQ in one launch; grid (programs, Hk, B).
+
+    ATOMIC_DQ: key-major programs only, each adding its dQ share into a zeroed fp32 DQ
+    with atomics (not bitwise reproducible). Otherwise the first n-block programs are
+    key-major and the rest query-major (group_size of them per key/value head), so
+    nothing is accumulated across programs and the result is deterministic.
+    """
+    pid = tl.program_id(0)
+    off_hk = tl.program_id(1).to(tl.int64)
+    off_z = tl.program_id(2).to(tl.int64)
+    stride_q, stride_k = (stride_qz, stride_qh, stride_qm), (stride_kz, stride_kh, stride_kn)
+    stride_v, stride_do = (stride_vz, stride_vh, stride_vn), (stride_doz, stride_doh, stride_dom)
+    stride_dq, stride_l = (stride_dqz, stride_dqh, stride_dqm), (stride_lz, stride_lh)
+    stride_b, stride_db = (stride_bz, stride_bh, stride_bm, stride_bn), (stride_dbz, stride_dbh, stride_dbm)
+    num_n_blocks = (max_seqlen_k + BLOCK_N - 1) // BLOCK_N
+    if ATOMIC_DQ or pid < num_n_blocks:
+        _dkdv_program(pid, off_hk, off_z,
+                      Q, K, V, DO, DK, DV, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+                      stride_q, stride_k, stride_v, stride_do, (stride_dkz, stride_dkh, stride_dkn),
+                      (stride_dvz, stride_dvh, stride_dvn), stride_l, stride_dq, stride_b, stride_db,
+                      max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale,
+                      qk_scale, window_left, window_right, dropout_threshold, dropout_scale, philox_seed,
+                      philox_offset,
+                      MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, ATOMIC_DQ,
+                      BLOCK_M, BLOCK_N)
+    else:
+        num_m_blocks = (max_seqlen_q + BLOCK_M - 1) // BLOCK_M
+        rest = pid - num_n_blocks
+        _dq_program(rest % num_m_blocks, off_hk * group_size + rest // num_m_blocks, off_z,
+                    Q, K, V, DO, DQ, Lse, Delta, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+                    stride_q, stride_k, stride_v, stride_do, stride_l, stride_dq, stride_b, stride_db,
+                    max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale,
+                    qk_scale, window_left, window_right, dropout_threshold, dropout_scale, philox_seed,
+                    philox_offset,
+                    MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, BLOCK_M, BLOCK_N)

@@ -1,0 +1,179 @@
+"""Building blocks shared by the flash-attention kernels: mask geometry, tiles, Philox.
+
+Interpreter note. The operators run these same functions in Triton's interpreter on CPU
+tensors, from interpreted copies of these modules (``aotattn.runtime.interpreter``
+loads each kernel module a second time and rebinds the kernels it imports from its
+siblings to their interpreted copies). Triton's own ``tl.max``/``tl.sum``/``tl.zeros``/
+``tl.randint`` are ``@jit`` functions fixed to the mode Triton was imported in, so the
+kernels use only builtins, and reduce with ``tl.reduce`` and Triton's combine functions
+(which the interpreter maps to numpy). The interpreter also cannot compute on bf16 (it
+stores the raw bits), so in that copy ``mma`` widens its operands to fp32, which is
+exact.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.standard import _elementwise_max, _sum_combine
+
+_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+# The MASK axis (aotattn.families.flash.rules): which diagonal a window is aligned to.
+MASK_NONE: tl.constexpr = tl.constexpr(0)
+MASK_TOP_LEFT: tl.constexpr = tl.constexpr(1)
+MASK_BOTTOM_RIGHT: tl.constexpr = tl.constexpr(2)
+# The BIAS axis: none, an additive bias, an additive bias whose gradient is written.
+BIAS_NONE: tl.constexpr = tl.constexpr(0)
+BIAS_ADD: tl.constexpr = tl.constexpr(1)
+BIAS_GRAD: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def mma(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b with fp32 accumulation."""
+    if _INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def row_max(x):
+    return tl.reduce(x, 1, _elementwise_max)
+
+
+@triton.jit
+def row_sum(x):
+    return tl.reduce(x, 1, _sum_combine)
+
+
+# ----------------------------------------------------------------------------- Philox
+
+
+@triton.jit
+def philox_word(seed, offset, idx):
+    """First 32-bit word of Philox4x32-10 at counter (idx, offset) under key seed."""
+    # the JIT types small integer arguments as i32, and a 32-bit shift of an i32 is poison
+    idx = tl.cast(idx, tl.int64)
+    offset = tl.cast(offset, tl.int64)
+    seed = tl.cast(seed, tl.int64)
+    c0 = idx.to(tl.uint32)
+    c1 = (idx >> 32).to(tl.uint32)
+    c2 = c0 * 0 + tl.cast(offset, tl.uint32)
+    c3 = c0 * 0 + tl.cast(offset >> 32, tl.uint32)
+    k0 = tl.cast(seed, tl.uint32)
+    k1 = tl.cast(seed >> 32, tl.uint32)
+    m0 = tl.cast(0xD2511F53, tl.uint32)
+    m1 = tl.cast(0xCD9E8D57, tl.uint32)
+    w0 = tl.cast(0x9E3779B9, tl.uint32)
+    w1 = tl.cast(0xBB67AE85, tl.uint32)
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(c0, m0)
+        lo0 = c0 * m0
+        hi1 = tl.umulhi(c2, m1)
+        lo1 = c2 * m1
+        c0 = hi1 ^ c1 ^ k0
+        c1 = lo1
+        c2 = hi0 ^ c3 ^ k1
+        c3 = lo0
+        k0 = k0 + w0
+        k1 = k1 + w1
+    return c0
+
+
+@triton.jit
+def dropout_keep(seed, offset, threshold, base, rows, cols, max_seqlen_k):
+    """Keep-mask of the elements (rows, cols), broadcast tensors of positions."""
+    idx = base + rows.to(tl.int64) * max_seqlen_k + cols
+    return philox_word(seed, offset, idx).to(tl.int64) >= threshold
+
+
+# ------------------------------------------------------------------ sequences and masks
+
+
+@triton.jit
+def sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k, VARLEN: tl.constexpr):
+    """(first row of q, seqlen_q, first row of k, seqlen_k) of batch entry off_z."""
+    if VARLEN:
+        q_start = tl.load(CuSeqlensQ + off_z)
+        k_start = tl.load(CuSeqlensK + off_z)
+        seqlen_q = tl.load(CuSeqlensQ + off_z + 1) - q_start
+        seqlen_k = tl.load(CuSeqlensK + off_z + 1) - k_start
+        return q_start.to(tl.int64), seqlen_q, k_start.to(tl.int64), seqlen_k
+    else:
+        return 0, max_seqlen_q, 0, max_seqlen_k
+
+
+@triton.jit
+def diagonal(seqlen_q, seqlen_k, MASK: tl.constexpr):
+    """Offset of the window's diagonal: column = row + diag."""
+    if MASK == MASK_BOTTOM_RIGHT:
+        return seqlen_k - seqlen_q
+    else:
+        return 0
+
+
+@triton.jit
+def key_blocks(row_lo, row_hi, seqlen_k, diag, window_left, window_right,
+               MASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Column ranges seen by rows [row_lo, row_hi): (lo, a, b, hi).
+
+    Blocks start at lo, a, b and step by BLOCK_N: [lo, a) and [b, hi) need masks,
+    [a, b) is seen by every row in full. All are empty when no column is visible.
+    Written for query rows and key columns; the backward's key-major loops call it
+    transposed (rows = keys, columns = queries, diag -> -diag, left <-> right).
+    """
+    if MASK != MASK_NONE:
+        lo = tl.maximum(row_lo + diag - window_left, 0)
+        hi = tl.minimum(row_hi - 1 + diag + window_right + 1, seqlen_k)
+        full_lo = tl.maximum(row_hi - 1 + diag - window_left, 0)
+        full_hi = tl.maximum(tl.minimum(row_lo + diag + window_right + 1, seqlen_k), 0)
+    else:
+        lo = 0
+        hi = seqlen_k
+        full_lo = 0
+        full_hi = seqlen_k
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, lo)
+    a = tl.minimum(tl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)
+    b = tl.minimum(tl.maximum(full_hi // BLOCK_N * BLOCK_N, a), hi)
+    return lo, a, b, hi
+
+
+@triton.jit
+def segment(seg: tl.constexpr, lo, a, b, hi):
+    """Bounds of run ``seg`` of :func:`key_blocks`' three: the masked left edge, the
+    unmasked interior, the masked right edge."""
+    if seg == 0:
+        return lo, a
+    elif seg == 1:
+        return a, b
+    else:
+        return b, hi
+
+
+@triton.jit
+def visible(offs_m, offs_n, seqlen_k, diag, window_left, window_right, MASK: tl.constexpr):
+    """[rows, columns] mask of the pairs that attend (columns past seqlen_k never do)."""
+    keep = offs_n[None, :] < seqlen_k
+    if MASK != MASK_NONE:
+        rel = offs_n[None, :] - (offs_m[:, None] + diag)
+        keep = keep & (rel >= -window_left) & (rel <= window_right)
+    return keep
+
+
+@triton.jit
+def load_rows(ptrs, row_off, stride, rows_in, cols_in, MASKED: tl.constexpr, PAD_HEAD: tl.constexpr):
+    """A [rows, cols] tile at ptrs + row_off * stride, zero outside the tensor."""
+    if MASKED:
+        if PAD_HEAD:
+            return tl.load(ptrs + row_off * stride, mask=rows_in[:, None] & cols_in[None, :], other=0.0)
+        else:
+            return tl.load(ptrs + row_off * stride, mask=rows_in[:, None], other=0.0)
+    else:
+        if PAD_HEAD:
+            return tl.load(ptrs + row_off * stride, mask=cols_in[None, :], other=0.0)
+        else:
+            return tl.load(ptrs + row_off * stride)

@@ -1,0 +1,137 @@
+"""The forward kernel: online softmax over the key blocks each query block sees.
+
+Math (per query row i, key column j, on one head):
+    s_ij = scale * q_i . k_j + bias_ij        (masked entries: -inf)
+    p_ij = exp(s_ij - lse_i),  lse_i = log sum_j exp(s_ij)
+    o_i  = sum_j z_ij p_ij v_j / (1 - dropout_p)      z: the dropout keep-mask
+computed blockwise in fp32 with base-2 exponents: the kernel receives
+``qk_scale = scale * log2(e)`` and keeps the running max ``m`` and ``lse`` in the log2
+domain; ``lse`` is stored in natural log.
+
+Masks. Row i sees column j iff ``i + diag - left <= j <= i + diag + right`` where
+``diag = seqlen_k - seqlen_q`` for the bottom-right diagonal and 0 for top-left; causal
+is ``right = 0``. Under varlen, seqlen_q and seqlen_k are each sequence's own, so the
+diagonal moves per sequence. The host passes unbounded sides as
+``max_seqlen_q + max_seqlen_k`` (wider than any row can reach), so the kernels only see
+non-negative window sizes. Each program splits its key range into three runs of blocks
+(:func:`.common.key_blocks`): a masked run on the left edge of the window, an unmasked
+interior (no mask arithmetic at all) and a masked run on the right edge (diagonal,
+window, sequence end). Blocks outside the window are never visited, which is what makes
+causal and windowed attention cheaper than full attention.
+"""
+
+import triton
+import triton.language as tl
+
+from aotattn.families.flash.kernels.common import (BIAS_NONE, LN2, LOG2E, MASK_NONE, diagonal, dropout_keep,
+                                                   key_blocks, load_rows, mma, row_max, row_sum, segment, sequence,
+                                                   visible)
+
+
+@triton.jit
+def attn_fwd(
+    Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, Bias,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_oz, stride_oh, stride_om,
+    stride_lz, stride_lh,
+    stride_bz, stride_bh, stride_bm, stride_bn,
+    max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v,
+    qk_scale, window_left, window_right,
+    dropout_threshold, dropout_scale, philox_seed, philox_offset,
+    MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
+    VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: BLOCK_M query rows of one query head; grid (m blocks, Hq, B)."""
+    off_h = tl.program_id(1)
+    off_z = tl.program_id(2)
+    q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
+                                                    VARLEN)
+    num_m_blocks = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+    pid_m = tl.program_id(0)
+    if pid_m >= num_m_blocks:  # varlen: this sequence is shorter than the longest
+        return
+    if MASK != MASK_NONE:
+        # windowed rows further down cost more; start those first
+        pid_m = num_m_blocks - 1 - pid_m
+    off_hk = (off_h // group_size).to(tl.int64)
+    drop_base = (off_z.to(tl.int64) * num_heads_q + off_h) * max_seqlen_q * max_seqlen_k
+    off_h = off_h.to(tl.int64)
+    off_z = off_z.to(tl.int64)
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_mask = offs_d < head_dim
+    dv_mask = offs_dv < head_dim_v
+    m_in = offs_m < seqlen_q
+    rows = q_start + offs_m[:, None].to(tl.int64)
+
+    q = load_rows(Q + off_z * stride_qz + off_h * stride_qh + rows * stride_qm + offs_d[None, :],
+                  0, 0, m_in, d_mask, True, PAD_HEAD)
+    # [BLOCK_N, BLOCK_D] and [BLOCK_N, BLOCK_DV] tiles at key 0; the loop adds start_n * stride
+    keys = k_start + offs_n[:, None]
+    k_ptrs = K + off_z * stride_kz + off_hk * stride_kh + keys * stride_kn + offs_d[None, :]
+    v_ptrs = V + off_z * stride_vz + off_hk * stride_vh + keys * stride_vn + offs_dv[None, :]
+    bias_ptrs = (Bias + off_z * stride_bz + off_h * stride_bh + offs_m[:, None].to(tl.int64) * stride_bm
+                 + offs_n[None, :] * stride_bn)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_DV), 0.0, tl.float32)
+
+    diag = diagonal(seqlen_q, seqlen_k, MASK)
+    lo, a, b, hi = key_blocks(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q), seqlen_k, diag,
+                              window_left, window_right, MASK, BLOCK_N)
+    for seg in tl.static_range(3):
+        masked = seg != 1  # the window's edges; the interior needs no mask
+        start, end = segment(seg, lo, a, b, hi)
+        for start_n in range(start, end, BLOCK_N):
+            n_off = tl.cast(start_n, tl.int64)
+            cols = start_n + offs_n
+            n_in = cols < seqlen_k
+            k = load_rows(k_ptrs, n_off, stride_kn, n_in, d_mask, masked, PAD_HEAD)  # [BLOCK_N, BLOCK_D]
+            # [BLOCK_M, BLOCK_N]
+            s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION) * qk_scale
+            if BIAS != BIAS_NONE:
+                bias = tl.load(bias_ptrs + n_off * stride_bn, mask=m_in[:, None] & n_in[None, :], other=0.0)
+                s += bias.to(tl.float32) * LOG2E
+            if masked:
+                s = tl.where(visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), s, float("-inf"))
+            m_new = tl.maximum(m_i, row_max(s))
+            if masked or BIAS != BIAS_NONE:
+                # a row that has seen no visible key yet keeps m = -inf; shift by 0 instead
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_use = m_new
+            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_use)
+            l_i = l_i * alpha + row_sum(p)
+            acc = acc * alpha[:, None]
+            v = load_rows(v_ptrs, n_off, stride_vn, n_in, dv_mask, masked, PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
+            if DROPOUT:
+                keep = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_base, offs_m[:, None],
+                                    cols[None, :], max_seqlen_k)
+                p = tl.where(keep, p, 0.0)
+            acc = mma(p.to(v.dtype), v, acc, PRECISION)
+            m_i = m_new
+
+    # rows that saw no key: l = 0, acc = 0 -> output 0, lse +inf
+    empty = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)
+    if DROPOUT:
+        inv_l = inv_l * dropout_scale
+    out = acc * inv_l[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
+
+    o_ptrs = Out + off_z * stride_oz + off_h * stride_oh + rows * stride_om + offs_dv[None, :]
+    if PAD_HEAD:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None] & dv_mask[None, :])
+    else:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None])
+    tl.store(Lse + off_z * stride_lz + off_h * stride_lh + q_start + offs_m, lse, mask=m_in)
