@@ -12,11 +12,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aotattn import families
 from aotattn import arch as arches
-from aotattn import paths
+from aotattn import families, paths
 from aotattn.compiler.jobs import Job, cache_key, compile_job, source_hash
-from aotattn.runtime.images import Archive, Entry, ImageError, archive_path, write_archive
+from aotattn.runtime.images import Archive, Entry, ImageError, Packed, archive_path, write_archive
 from aotattn.spec import Functional, parse_where
 from aotattn.tuning import Database, TuningError
 
@@ -71,11 +70,11 @@ class Outcome:
     entry: Entry | None = None
 
 
-def _child(job: Job, cache_dir: Path, conn: Any) -> None:
+def _child(job: Job, cache_dir: Path, line_info: bool, conn: Any) -> None:
     start = time.monotonic()
     try:
-        entry, binary = compile_job(job)
-        _store(cache_dir, job, entry, binary)
+        entry, binary = compile_job(job, line_info)
+        _store(cache_dir, job, line_info, entry, Packed.of(binary))  # compressed here, in parallel
         conn.send(("compiled", time.monotonic() - start, "", entry))
     except BaseException as exc:  # report, never take the build down
         conn.send(("failed", time.monotonic() - start, f"{type(exc).__name__}: {exc}"[:2000], None))
@@ -83,38 +82,44 @@ def _child(job: Job, cache_dir: Path, conn: Any) -> None:
         conn.close()
 
 
-def _cache_paths(cache_dir: Path, job: Job) -> tuple[Path, Path]:
-    key = cache_key(job)
-    base = cache_dir / job.arch / job.table / key
-    return base.with_suffix(".json"), base.with_suffix(".bin")
+def _cache_paths(cache_dir: Path, job: Job, line_info: bool) -> tuple[Path, Path]:
+    """The entry (JSON) and the compressed binary of a compiled job in the cache."""
+    base = cache_dir / job.arch / job.table / cache_key(job, line_info)
+    return base.with_suffix(".json"), base.with_suffix(".xz")
 
 
-def _store(cache_dir: Path, job: Job, entry: Entry, binary: bytes) -> None:
-    meta, blob = _cache_paths(cache_dir, job)
+def _store(cache_dir: Path, job: Job, line_info: bool, entry: Entry, packed: Packed) -> None:
+    meta, blob = _cache_paths(cache_dir, job, line_info)
     meta.parent.mkdir(parents=True, exist_ok=True)
-    for path, data in ((blob, binary), (meta, json.dumps(asdict(entry)).encode())):
+    record = {"entry": asdict(entry), "blob": packed.blob, "size": packed.size}
+    for path, data in ((blob, packed.data), (meta, json.dumps(record).encode())):  # the entry last: it marks done
         tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
         tmp.write_bytes(data)
         tmp.replace(path)
 
 
-def _cached(cache_dir: Path, job: Job) -> tuple[Entry, bytes] | None:
-    meta, blob = _cache_paths(cache_dir, job)
-    if meta.is_file() and blob.is_file():
-        try:
-            return Entry(**json.loads(meta.read_text())), blob.read_bytes()
-        except (ValueError, TypeError):  # a damaged cache entry is compiled again
-            return None
-    return None
+def _cached(cache_dir: Path, job: Job, line_info: bool, check: bool = True) -> tuple[Entry, Packed] | None:
+    """The job's entry and binary from the cache, the binary inflated and checked unless
+    ``check`` is False; None if absent or damaged (then it is compiled again)."""
+    meta, blob = _cache_paths(cache_dir, job, line_info)
+    try:
+        record = json.loads(meta.read_text())
+        packed = Packed(record["blob"], record["size"], blob.read_bytes())
+        if check:
+            packed.check(str(blob))
+        return Entry(**record["entry"]), packed
+    except (OSError, ValueError, TypeError, KeyError, ImageError):
+        return None
 
 
 def run_jobs(jobs: Sequence[Job], cache_dir: Path, workers: int, timeout: float,
-             on_outcome: Callable[[Outcome], None]) -> list[Outcome]:
-    """Compile ``jobs`` in up to ``workers`` forked processes, each killed after ``timeout`` s."""
+             on_outcome: Callable[[Outcome], None], line_info: bool = False) -> list[Outcome]:
+    """Compile ``jobs`` not yet in the cache in up to ``workers`` forked processes, each
+    killed after ``timeout`` s; the same job twice is compiled once."""
     outcomes = []
     pending = []
-    for job in jobs:
-        if _cached(cache_dir, job) is not None:
+    for job in dict.fromkeys(jobs):
+        if _cached(cache_dir, job, line_info) is not None:
             outcome = Outcome(job, "cached")
             outcomes.append(outcome)
             on_outcome(outcome)
@@ -127,7 +132,7 @@ def run_jobs(jobs: Sequence[Job], cache_dir: Path, workers: int, timeout: float,
         while pending and len(running) < workers:
             job = pending.pop()
             receiver, sender = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=_child, args=(job, cache_dir, sender), daemon=True)
+            process = ctx.Process(target=_child, args=(job, cache_dir, line_info, sender), daemon=True)
             process.start()
             sender.close()
             running[receiver] = (process, job, time.monotonic())
@@ -166,9 +171,10 @@ class BuildReport:
         return [o for o in self.outcomes if o.status in ("failed", "timeout")]
 
 
-def pack(jobs: Iterable[Job], cache_dir: Path, out: Path) -> list[Path]:
-    """Write one archive per (arch, table) with every cached job, merged with what the
-    existing archive holds for the same source and compiler."""
+def pack(jobs: Iterable[Job], cache_dir: Path, out: Path, line_info: bool = False) -> list[Path]:
+    """Write one archive per (arch, table) with the cached binaries of ``jobs`` (those
+    :func:`run_jobs` compiled or found cached), merged with what the existing archive holds
+    for the same source and compiler (kept compressed as they are)."""
     import triton
 
     groups: dict[tuple[str, str], list[Job]] = {}
@@ -178,17 +184,17 @@ def pack(jobs: Iterable[Job], cache_dir: Path, out: Path) -> list[Path]:
     for (arch, table), group in sorted(groups.items()):
         spec = families.kernels()[table]
         digest = source_hash(spec)
-        kernels: dict[str, tuple[Entry, bytes]] = {}
+        kernels: dict[str, tuple[Entry, Packed]] = {}
         path = archive_path(out, arch, table)
         if path.is_file():
             try:
                 old = Archive(path)
                 if old.header.source_hash == digest and old.header.triton_version == triton.__version__:
-                    kernels = {e.key: (e, old.binary(e)) for e in old.header.entries}
+                    kernels = {e.key: (e, old.packed(e)) for e in old.header.entries}
             except ImageError:
                 pass  # a broken archive is rebuilt from the cache
         for job in group:
-            found = _cached(cache_dir, job)
+            found = _cached(cache_dir, job, line_info, check=False)  # run_jobs checked or wrote it
             if found is not None:
                 kernels[found[0].key] = found
         if kernels:
@@ -200,11 +206,14 @@ def pack(jobs: Iterable[Job], cache_dir: Path, out: Path) -> list[Path]:
 def build(archs: Sequence[str], tables: Sequence[str], where: str | None, out: Path, cache_dir: Path,
           workers: int, timeout: float, db: Database,
           on_outcome: Callable[[Outcome], None] = lambda o: None,
-          on_plan: Callable[[list[Job]], None] = lambda jobs: None) -> BuildReport:
+          on_plan: Callable[[list[Job]], None] = lambda jobs: None, line_info: bool = False) -> BuildReport:
+    """Compile what :func:`enumerate_jobs` lists (the cache's binaries where it has them)
+    and pack it into ``out``. ``line_info``: keep source line tables in the binaries
+    (for profilers; about 2.5 times the size, see :mod:`aotattn.compiler.jobs`)."""
     check_archs(archs)
     start = time.monotonic()
     jobs = enumerate_jobs(db, archs, tables, where)
     on_plan(jobs)
-    outcomes = run_jobs(jobs, cache_dir, workers, timeout, on_outcome)
-    archives = pack([o.job for o in outcomes if o.status in ("compiled", "cached")], cache_dir, out)
+    outcomes = run_jobs(jobs, cache_dir, workers, timeout, on_outcome, line_info)
+    archives = pack([o.job for o in outcomes if o.status in ("compiled", "cached")], cache_dir, out, line_info)
     return BuildReport(outcomes, archives, time.monotonic() - start)

@@ -57,6 +57,8 @@ def build_command(
     tuning_db: Path = typer.Option(None, "--tuning-db", help="tuning database root (default: $AOTATTN_TUNING_DB, "
                                    "else the one installed with aotattn)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="only list what would be compiled"),
+    line_info: bool = typer.Option(False, "--line-info", help="keep source line tables in the kernels (profilers, "
+                                   "compute-sanitizer; about 2.5 times the size, and other machine code)"),
 ) -> None:
     """Compile every kernel variant the tuning database names, for each arch, into image archives.
 
@@ -81,7 +83,10 @@ def build_command(
     if dry_run:
         for job in planned:
             console.print(f"{job.arch} {job.table} [{job.functional}] {job.config} ({job.variant})", markup=False)
-        console.print(f"{len(planned)} kernel(s)")
+        per_table: dict[str, int] = {}
+        for job in planned:
+            per_table[f"{job.arch} {job.table}"] = per_table.get(f"{job.arch} {job.table}", 0) + 1
+        console.print(f"{len(planned)} kernel(s): " + ", ".join(f"{k} {n}" for k, n in per_table.items()), markup=False)
         return
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console)
@@ -93,12 +98,12 @@ def build_command(
             progress.advance(task)
             if outcome.status in ("failed", "timeout"):
                 failures.append(outcome)
-                progress.console.print(escape(f"FAILED {outcome.job.arch} {outcome.job.table} [{outcome.job.functional}]"
-                                              f" {outcome.job.config}: {outcome.message.splitlines()[-1] if outcome.message else ''}"),
+                job, last = outcome.job, outcome.message.splitlines()[-1] if outcome.message else ""
+                progress.console.print(escape(f"FAILED {job.arch} {job.table} [{job.functional}] {job.config}: {last}"),
                                        style="red")
 
         report = build(archs, tables, where, out or images_root(), cache or DEFAULT_CACHE, jobs or usable_cores(),
-                       timeout, db, on_outcome=done)
+                       timeout, db, on_outcome=done, line_info=line_info)
     counts = {}
     for outcome in report.outcomes:
         counts[outcome.status] = counts.get(outcome.status, 0) + 1

@@ -122,10 +122,10 @@ def test_build_reports_failures_without_stopping(tmp_path, monkeypatch):
 
     real = builder.compile_job
 
-    def sometimes_broken(job):
+    def sometimes_broken(job, line_info):
         if job.functional["PAD_HEAD"]:
             raise RuntimeError("boom")
-        return real(job)
+        return real(job, line_info)
 
     monkeypatch.setattr(builder, "compile_job", sometimes_broken)
     report = build(["sm_90"], ["flash.attn_bwd_preprocess"], WHERE, tmp_path / "i", tmp_path / "c", workers=2,
@@ -140,7 +140,104 @@ def test_build_kills_a_hanging_compile(tmp_path, monkeypatch):
 
     from aotattn.compiler import builder
 
-    monkeypatch.setattr(builder, "compile_job", lambda job: time.sleep(60))
+    monkeypatch.setattr(builder, "compile_job", lambda job, line_info: time.sleep(60))
     report = build(["sm_90"], ["flash.dropout_mask"], None, tmp_path / "i", tmp_path / "c", workers=1, timeout=1.0,
                    db=Database())
     assert [o.status for o in report.outcomes] == ["timeout"]
+
+
+# ------------------------------------------------------------ issue 16, item 3: what is built, how big
+
+
+def _section_names(cubin: bytes) -> set[str]:
+    """The ELF section names of a cubin (from its section-name string table)."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    size, count, names_at = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * size) for i in range(count)]
+    table = headers[names_at][4]
+    return {cubin[table + h[0]:cubin.index(b"\0", table + h[0])].decode() for h in headers} - {""}
+
+
+def test_images_leave_line_info_out_unless_asked(tmp_path):
+    from aotattn.compiler.jobs import cache_key
+
+    kept = build(["sm_90"], ["flash.dropout_mask"], None, tmp_path / "kept", tmp_path / "cache", workers=1,
+                 timeout=300, db=Database(), line_info=True)
+    lean = build(["sm_90"], ["flash.dropout_mask"], None, tmp_path / "lean", tmp_path / "cache", workers=1,
+                 timeout=300, db=Database())
+    assert [o.status for o in kept.outcomes + lean.outcomes] == ["compiled", "compiled"]  # one cache, two keys
+    job = lean.outcomes[0].job
+    assert cache_key(job) != cache_key(job, line_info=True)
+    binaries = {}
+    for name, report in (("kept", kept), ("lean", lean)):
+        archive = Archive(report.archives[0])
+        binaries[name] = archive.binary(archive.header.entries[0])
+    debug = {".debug_line", ".nv_debug_line_sass", ".nv_debug_ptx_txt"}
+    assert debug <= _section_names(binaries["kept"])
+    assert not debug & _section_names(binaries["lean"]) and ".text.dropout_mask_kernel" in _section_names(
+        binaries["lean"])
+    assert len(binaries["lean"]) < len(binaries["kept"]) / 2
+
+
+def test_a_damaged_cache_entry_is_compiled_again(tmp_path):
+    cache = tmp_path / "cache"
+    first = build(["sm_90"], ["flash.dropout_mask"], None, tmp_path / "images", cache, workers=1, timeout=300,
+                  db=Database())
+    blob, = (cache / "sm_90" / "flash.dropout_mask").glob("*.xz")
+    blob.write_bytes(blob.read_bytes()[:-7])
+    again = build(["sm_90"], ["flash.dropout_mask"], None, tmp_path / "images", cache, workers=1, timeout=300,
+                  db=Database())
+    assert [o.status for o in first.outcomes + again.outcomes] == ["compiled", "compiled"]
+    archive = Archive(again.archives[0])
+    assert not archive.verify() and archive.binary(archive.header.entries[0])[:4] == b"\x7fELF"
+
+
+def test_packing_compresses_nothing_in_the_parent(built, monkeypatch):
+    """Compressing is the slow part of packing: the compiler processes do it; a repack
+    keeps the archive's compressed kernels as they are."""
+    from aotattn.compiler import builder
+    from aotattn.runtime import images
+
+    root, report = built
+    before = {p: p.read_bytes() for p in report.archives}
+
+    def refuse(binary):
+        raise AssertionError("the parent compressed a kernel")
+
+    monkeypatch.setattr(images.Packed, "of", staticmethod(refuse))
+    jobs = [o.job for o in report.outcomes]
+    written = builder.pack(jobs, root / "cache", root / "images")
+    assert sorted(written) == sorted(before)
+    for path in written:
+        assert path.read_bytes() == before[path]  # the same kernels, their compressed bytes kept
+
+
+def test_one_kernel_per_functional_and_configuration_shared_between_cells(tmp_path):
+    """A block whose cells name two configurations builds two kernels; every other
+    functional's block names one, however many cells it has."""
+    import shutil
+
+    from aotattn import families
+    from aotattn.tuning import write_table
+
+    shutil.copytree(Path(__file__).resolve().parents[2] / "tuning", tmp_path / "tuning")
+    db = Database(tmp_path / "tuning")
+    table = db.effective("sm_90", "flash.attn_bwd_preprocess")
+    own = db.own_table("sm_90", "flash.attn_bwd_preprocess")
+    functional = next(iter(own.blocks))
+    first = own.blocks[functional][0][0]
+    assert len(own.blocks[functional]) == 11 and {len(row) for row in own.blocks[functional]} == {1}
+    other = next(name for name, config in table.configs.items() if config != table.configs[first])
+    own.configs[other] = table.configs[other]
+    own.blocks[functional] = [[first]] * 5 + [[other]] * 6  # rows: the seqlen_q buckets
+    spec = families.kernels()["flash.attn_bwd_preprocess"]
+    path = db.table_path("sm_90", "flash.attn_bwd_preprocess")
+    path.write_text(write_table(spec, own))
+    jobs = enumerate_jobs(Database(tmp_path / "tuning"), ["sm_90"], ["flash.attn_bwd_preprocess"])
+    per_functional = {}
+    for job in jobs:
+        per_functional.setdefault(job.functional, set()).add(job.config)
+    assert len(jobs) == len(set(jobs)) == sum(map(len, per_functional.values()))
+    assert per_functional[functional] == {table.configs[first], table.configs[other]}
+    assert all(len(configs) == 1 for f, configs in per_functional.items() if f != functional)
+    assert len(per_functional) == len(list(spec.enumerate_functionals()))
