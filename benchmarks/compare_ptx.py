@@ -70,7 +70,8 @@ for i, (name, functional, config) in enumerate(variants):
     ptx = re.sub(r"^\s*(//.*|\.loc\s.*|\.file\s.*|\.section.*)$", "", ptx, flags=re.M)
     ptx = ptx.replace(kernel.metadata.name, "KERNEL")
     out[f"{i} {name}"] = "\n".join(line for line in ptx.splitlines() if line.strip())
-print(json.dumps(out))
+import aotattn
+print(json.dumps({"ptx": out, "package": aotattn.__file__}))
 """
 
 
@@ -80,7 +81,11 @@ def compile_tree(tree: Path, arch: str) -> dict[str, str]:
                          capture_output=True, text=True)
     if run.returncode != 0:
         sys.exit(f"compiling in {tree} failed:\n{run.stderr[-3000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    # an installed (editable) aotattn must not shadow the tree being compiled
+    if not Path(result["package"]).resolve().is_relative_to(tree.resolve()):
+        sys.exit(f"compiled {result['package']}, not the tree {tree}")
+    return result["ptx"]
 
 
 def main() -> int:

@@ -102,15 +102,17 @@ def _dkdv_program(
         lse_ptr = Lse + off_z * stride_l[0] + off_h * stride_l[1] + q_start
         delta_ptr = Delta + off_z * stride_l[0] + off_h * stride_l[1] + q_start
         for seg in tl.static_range(3):
-            masked = seg != 1  # the window's edges; the interior needs no mask
+            # runs 0 and 2 are the window's edges and need the mask; run 1 (the interior) does not.
+        # `seg != 1` is written out at each use: a constexpr bound to a local name before a
+        # loop reaches the loop body as a runtime value in Triton 3.6, and fails to compile.
             start, end = segment(seg, lo, a, b, hi)
             for start_m in range(start, end, BLOCK_M):
                 m_off = tl.cast(start_m, tl.int64)
                 rows = start_m + offs_m
                 m_in = rows < seqlen_q
-                q = load_rows(q_ptrs, m_off, stride_q[2], m_in, d_mask, masked, PAD_HEAD)  # [BLOCK_M, BLOCK_D]
-                do = load_rows(do_ptrs, m_off, stride_do[2], m_in, dv_mask, masked, PAD_HEAD)  # [BLOCK_M, BLOCK_DV]
-                if masked:
+                q = load_rows(q_ptrs, m_off, stride_q[2], m_in, d_mask, seg != 1, PAD_HEAD)  # [BLOCK_M, BLOCK_D]
+                do = load_rows(do_ptrs, m_off, stride_do[2], m_in, dv_mask, seg != 1, PAD_HEAD)  # [BLOCK_M, BLOCK_DV]
+                if seg != 1:
                     lse = tl.load(lse_ptr + rows, mask=m_in, other=float("inf"))
                     delta = tl.load(delta_ptr + rows, mask=m_in, other=0.0)
                 else:
@@ -122,7 +124,7 @@ def _dkdv_program(
                     bias_t = tl.load(bias_ptrs + m_off * stride_b[2], mask=n_in[:, None] & m_in[None, :], other=0.0)
                     s_t += bias_t.to(tl.float32) * LOG2E
                 p_t = tl.exp2(s_t - (lse * LOG2E)[None, :])
-                if masked:
+                if seg != 1:
                     keep = visible(offs_n, rows, seqlen_q, -diag, window_right, window_left, MASK)
                     p_t = tl.where(keep, p_t, 0.0)
                 dp_t = mma(v, tl.trans(do), tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32), PRECISION)
@@ -201,20 +203,22 @@ def _dq_program(
     lo, a, b, hi = key_blocks(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q), seqlen_k, diag,
                               window_left, window_right, MASK, BLOCK_N)
     for seg in tl.static_range(3):
-        masked = seg != 1  # the window's edges; the interior needs no mask
+        # runs 0 and 2 are the window's edges and need the mask; run 1 (the interior) does not.
+        # `seg != 1` is written out at each use: a constexpr bound to a local name before a
+        # loop reaches the loop body as a runtime value in Triton 3.6, and fails to compile.
         start, end = segment(seg, lo, a, b, hi)
         for start_n in range(start, end, BLOCK_N):
             n_off = tl.cast(start_n, tl.int64)
             cols = start_n + offs_n
             n_in = cols < seqlen_k
-            k = load_rows(k_ptrs, n_off, stride_k[2], n_in, d_mask, masked, PAD_HEAD)  # [BLOCK_N, BLOCK_D]
-            v = load_rows(v_ptrs, n_off, stride_v[2], n_in, dv_mask, masked, PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
+            k = load_rows(k_ptrs, n_off, stride_k[2], n_in, d_mask, seg != 1, PAD_HEAD)  # [BLOCK_N, BLOCK_D]
+            v = load_rows(v_ptrs, n_off, stride_v[2], n_in, dv_mask, seg != 1, PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
             s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION) * qk_scale
             if BIAS != BIAS_NONE:
                 bias = tl.load(bias_ptrs + n_off * stride_b[3], mask=m_in[:, None] & n_in[None, :], other=0.0)
                 s += bias.to(tl.float32) * LOG2E
             p = tl.exp2(s - lse2[:, None])
-            if masked:
+            if seg != 1:
                 p = tl.where(visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), p, 0.0)
             dp = mma(do, tl.trans(v), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)
             if DROPOUT:

@@ -89,22 +89,24 @@ def attn_fwd(
     lo, a, b, hi = key_blocks(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q), seqlen_k, diag,
                               window_left, window_right, MASK, BLOCK_N)
     for seg in tl.static_range(3):
-        masked = seg != 1  # the window's edges; the interior needs no mask
+        # runs 0 and 2 are the window's edges and need the mask; run 1 (the interior) does not.
+        # `seg != 1` is written out at each use: a constexpr bound to a local name before a
+        # loop reaches the loop body as a runtime value in Triton 3.6, and fails to compile.
         start, end = segment(seg, lo, a, b, hi)
         for start_n in range(start, end, BLOCK_N):
             n_off = tl.cast(start_n, tl.int64)
             cols = start_n + offs_n
             n_in = cols < seqlen_k
-            k = load_rows(k_ptrs, n_off, stride_kn, n_in, d_mask, masked, PAD_HEAD)  # [BLOCK_N, BLOCK_D]
+            k = load_rows(k_ptrs, n_off, stride_kn, n_in, d_mask, seg != 1, PAD_HEAD)  # [BLOCK_N, BLOCK_D]
             # [BLOCK_M, BLOCK_N]
             s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION) * qk_scale
             if BIAS != BIAS_NONE:
                 bias = tl.load(bias_ptrs + n_off * stride_bn, mask=m_in[:, None] & n_in[None, :], other=0.0)
                 s += bias.to(tl.float32) * LOG2E
-            if masked:
+            if seg != 1:
                 s = tl.where(visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), s, float("-inf"))
             m_new = tl.maximum(m_i, row_max(s))
-            if masked or BIAS != BIAS_NONE:
+            if seg != 1 or BIAS != BIAS_NONE:
                 # a row that has seen no visible key yet keeps m = -inf; shift by 0 instead
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             else:
@@ -113,7 +115,7 @@ def attn_fwd(
             alpha = tl.exp2(m_i - m_use)
             l_i = l_i * alpha + row_sum(p)
             acc = acc * alpha[:, None]
-            v = load_rows(v_ptrs, n_off, stride_vn, n_in, dv_mask, masked, PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
+            v = load_rows(v_ptrs, n_off, stride_vn, n_in, dv_mask, seg != 1, PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
             if DROPOUT:
                 keep = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_base, offs_m[:, None],
                                     cols[None, :], max_seqlen_k)
