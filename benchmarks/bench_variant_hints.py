@@ -27,7 +27,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from aotattn.families.flash import ops, planning  # noqa: E402
 from aotattn.families.flash.checks import check_flash  # noqa: E402
-from aotattn.runtime.aot import LoadedKernel, _raw_stream  # noqa: E402
+from aotattn.runtime.image_loader import LoadedKernel, _raw_stream  # noqa: E402
 from aotattn.runtime.images import Entry  # noqa: E402
 from aotattn.runtime.launcher import launch  # noqa: E402
 
