@@ -76,7 +76,10 @@ print(json.dumps({"ptx": out, "package": aotattn.__file__}))
 
 
 def compile_tree(tree: Path, arch: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(tree), TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="ptx-cache-"))
+    # without line info: no debug sections, whose file paths and line numbers differ
+    # between any two trees; what is left is the code
+    env = dict(os.environ, PYTHONPATH=str(tree), TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="ptx-cache-"),
+               TRITON_DISABLE_LINE_INFO="1")
     run = subprocess.run([sys.executable, "-c", CHILD, arch, json.dumps(VARIANTS)], cwd=tree, env=env,
                          capture_output=True, text=True)
     if run.returncode != 0:
@@ -92,6 +95,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rev", default="HEAD", help="git revision to compare the working tree with")
     parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--dump", default=None, help="write both trees' PTX into this folder")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="ptx-rev-") as old_tree:
         subprocess.run(["git", "worktree", "add", "--detach", "-f", old_tree, args.rev], cwd=PROJECT, check=True,
@@ -101,6 +105,12 @@ def main() -> int:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", old_tree], cwd=PROJECT, capture_output=True)
     new = compile_tree(PROJECT, args.arch)
+    if args.dump:
+        folder = Path(args.dump)
+        folder.mkdir(parents=True, exist_ok=True)
+        for tag, ptx in (("old", old), ("new", new)):
+            for name, text in ptx.items():
+                (folder / f"{name.replace(' ', '_')}.{tag}.ptx").write_text(text)
     differ = 0
     for name in new:
         same = old.get(name) == new[name]
