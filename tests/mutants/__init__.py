@@ -1,43 +1,51 @@
 """Mutants: the kernels and checks with one known numerical mistake planted, test-only.
 
-Each :class:`Mutant` is a file, an exact snippet of it and the snippet's replacement:
-the mistake, written the way a kernel author would write it. ``AOTATTN_MUTANT=<name>``
+Each :class:`Mutant` is a file and one or more edits of it (an exact snippet and its
+replacement): the mistake, written the way a kernel author would write it. ``AOTATTN_MUTANT=<name>``
 makes a pytest run load the mutated source in place of the real module (see
 :mod:`tests.mutants.loader`; nothing shipped reads it). ``python -m tests.mutants`` runs
 each mutant's killer tests in a subprocess and prints the mutation score (caught /
 injected); every mistake in docs/numerical-lessons.md has one here.
 
-Anchors are kept short and unique (a line, with a neighbour where the line repeats), so
-that a rewrite of the kernels breaks few of them; ``tests/mutants/test_mutants.py``
-fails, naming the mutant, as soon as an anchor no longer matches exactly once.
+Snippets are kept short, unique in their file and free of leading indentation (a
+statement, not its block), so that a rewrite of the kernels breaks few of them;
+``tests/mutants/test_mutants.py`` fails, naming the mutant, as soon as a snippet no
+longer occurs exactly once or the mutated file no longer compiles.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-KERNELS = "aotattn/families/flash/kernels.py"
+KERNELS = "aotattn/families/flash/kernels/"
+FORWARD = KERNELS + "forward.py"
+BACKWARD = KERNELS + "backward.py"
+COMMON = KERNELS + "common.py"
 CHECKS = "aotattn/families/flash/checks.py"
+HOST_CODE = (CHECKS,)
 
 MISTAKES = "tests/test_common_mistakes.py"
-NULL_LSE = "tests/test_null_logsumexp.py"
+FLOOR = MISTAKES + "::test_within_floor[{case}-{{device}}]"
+NULL_ROWS = "tests/test_null_logsumexp.py::test_null_rows_dense"
 
 
 @dataclass(frozen=True)
 class Mutant:
     """One planted mistake and the tests that must catch it.
 
-    ``tests`` are pytest node ids (files or ``file::test``), ``keyword`` an optional
-    ``-k`` expression narrowing them; the runner adds the device marker.
+    ``edits`` are ``(snippet, replacement)`` pairs applied to ``path``; each snippet
+    must occur exactly once in the file. ``tests`` are pytest node ids (``file``,
+    ``file::test`` or ``file::test[id]``) where ``{device}`` stands for ``cpu`` or
+    ``cuda``; the runner also selects the device's parametrizations by marker. A node id
+    that matches nothing makes pytest (and so the run) fail with an error, never a
+    silent pass.
     """
 
     name: str
     mistake: str  # one line: what a kernel author got wrong
     path: str  # repository-relative file
-    original: str  # occurs exactly once in the file
-    replacement: str
+    edits: tuple[tuple[str, str], ...]
     tests: tuple[str, ...]
-    keyword: str = ""
 
     @property
     def module(self) -> str:
@@ -46,159 +54,149 @@ class Mutant:
     @property
     def host_only(self) -> bool:
         """Host code (argument checks): the same on every device, run on CPU."""
-        return self.path != KERNELS
+        return self.path in HOST_CODE
+
+    def node_ids(self, device: str) -> list[str]:
+        return [t.format(device="cpu" if self.host_only else device) for t in self.tests]
+
+
+def _mutant(name: str, mistake: str, path: str, snippet: str, replacement: str, *tests: str) -> Mutant:
+    return Mutant(name, mistake, path, ((snippet, replacement),), tests)
 
 
 MUTANTS = (
-    Mutant(
-        "prescaled-q-rounded",
-        "Q multiplied by the softmax scale and rounded back to its dtype before Q K^T",
-        KERNELS,
-        "        # [BLOCK_M, BLOCK_N]\n"
-        "        s = _mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION) * qk_scale\n",
-        "        # [BLOCK_M, BLOCK_N]\n"
-        "        s = _mma((q * qk_scale).to(q.dtype), tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32),"
-        " PRECISION)\n",
-        (MISTAKES + "::test_within_floor",), "sharp",
+    _mutant(
+        "prescaled-q-rounded", "Q multiplied by the softmax scale and rounded back to its dtype before Q K^T",
+        FORWARD,
+        "s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION) * qk_scale",
+        "s = mma((q * qk_scale).to(q.dtype), tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)",
+        FLOOR.format(case="sharp-fp16-split"),
     ),
-    Mutant(
-        "running-max-nan",
-        "a row that has seen no visible key keeps m = -inf and computes exp2(-inf - -inf) = NaN",
-        KERNELS,
-        '            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)\n',
-        "            m_use = m_new\n",
-        (NULL_LSE,),
+    _mutant(
+        "running-max-nan", "a row that has seen no visible key keeps m = -inf and computes exp2(-inf - -inf) = NaN",
+        FORWARD,
+        'm_use = tl.where(m_new == float("-inf"), 0.0, m_new)',
+        "m_use = m_new",
+        NULL_ROWS,
     ),
-    Mutant(
+    _mutant(
         "max-before-scale",
         "the running max taken over unscaled scores and scaled afterwards (a negative scale turns it into the min)",
-        KERNELS,
-        "        m_new = tl.maximum(m_i, _row_max(s))\n",
-        "        m_new = tl.maximum(m_i, _row_max(s / qk_scale) * qk_scale)\n",
-        (MISTAKES + "::test_within_floor",), "large-negative-scale or zero-scale",
+        FORWARD,
+        "m_new = tl.maximum(m_i, row_max(s))",
+        "m_new = tl.maximum(m_i, row_max(s / qk_scale) * qk_scale)",
+        FLOOR.format(case="zero-scale-fp16-split"), FLOOR.format(case="large-negative-scale-fp16-fused"),
     ),
-    Mutant(
+    _mutant(
         "mask-before-scale",
         "masked scores set to -inf before the scale multiplies them (-inf times a negative scale is +inf)",
-        KERNELS,
-        '            s = tl.where(_visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), s, float("-inf"))\n',
-        '            s = tl.where(_visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), s / qk_scale,'
-        ' float("-inf")) * qk_scale\n',
-        (MISTAKES + "::test_within_floor",), "negative-scale",
+        FORWARD,
+        's = tl.where(visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), s, float("-inf"))',
+        's = tl.where(visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), s / qk_scale,'
+        ' float("-inf")) * qk_scale',
+        FLOOR.format(case="negative-scale-fp16-split"), FLOOR.format(case="negative-scale-bf16-fused"),
+    ),
+    _mutant(
+        "p-truncated", "P converted to the input dtype by truncation (round toward zero) instead of to nearest",
+        FORWARD,
+        "acc = mma(p.to(v.dtype), v, acc, PRECISION)",
+        'acc = mma(p.to(v.dtype, fp_downcast_rounding="rtz"), v, acc, PRECISION)',
+        MISTAKES + "::test_rounding_is_unbiased",
+    ),
+    _mutant(
+        "lse-log2", "the log-sum-exp stored in the kernel's base-2 domain instead of natural log",
+        FORWARD,
+        "(m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)",
+        "(m_i + tl.log2(tl.where(empty, 1.0, l_i))))",
+        FLOOR.format(case="sharp-fp16-split"),
+    ),
+    _mutant(
+        "delta-low-precision", "delta = rowsum(dO * O) reduced in the input dtype instead of fp32",
+        BACKWARD,
+        "row_sum(o * do), mask=m_in)",
+        "row_sum((o * do).to(DO.dtype.element_ty)), mask=m_in)",
+        MISTAKES + "::test_delta_is_fp32_accurate",
+    ),
+    _mutant(
+        "empty-row-nan", "the output divided by l with no guard for rows that saw no key (0 * inf = NaN)",
+        FORWARD,
+        "inv_l = 1.0 / tl.where(empty, 1.0, l_i)",
+        "inv_l = 1.0 / l_i",
+        NULL_ROWS,
+    ),
+    _mutant(
+        "empty-row-lse", "lse = m + log(l) with no guard for rows that saw no key (-inf instead of +inf)",
+        FORWARD,
+        'lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)',
+        "lse = (m_i + tl.log2(l_i)) * LN2",
+        NULL_ROWS,
+    ),
+    _mutant(
+        "empty-row-unwritten", "rows that saw no key are skipped at the store, leaving whatever the buffer held",
+        FORWARD,
+        "tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None])",
+        "tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(m_in & (l_i > 0))[:, None])",
+        NULL_ROWS,
+    ),
+    _mutant(
+        "dropout-offset-bwd", "the backward draws its dropout mask at another Philox offset than the forward",
+        BACKWARD,
+        "z_t = dropout_keep(philox_seed, philox_offset, ",
+        "z_t = dropout_keep(philox_seed, philox_offset + 1, ",
+        MISTAKES + "::test_dropout_counter_is_64_bit", "tests/families/flash/test_dropout.py",
     ),
     Mutant(
-        "p-truncated",
-        "P converted to the input dtype by truncation (round toward zero) instead of to nearest",
-        KERNELS,
-        "        acc = _mma(p.to(v.dtype), v, acc, PRECISION)\n",
-        '        acc = _mma(p.to(v.dtype, fp_downcast_rounding="rtz"), v, acc, PRECISION)\n',
-        (MISTAKES + "::test_rounding_is_unbiased",),
+        "diagonal-bwd", "the key-major backward aligns the window top-left while the forward aligns it bottom-right",
+        BACKWARD,
+        (("key_blocks(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k), seqlen_q, -diag,",
+          "key_blocks(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k), seqlen_q, 0,"),
+         ("keep = visible(offs_n, rows, seqlen_q, -diag, window_right, window_left, MASK)",
+          "keep = visible(offs_n, rows, seqlen_q, 0, window_right, window_left, MASK)")),
+        (FLOOR.format(case="masked-rows-br-fp16-split"),),
     ),
-    Mutant(
-        "lse-log2",
-        "the log-sum-exp stored in the kernel's base-2 domain instead of natural log",
-        KERNELS,
-        "(m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)\n",
-        "(m_i + tl.log2(tl.where(empty, 1.0, l_i))))\n",
-        (MISTAKES + "::test_within_floor",), "sharp",
-    ),
-    Mutant(
-        "delta-low-precision",
-        "delta = rowsum(dO * O) reduced in the input dtype instead of fp32",
-        KERNELS,
-        "_row_sum(o * do), mask=m_in)\n",
-        "_row_sum((o * do).to(DO.dtype.element_ty)), mask=m_in)\n",
-        (MISTAKES + "::test_delta_is_fp32_accurate",),
-    ),
-    Mutant(
-        "empty-row-nan",
-        "the output divided by l with no guard for rows that saw no key (0 * inf = NaN)",
-        KERNELS,
-        "    inv_l = 1.0 / tl.where(empty, 1.0, l_i)\n",
-        "    inv_l = 1.0 / l_i\n",
-        (NULL_LSE,),
-    ),
-    Mutant(
-        "empty-row-lse",
-        "lse = m + log(l) with no guard for rows that saw no key (-inf instead of +inf)",
-        KERNELS,
-        '    lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)\n',
-        "    lse = (m_i + tl.log2(l_i)) * LN2\n",
-        (NULL_LSE,),
-    ),
-    Mutant(
-        "empty-row-unwritten",
-        "rows that saw no key are skipped at the store, leaving whatever the buffer held",
-        KERNELS,
-        "        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None])\n",
-        "        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(m_in & (l_i > 0))[:, None])\n",
-        (NULL_LSE,),
-    ),
-    Mutant(
-        "dropout-offset-bwd",
-        "the backward draws its dropout mask at another Philox offset than the forward",
-        KERNELS,
-        "z_t = _dropout_keep(seed, offset, threshold, drop_base, rows[None, :], offs_n[:, None], max_seqlen_k)\n",
-        "z_t = _dropout_keep(seed, offset + 1, threshold, drop_base, rows[None, :], offs_n[:, None], max_seqlen_k)\n",
-        (MISTAKES + "::test_dropout_counter_is_64_bit", "tests/families/flash/test_dropout.py"),
-    ),
-    Mutant(
-        "diagonal-bwd",
-        "the key-major backward aligns the window top-left while the forward aligns it bottom-right",
-        KERNELS,
-        "    diag = _diagonal(seqlen_q, seqlen_k, MASK)\n    # the queries that see these keys",
-        "    diag = 0\n    # the queries that see these keys",
-        (MISTAKES + "::test_within_floor",), "masked-rows-br",
-    ),
-    Mutant(
+    _mutant(
         "window-start-unclamped",
         "a window's first block computed from a negative column by truncating division (no clamp to 0)",
-        KERNELS,
-        "        lo = tl.maximum(row_lo + diag - window_left, 0)\n",
-        "        lo = row_lo + diag - window_left\n",
-        (MISTAKES + "::test_within_floor",), "window or masked-rows",
+        COMMON,
+        "lo = tl.maximum(row_lo + diag - window_left, 0)",
+        "lo = row_lo + diag - window_left",
+        FLOOR.format(case="window-left-unbounded-fp16-split"), FLOOR.format(case="masked-rows-br-fp16-split"),
     ),
-    Mutant(
-        "drop-base-int32",
-        "the forward's Philox counter base computed in 32 bits ((b * Hq + h) * Sq * Sk overflows)",
-        KERNELS,
-        "    off_hk = (off_h // group_size).to(tl.int64)\n"
-        "    drop_base = (off_z.to(tl.int64) * num_heads_q + off_h) * max_seqlen_q * max_seqlen_k\n",
-        "    off_hk = (off_h // group_size).to(tl.int64)\n"
-        "    drop_base = (off_z * num_heads_q + off_h) * max_seqlen_q * max_seqlen_k\n",
-        (MISTAKES + "::test_dropout_counter_is_64_bit",),
+    _mutant(
+        "drop-base-int32", "the forward's Philox counter base computed in 32 bits ((b * Hq + h) * Sq * Sk overflows)",
+        FORWARD,
+        "drop_base = (off_z.to(tl.int64) * num_heads_q + off_h) * max_seqlen_q * max_seqlen_k",
+        "drop_base = (off_z * num_heads_q + off_h) * max_seqlen_q * max_seqlen_k",
+        MISTAKES + "::test_dropout_counter_is_64_bit",
     ),
-    Mutant(
-        "store-padded-dv",
-        "the output store bounded by the padded head dim (the bucket) instead of the real one",
-        KERNELS,
-        "        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None] & dv_mask[None, :])\n",
-        "        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None])\n",
-        (MISTAKES + "::test_padded_head_dim_store_stays_in_its_row",),
+    _mutant(
+        "store-padded-dv", "the output store bounded by the padded head dim (the bucket) instead of the real one",
+        FORWARD,
+        "tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None] & dv_mask[None, :])",
+        "tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None])",
+        MISTAKES + "::test_padded_head_dim_store_stays_in_its_row",
     ),
-    Mutant(
+    _mutant(
         "oor-keys-unmasked",
         "key-major backward: keys past seqlen_k (zeros) keep p = exp2(-lse2), which overflows fp16 into dQ",
-        KERNELS,
-        "            ds_t = tl.where(n_in[:, None], ds_t, 0.0)\n",
-        "",
-        (MISTAKES + "::test_one_key_rows_with_very_negative_lse", MISTAKES + "::test_within_floor"), "one-key",
+        BACKWARD,
+        "ds_t = tl.where(n_in[:, None], ds_t, 0.0)",
+        "ds_t = tl.where(n_in[:, None], ds_t, ds_t)",
+        MISTAKES + "::test_one_key_rows_with_very_negative_lse",
     ),
-    Mutant(
-        "window-right-minus-2",
-        "a right window bound of -2 (or less) accepted as unbounded instead of rejected",
+    _mutant(
+        "window-right-minus-2", "a right window bound of -2 (or less) accepted as unbounded instead of rejected",
         CHECKS,
-        "    if left < -1 or right < -1:\n",
-        "    if left < -1:\n",
-        (MISTAKES + "::test_window_bounds_below_minus_one_are_rejected",),
+        "if left < -1 or right < -1:",
+        "if left < -1:",
+        MISTAKES + "::test_window_bounds_below_minus_one_are_rejected",
     ),
-    Mutant(
-        "unbounded-as-minus-one",
-        "the -1 that means 'unbounded' handed to the kernel as a window size",
+    _mutant(
+        "unbounded-as-minus-one", "the -1 that means 'unbounded' handed to the kernel as a window size",
         CHECKS,
-        "        left = wide if self.window_left < 0 else min(self.window_left, wide)\n",
-        "        left = self.window_left if self.window_left < 0 else min(self.window_left, wide)\n",
-        (MISTAKES + "::test_within_floor",), "window",
+        "left = wide if self.window_left < 0 else min(self.window_left, wide)",
+        "left = self.window_left if self.window_left < 0 else min(self.window_left, wide)",
+        FLOOR.format(case="window-left-unbounded-fp16-split"),
     ),
 )
 

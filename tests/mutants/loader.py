@@ -34,13 +34,15 @@ class MutantError(RuntimeError):
 
 
 def mutated_source(mutant: Mutant) -> str:
-    """The file's source with the mutant's snippet replaced (the snippet must occur once)."""
+    """The file's source with the mutant's edits applied (each snippet must occur once)."""
     source = (ROOT / mutant.path).read_text()
-    count = source.count(mutant.original)
-    if count != 1:
-        raise MutantError(f"mutant {mutant.name}: its snippet occurs {count} times in {mutant.path}, expected 1; "
-                          f"update it in tests/mutants/__init__.py to match the code")
-    return source.replace(mutant.original, mutant.replacement)
+    for snippet, replacement in mutant.edits:
+        count = source.count(snippet)
+        if count != 1:
+            raise MutantError(f"mutant {mutant.name}: {snippet!r} occurs {count} times in {mutant.path}, expected 1; "
+                              f"update it in tests/mutants/__init__.py to match the code")
+        source = source.replace(snippet, replacement)
+    return source
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -1,0 +1,134 @@
+"""``python -m tests.mutants [--device cpu|cuda] [--only NAME ...] [--jobs N] [--list]``
+
+Runs, for each mutant of :mod:`tests.mutants`, its killer tests in a subprocess with
+``AOTATTN_MUTANT=<name>`` and prints whether they caught it, then the mutation score
+(caught / injected). Exits 1 below 100%. First the same tests run without any mutant
+and must pass (``--no-baseline`` skips that, when the suite has just passed anyway).
+
+``--device cuda`` selects the tests' GPU parametrizations (GPU-sized shapes) and
+compiles the mutated kernels with Triton's JIT; mutants of host code (argument checks)
+run their CPU tests on either device. On the H200::
+
+    AOTATTN_MODE=jit python -m tests.mutants --device cuda --jobs 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tests.mutants import MUTANTS, Mutant
+from tests.mutants.loader import ROOT, VAR
+
+# pytest's exit codes: 0 all passed, 1 some failed; 2-5 mean the run itself went wrong
+# (interrupted, internal error, usage, nothing collected). A negative code is a signal:
+# the mutant crashed the process, which the suite would report as a failure too.
+PASSED, FAILED = 0, 1
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str
+    result: str  # "caught", "survived" or "error"
+    seconds: float
+    detail: str
+
+
+def pytest_command(node_ids: list[str], device: str) -> list[str]:
+    marker = "gpu" if device == "cuda" else "not gpu"
+    return [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", "-m", marker, *node_ids]
+
+
+def _run(command: list[str], mutant: str | None, device: str, timeout: float) -> tuple[int | None, str]:
+    env = {k: v for k, v in os.environ.items() if k != VAR}
+    if mutant:
+        env[VAR] = mutant
+    if device == "cuda":
+        env["AOTATTN_MODE"] = "jit"
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        return None, f"timed out after {timeout:.0f} s\n{exc.stdout or ''}"
+    return done.returncode, done.stdout + done.stderr
+
+
+def _device_of(mutant: Mutant, device: str) -> str:
+    return "cpu" if mutant.host_only else device
+
+
+def run_mutant(mutant: Mutant, device: str, timeout: float) -> Outcome:
+    device = _device_of(mutant, device)
+    start = time.monotonic()
+    code, output = _run(pytest_command(mutant.node_ids(device), device), mutant.name, device, timeout)
+    seconds = time.monotonic() - start
+    failed = re.search(r"^FAILED (\S+)", output, re.MULTILINE)
+    if code == FAILED:
+        return Outcome(mutant.name, "caught", seconds, failed.group(1) if failed else "a test failed")
+    if code is not None and code < 0:
+        return Outcome(mutant.name, "caught", seconds, f"the test process crashed (signal {-code})")
+    if code == PASSED:
+        return Outcome(mutant.name, "survived", seconds, "every killer test passed")
+    tail = "\n".join(output.strip().splitlines()[-15:])
+    return Outcome(mutant.name, "error", seconds, f"pytest exit code {code}:\n{tail}")
+
+
+def baseline(mutants: list[Mutant], device: str, timeout: float) -> str | None:
+    """None when every mutant's killer tests pass unmutated; else what failed."""
+    by_device: dict[str, list[str]] = {}
+    for m in mutants:
+        ids = by_device.setdefault(_device_of(m, device), [])
+        ids += [i for i in m.node_ids(device) if i not in ids]
+    for dev, node_ids in by_device.items():
+        code, output = _run(pytest_command(node_ids, dev), None, dev, timeout)
+        if code != PASSED:
+            return f"({dev}) exit code {code}:\n" + "\n".join(output.strip().splitlines()[-20:])
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.mutants", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="these mutants only")
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per pytest run")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the killer tests")
+    parser.add_argument("--list", action="store_true", help="print the mutants and exit")
+    args = parser.parse_args(argv)
+    by_name = {m.name: m for m in MUTANTS}
+    unknown = sorted(set(args.only or ()) - set(by_name))
+    if unknown:
+        parser.error(f"--only: no mutant {unknown}; expected names from {sorted(by_name)}")
+    mutants = [by_name[n] for n in args.only] if args.only else list(MUTANTS)
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:24s} {m.path:36s} {m.mistake}")
+        return 0
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA GPU here")
+    if not args.no_baseline:
+        failure = baseline(mutants, args.device, args.timeout)
+        if failure:
+            print(f"baseline: the killer tests fail without any mutant, so no score can be given: {failure}")
+            return 2
+    print(f"{'mutant':24s} {'result':9s} {'seconds':>7s}  caught by")
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        outcomes = []
+        for outcome in pool.map(lambda m: run_mutant(m, args.device, args.timeout), mutants):
+            print(f"{outcome.name:24s} {outcome.result:9s} {outcome.seconds:7.1f}  {outcome.detail}", flush=True)
+            outcomes.append(outcome)
+    caught = sum(o.result == "caught" for o in outcomes)
+    print(f"mutation score ({args.device}): {caught}/{len(outcomes)} caught ({100 * caught / len(outcomes):.0f}%)")
+    return 0 if caught == len(outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

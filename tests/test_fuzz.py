@@ -1,0 +1,80 @@
+"""Property: for any problem, aotattn is within the rounding floor of the float64 reference.
+
+Hypothesis draws the shapes (odd lengths, empty key sets, GQA groups, head dims 1..256
+that differ between Q/K and V), the mask (causal, windows with -1 or bounded sides on
+either diagonal), the scale (default, zero, negative, large), the dtype, the input
+magnitude and the backward backend, and checks forward and backward as
+tests/test_common_mistakes.py does: no NaN, rows that see no key exactly 0 with lse
++inf, every quantity within a small multiple of the floor's error.
+
+Budgets (profiles registered in tests/conftest.py): CI runs the "ci" profile, a fixed
+set of 12 examples per device. The long run explores::
+
+    python -m pytest tests/test_fuzz.py --hypothesis-profile=long -m "not gpu"   # CPU
+    AOTATTN_MODE=jit python -m pytest tests/test_fuzz.py --hypothesis-profile=long -m gpu   # H200
+
+A failure prints the smallest example found and ``@reproduce_failure`` to replay it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.helpers import DEVICES, assert_within_floor, exact_attention, floor_attention, kernel_attention
+
+# the largest lengths and head dims drawn, per device (the interpreter is slow)
+LIMITS = {"cpu": {"seqlen": 40, "head_dim": 80}, "cuda": {"seqlen": 3000, "head_dim": 256}}
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+BACKENDS = [("split", False), ("fused", False), ("fused", True)]
+
+
+def _window_side(seqlen: int):
+    return st.one_of(st.just(-1), st.integers(0, seqlen + 2))
+
+
+@st.composite
+def problems(draw, device: str) -> dict:
+    limits = LIMITS[device]
+    heads_k = draw(st.integers(1, 2))
+    shape = dict(
+        batch=draw(st.integers(1, 2)),
+        seqlen_q=draw(st.integers(1, limits["seqlen"])),
+        seqlen_k=draw(st.integers(0, limits["seqlen"])),
+        heads_k=heads_k,
+        heads_q=heads_k * draw(st.integers(1, 3)),
+        head_dim=draw(st.integers(1, limits["head_dim"])),
+        head_dim_v=draw(st.integers(1, limits["head_dim"])),
+    )
+    mask = dict(
+        causal=draw(st.booleans()),
+        window_size=(draw(_window_side(shape["seqlen_k"])), draw(_window_side(shape["seqlen_k"]))),
+        diagonal=draw(st.sampled_from(["bottom_right", "top_left"])),
+        softmax_scale=draw(st.one_of(st.none(), st.just(0.0), st.floats(-2.0, 2.0, allow_nan=False))),
+    )
+    return dict(shape=shape, mask=mask, dtype=draw(st.sampled_from(DTYPES)),
+                magnitude=draw(st.sampled_from([0.25, 1.0, 4.0])), backend=draw(st.sampled_from(BACKENDS)),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(data=st.data())
+def test_any_problem_is_within_the_floor(device, data):
+    problem = data.draw(problems(device), label="problem")
+    s, dtype = problem["shape"], problem["dtype"]
+    gen = torch.Generator(device).manual_seed(problem["seed"])
+
+    def randn(*shape, scale=problem["magnitude"]):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    q = randn(s["batch"], s["seqlen_q"], s["heads_q"], s["head_dim"])
+    k = randn(s["batch"], s["seqlen_k"], s["heads_k"], s["head_dim"])
+    v = randn(s["batch"], s["seqlen_k"], s["heads_k"], s["head_dim_v"])
+    dout = randn(s["batch"], s["seqlen_q"], s["heads_q"], s["head_dim_v"], scale=1.0)
+    backend, deterministic = problem["backend"]
+    kernel = kernel_attention(q, k, v, dout, backend=backend, deterministic=deterministic, **problem["mask"])
+    floor = floor_attention(q, k, v, dout, **problem["mask"])
+    exact = exact_attention(q, k, v, dout, **problem["mask"])
+    assert_within_floor(kernel, floor, exact, dtype, device)
