@@ -13,10 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from tests.helpers import DEVICES, HAS_CUDA, TOLERANCE, rel_err  # noqa: E402,F401  (see below)
-
-# DEVICES, TOLERANCE and rel_err are re-exported only for tests/families/flash/test_hardening.py,
-# which still imports them from here; import them from tests.helpers.
+from tests.helpers import HAS_CUDA  # noqa: E402
 
 # Fuzzing budgets (tests/test_fuzz.py). "ci" is the default: a fixed, small set of
 # examples (derandomized, so CI is reproducible). "long" explores: run it with

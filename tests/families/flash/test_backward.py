@@ -7,7 +7,7 @@ import torch
 
 import aotattn
 from aotattn import reference
-from tests.conftest import DEVICES, TOLERANCE, rel_err
+from tests.helpers import DEVICES, TOLERANCE, rel_err
 from tests.families.flash.helpers import make_qkv, seed_from
 
 # backend, deterministic: fused without determinism accumulates dQ with atomics
