@@ -8,8 +8,8 @@ case and fails when a quantity exceeds its recorded value by more than :data:`MA
 
 Refresh (after a deliberate change of the kernels' numerics; review the diff)::
 
-    python -m tests.adiffs --update                                  # cpu.txt
-    AOTATTN_MODE=jit python -m tests.adiffs --update --device cuda   # sm_90.txt on the H200
+    python -m tests.adiffs --update                  # cpu.txt
+    python -m tests.adiffs --update --device cuda    # sm_90.txt on the H200 (from images, as the GPU tests run)
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from tests.helpers import QUANTITIES, Results, max_abs_err
 FOLDER = Path(__file__).resolve().parent
 
 # How far a measured maximum error may exceed the recorded one. The interpreter is
-# deterministic (the margin only absorbs numpy/torch library drift); GPU runs vary with
-# the fused backward's atomics order and with the tuned block sizes.
-MARGIN = {"cpu": 1.25, "cuda": 2.0}
+# deterministic on one machine, but its fp32 products go through numpy's BLAS, whose
+# rounding order differs between CPUs; GPU runs vary with the fused backward's atomics
+# order and with the tuned block sizes.
+MARGIN = {"cpu": 1.5, "cuda": 2.0}
 # Errors below this are recorded as is but never count as a regression (fp32 noise).
 FLOOR = 1e-9
 
