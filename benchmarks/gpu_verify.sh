@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The verification call on the H200, in one device call (< 10 min), using every GPU it has
+# (nvidia-h200-x2: the GPU suite on one GPU while the mutants and the accuracy record
+# run on the other). Logs and the refreshed accuracy record go under $OUT.
+#
+#   bash benchmarks/gpu_verify.sh [suite] [mutants] [runtime] [latency] [fresh]   (default: all)
+#
+#   suite    pytest -m gpu over tests/ except tests/runtime (Triton's JIT, GPU-sized shapes)
+#   mutants  python -m tests.mutants --device cuda, then the sm_90 accuracy record
+#   runtime  tests/runtime -m gpu with every GPU visible (images built here; threads over devices)
+#   latency  benchmarks/bench_latency.py from images (first call, host time per tiny call)
+#   fresh    a fresh process with no image folder: forward and backward through the default mode
+set -uo pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+steps=${*:-suite mutants runtime latency fresh}
+gpus=$(nvidia-smi -L | wc -l)
+other=$(( gpus > 1 ? 1 : 0 ))
+has() { [[ " $steps " == *" $1 "* ]]; }
+start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
+
+nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,memory.used \
+  --format=csv > "$OUT/env.txt" 2>&1
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if has latency || has runtime; then
+  stamp "building the image subset"
+  bash benchmarks/build_gpu_subset.sh /tmp/aot-images > "$OUT/build.log" 2>&1 || tail -n 5 "$OUT/build.log"
+fi
+
+if has suite; then
+  stamp "GPU suite on GPU 0"
+  ( CUDA_VISIBLE_DEVICES=0 AOTATTN_MODE=jit timeout "${SUITE_S:-420}" python -m pytest -m gpu -q -n 8 \
+      -p no:cacheprovider tests --ignore=tests/runtime --ignore=tests/pgdef --ignore=tests/tune \
+      --ignore=tests/perfmon > "$OUT/suite.log" 2>&1
+    echo "suite rc=$?" >> "$OUT/suite.log" ) &
+fi
+if has mutants; then
+  stamp "mutants and the accuracy record on GPU $other"
+  ( export CUDA_VISIBLE_DEVICES=$other AOTATTN_MODE=jit
+    timeout "${MUTANTS_S:-330}" python -m tests.mutants --device cuda --jobs 4 > "$OUT/mutants.log" 2>&1
+    echo "mutants rc=$?" >> "$OUT/mutants.log"
+    timeout 120 python -m tests.adiffs --update --device cuda > "$OUT/adiffs.log" 2>&1
+    echo "adiffs rc=$?" >> "$OUT/adiffs.log"
+    cp tests/adiffs/sm_90.txt "$OUT/" 2>/dev/null ) &
+fi
+wait
+
+if has runtime; then
+  stamp "runtime tests, every GPU visible"
+  timeout 150 python -m pytest -m gpu -q -p no:cacheprovider tests/runtime > "$OUT/runtime.log" 2>&1
+  echo "runtime rc=$?" >> "$OUT/runtime.log"
+fi
+if has latency; then
+  stamp "latency"
+  timeout 150 python benchmarks/bench_latency.py --images /tmp/aot-images --json "$OUT/latency.json" \
+    > "$OUT/latency.log" 2>&1
+fi
+if has fresh; then
+  stamp "fresh process, no image folder"
+  AOTATTN_IMAGES=/tmp/no-such-images timeout 120 python - > "$OUT/fresh.log" 2>&1 <<'EOF'
+import torch, aotattn
+from aotattn import reference
+torch.manual_seed(0)
+q, k, v = (torch.randn(2, 700, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+out = aotattn.flash_attn_func(q, k, v, causal=True)
+dout = torch.randn_like(out)
+grads = torch.autograd.grad(out, (q, k, v), dout)
+ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+ref, _ = reference.attention(*ref_in, causal=True)
+ref_grads = torch.autograd.grad(ref, ref_in, dout.double())
+rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+errors = [rel(out, ref)] + [rel(g, r) for g, r in zip(grads, ref_grads)]
+print("fresh process, no images: out/dq/dk/dv rel errors", ["%.2e" % e for e in errors])
+assert max(errors) < 1e-2, errors
+print("PASS")
+EOF
+  echo "fresh rc=$?" >> "$OUT/fresh.log"
+fi
+
+stamp "summary"
+for f in suite mutants adiffs runtime fresh; do
+  [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -n 15; tail -n 3 "$OUT/$f.log"; }
+done
+[ -f "$OUT/latency.log" ] && sed -n '/^first call/,$p' "$OUT/latency.log"
