@@ -32,12 +32,14 @@ if [ "$compile" = "--compile" ]; then
 fi
 
 gpus=$(nvidia-smi -L | wc -l)
+first=${FIRST_GPU:-0}  # workers on GPUs first .. first+gpus-1 (GPUS=1 FIRST_GPU=1: the second GPU alone)
+gpus=${GPUS:-$gpus}
 worker() {  # one GPU: rerun after a lost device (exit 3) while time is left
   local gpu=$1 rc=0
   while :; do
     local left=$(( deadline - ($(date +%s) - start) ))
     [ "$left" -le 5 ] && break
-    CUDA_VISIBLE_DEVICES=$gpu timeout --signal=TERM --kill-after=10 "$left" \
+    CUDA_VISIBLE_DEVICES=$(( first + gpu )) timeout --signal=TERM --kill-after=10 "$left" \
       python -m aotattn.tune.offline "$batch" --results "$OUT/results" --shard "$gpu/$gpus" --gpu "$gpu" \
       --deadline-s "$(( left - 20 ))" >> "$OUT/worker-$gpu.log" 2>&1
     rc=$?

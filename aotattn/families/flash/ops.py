@@ -127,12 +127,18 @@ class _Entry:
         self.launch_forward = _prepare(forward_plan(c, q, k, v, out, lse), _FORWARD_ROLES)
         self.backwards: dict[tuple, tuple] = {}
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out as stored, lse). The launch reads only data pointers, so q, k and v may be
+        passed in either layout of the call (SDPA's or flash-attn's): no view is made."""
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        out = out.transpose(1, 2) if self.heads_major else out
         self.launch_forward((q, k, v, out, lse))
         return out, lse
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out in flash-attn's layout, lse), for inputs in flash-attn's layout."""
+        out, lse = self.launch(q, k, v)
+        return (out.transpose(1, 2) if self.heads_major else out), lse
 
     def backward(self, dout, q, k, v, out, lse, backend: str | None, deterministic: bool):
         c = self.call
@@ -183,8 +189,7 @@ class _PlanCache:
         aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
         typed = tuple((type(f), tuple((type(x), x) for x in f) if type(f) in (tuple, list) else f) for f in flags)
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, aligned, os.environ.get(MODE_VAR), os.environ.get(TUNING_DB_VAR),
-               torch.are_deterministic_algorithms_enabled(), typed)
+               q.device, k.device, v.device, aligned, os.environ.get(MODE_VAR), os.environ.get(TUNING_DB_VAR), typed)
         try:
             hash(key)
         except TypeError:
@@ -201,14 +206,18 @@ class _PlanCache:
 
     def run(self, key: tuple | None, q, k, v, backend: str | None,
             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(out, lse), or None on a miss."""
+        """(out, lse) with out in the caller's layout, or None on a miss. ``q, k, v`` in the
+        caller's layout: SDPA's ``(B, H, S, D)`` for an entry stored heads-major."""
         entry = self.entries.get(key) if key is not None else None
         if entry is None:
             return None
-        if _needs_grad(q, k, v):
-            return _FlashAttention.apply(q, k, v, None, entry.call, entry.heads_major, backend, deterministic,
-                                         entry)
-        return entry.forward(q, k, v)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            if entry.heads_major:  # autograd sees the flash-attn layout the Function was planned for
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            out, lse = _FlashAttention.apply(q, k, v, None, entry.call, entry.heads_major, backend, deterministic,
+                                             entry)
+            return (out.transpose(1, 2) if entry.heads_major else out), lse
+        return entry.launch(q, k, v)
 
 
 _PLANS = _PlanCache()
@@ -336,10 +345,10 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     cache_key = None
     if _cacheable(query, key, value, dropout_p, attn_mask):
         cache_key = _PLANS.key(query, key, value, "sdpa", is_causal, scale, enable_gqa, deterministic, backend)
-        hit = _PLANS.run(cache_key, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), backend,
+        hit = _PLANS.run(cache_key, query, key, value, backend,
                          deterministic or torch.are_deterministic_algorithms_enabled())
         if hit is not None:
-            return hit[0].transpose(1, 2)
+            return hit[0]
     p = check_sdpa(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                    enable_gqa=enable_gqa)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
