@@ -53,6 +53,7 @@ def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # ------------------------------------------------------------------ the rounding floor
 
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
+LN2, LOG2E = math.log(2.0), 1.0 / math.log(2.0)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,12 @@ def floor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     def noise(products: torch.Tensor, unrounded: torch.Tensor) -> float:
         return math.sqrt((products.sum() + _rounding_variance(unrounded, dtype).sum()).item())
 
-    noises = {"out": noise(torch.einsum("bhqk,bkhd->bqhd", _rounding_variance(p, dtype), vv.square()), out_unrounded)}
+    # P's exponent is an fp32 number in the log2 domain: half an ulp of |s log2(e)| (and, in
+    # the backward, of |lse log2(e)|) is an error of P that no rounding to the dtype shows
+    finite = torch.where(keep, scores, 0.0)
+    exponent = _rounding_variance(finite * LOG2E, fp32) * LN2**2
+    p_var = _rounding_variance(p, dtype) + p.square() * exponent
+    noises = {"out": noise(torch.einsum("bhqk,bkhd->bqhd", p_var, vv.square()), out_unrounded)}
     if dout is None:
         return Results(out, lse.squeeze(-1), noise=noises)
     do = dout.detach().to(torch.float64)
@@ -150,7 +156,9 @@ def floor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     dq = scale * torch.einsum("bhqk,bkhd->bqhd", ds, kk)
     dk = scale * _by_key_head(torch.einsum("bhqk,bqhd->bkhd", ds, q64), heads_k)
     # dS inherits the output's rounding through delta = rowsum(dO * O): dS_ij = P_ij (dP_ij - delta_i)
-    p2, ds2 = _rounding_variance(p, dtype), _rounding_variance(ds_unrounded, dtype) * scale**2
+    exponent = exponent + _rounding_variance(lse.masked_fill(empty, 0.0) * LOG2E, fp32) * LN2**2
+    p2 = _rounding_variance(p, dtype) + p.square() * exponent
+    ds2 = (_rounding_variance(ds_unrounded, dtype) + ds_unrounded.square() * exponent) * scale**2
     delta2 = (do.square() * _rounding_variance(out_unrounded, dtype)).sum(-1).transpose(1, 2)[..., None] * scale**2
     noises.update(dv=noise(torch.einsum("bhqk,bqhd->bkhd", p2, do.square()), dv),
                   dq=noise(torch.einsum("bhqk,bkhd->bqhd", ds2, kk.square())
@@ -186,11 +194,14 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: to
 
 # ------------------------------------------------------------- checks against the floor
 
-# Kernel error / floor error, normwise, measured at the CPU sizes: at most 1.3 in fp16,
-# 3.3 in bf16 (Triton's interpreter converts fp32 to bf16 by truncation, the GPU rounds
-# to nearest), 3.6 in fp32 (where the floor is ~1e-7 and the kernel's log2-domain
-# exponent adds its own rounding). SLACK covers quantities whose floor is exactly 0
-# (a row that sees one key has P = 1 and its output is V exactly).
+# Kernel error / floor error, normwise (the floor's error taken as at least its expected
+# size, see floor_error). Measured at the CPU sizes of tests/adiffs/cases.py and on 500
+# random problems (shapes, masks, scales, magnitudes as tests/test_fuzz.py draws them):
+# at most 1.3 in fp16, 2.8 in fp32 (its floor is ~1e-7 and the kernel's log2-domain
+# exponent rounds once more), 3.3 in bf16 on the CPU at the cases' sizes and 4.5 on a
+# handful of elements: Triton's interpreter converts fp32 to bf16 by truncation, an error
+# twice as large as rounding's and all of one sign, so it adds up where rounding errors
+# average out (the GPU rounds to nearest). SLACK covers quantities whose floor is 0.
 SLACK = 1e-6
 
 
@@ -199,7 +210,7 @@ def multiple(dtype: torch.dtype, device: str) -> float:
     if dtype == torch.float16:
         return 2.0
     if dtype == torch.bfloat16:
-        return 4.0 if device == "cpu" else 2.0
+        return 6.0 if device == "cpu" else 2.0
     return 4.0
 
 
