@@ -3,7 +3,7 @@
 Each case (tests/adiffs/cases.py) runs forward and backward against the float64
 reference and against the rounding floor (:func:`tests.helpers.floor_attention`: float64
 with only the roundings a flash kernel must make). Outputs, log-sum-exp and gradients
-must stay within :func:`multiple` times the floor's error, fully masked rows must be
+must stay within :func:`tests.helpers.multiple` times the floor's error, fully masked rows must be
 exactly 0, nothing may be NaN, and no maximum error may exceed the accuracy record
 (tests/adiffs/<arch>.txt) by more than its margin. The other tests aim at one mistake
 each (docs/numerical-lessons.md); tests/mutants proves that each of them catches its own.
@@ -30,6 +30,7 @@ from tests.adiffs.cases import CASES
 from tests.helpers import (DEVICES, SLACK, TOLERANCE, assert_within_floor, exact_attention, floor_attention,
                            kernel_attention, multiple, philox_first_word, rel_err)
 from tests.families.flash.helpers import seed_from
+
 
 @functools.cache
 def _record(device: str) -> dict[str, dict[str, float]]:
@@ -69,7 +70,9 @@ def test_one_key_rows_with_very_negative_lse(request, device, variant, window):
     """The live NaN of issue 11: rows that see exactly one key, whose score (hence lse)
     is very negative, in fp16, with Sk not a multiple of the key block. The key-major
     backward's out-of-range keys (loaded as 0, score 0) then have p = exp(-lse) far above
-    fp16's range; unmasked, that overflow times k = 0 put NaN into dQ."""
+    fp16's range; unmasked, that overflow times k = 0 put NaN into dQ. The (0, -1) window
+    is issue 11's: its unbounded right side lets those keys through the window test; with
+    (0, 0) the window itself excludes them (the case guards the masking of one-key rows)."""
     seed_from(request.node.name)
     batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim = _gpu_or_cpu(
         device, (1, 37, 53, 2, 1, 64), (2, 2048, 3001, 8, 2, 128))
