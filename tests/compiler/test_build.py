@@ -11,6 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from aotattn.compiler import build, enumerate_jobs
+from aotattn.families import kernels as rules_kernels
+from aotattn.families.flash.rules import SEQLEN_BUCKETS
 from aotattn.cli import app
 from aotattn.runtime.images import Archive, Entry, ImageError, write_archive
 from aotattn.tuning import Database
@@ -54,8 +56,15 @@ def test_build_is_incremental(built):
 def test_jobs_follow_the_tuning_database():
     jobs = enumerate_jobs(Database(), ["sm_90", "sm_80"], ["flash.attn_fwd"],
                           "dtype=bf16 BLOCK_D=128 MASK=0 VARLEN=False DROPOUT=False BIAS=0 PAD_HEAD=False")
-    configs = {job.arch: job.config.as_dict() for job in jobs}
-    assert configs["sm_90"]["BLOCK_N"] == 128 and configs["sm_80"]["num_stages"] == 2  # sm_80 overrides its base
+    db = Database()
+    spec = rules_kernels()["flash.attn_fwd"]
+    for arch in ("sm_90", "sm_80"):
+        # one job per configuration the arch's table names for the functional, over every cell
+        functional = next(job.functional for job in jobs if job.arch == arch)
+        named = {db.lookup(arch, spec, functional, {"seqlen_q": q, "seqlen_k": k})
+                 for q in SEQLEN_BUCKETS for k in SEQLEN_BUCKETS}
+        assert {job.config for job in jobs if job.arch == arch} == named
+    assert {job.config["num_stages"] for job in jobs if job.arch == "sm_80"} == {2}  # sm_80 overrides its base
 
 
 def test_cli_ls_extract_verify(built, tmp_path):

@@ -32,9 +32,10 @@ def forward_task(cell=(16, 16), head_dim=16, mask=2, dtype="bf16") -> Task:
 
 @pytest.fixture
 def tuning_copy(tmp_path) -> Database:
-    """A private copy of the project's tuning database (exports write into it)."""
+    """A private copy of the project's tuning database without its tuner-written patches
+    (exports write into it, numbering and merging as on a database never tuned)."""
     root = tmp_path / "tuning"
-    shutil.copytree(PROJECT_TUNING, root)
+    shutil.copytree(PROJECT_TUNING, root, ignore=shutil.ignore_patterns("*-tuned.dbpatch"))
     return Database(root)
 
 
