@@ -54,7 +54,7 @@ JOURNAL_VAR = "AOTATTN_TUNE_JOURNAL"
 EXIT_DEVICE_LOST = 3
 
 # The library's accuracy bounds, relative error norms against the float64 reference by
-# dtype: the same numbers the tests (tests/conftest.py) and `aotattn check` hold kernels to.
+# dtype: the same numbers the tests (tests/helpers.py) and `aotattn check` hold kernels to.
 TOLERANCE = {"bf16": 1e-2, "fp16": 5e-3, "fp32": 1e-5}
 
 OK, INACCURATE, NAN, FAILED, CRASHED, NO_IMAGE, TOO_LARGE, SLOW = (
