@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aotattn.families.flash.rules import (DTYPES, MASK_BOTTOM_RIGHT, MASK_NONE, MASK_TOP_LEFT,
+from aotattn.families.flash.rules import (BACKENDS, DTYPES, MASK_BOTTOM_RIGHT, MASK_NONE, MASK_TOP_LEFT,
                                           MAX_HEAD_DIM)
 
 DIAGONALS = ("bottom_right", "top_left")
@@ -119,6 +119,13 @@ def check_bias(name: str, bias: object, p: Problem, like: torch.Tensor, sdpa_mas
         raise ValueError(f"{name}: expected a shape broadcastable to (B, Hq, Sq, Sk) = {full}, "
                          f"got {tuple(bias.shape)}")
     return bias.to(like.dtype).expand(full)
+
+
+def check_backend(backend: object) -> str | None:
+    """The backward backend a caller forces: one of ``BACKENDS``, or None to let aotattn choose."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
+    return backend
 
 
 def check_bool(name: str, value: object) -> bool:

@@ -13,9 +13,8 @@ import threading
 
 import torch
 
-from aotattn.families.flash import rules
-from aotattn.families.flash.checks import (Problem, check_bias, check_bool, check_flash, check_sdpa,
-                                           check_varlen)
+from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_flash,
+                                           check_sdpa, check_varlen)
 from aotattn.families.flash.planning import (Call, backward_buffers, backward_dout, backward_plans, choose_backend,
                                              dropout_mask_plan, finish_dq, forward_plan, lse_shape, new_call,
                                              new_output, philox_state, run_backward, run_forward)
@@ -52,12 +51,6 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk, dv, (None if dbias is None else dbias.to(ctx.call.bias.dtype)), None, None, None, None, None
 
 
-def _check_backend(backend: object) -> str | None:
-    if backend is not None and backend not in rules.BACKENDS:
-        raise ValueError(f"backend: expected one of {rules.BACKENDS} or None, got {backend!r}")
-    return backend
-
-
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -80,7 +73,7 @@ def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
             cu_seqlens_q: torch.Tensor | None = None,
             cu_seqlens_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A validated call: run eagerly, or under ``torch.compile`` as one custom op (:mod:`.custom_ops`)."""
-    backend, deterministic = _check_backend(backend), _deterministic(deterministic)
+    backend, deterministic = check_backend(backend), _deterministic(deterministic)
     if not torch.compiler.is_compiling():
         return _run(new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k), q, k, v, heads_major, backend,
                     deterministic, cache_key)

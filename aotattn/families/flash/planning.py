@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from aotattn.families.flash import rules
-from aotattn.families.flash.checks import Problem
+from aotattn.families.flash.checks import Problem, check_backend
 from aotattn.runtime import launch
 from aotattn.spec import Config, Functional, KernelSpec, LaunchPlan
 
@@ -197,8 +197,8 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     With ``backend="fused"`` and not ``deterministic``, ``dq`` must be a zeroed fp32
     buffer that the kernel accumulates into with atomics.
     """
-    if backend not in rules.BACKENDS:
-        raise ValueError(f"backend: expected one of {rules.BACKENDS} or None, got {backend!r}")
+    if check_backend(backend) is None:
+        raise ValueError("backend: backward_plans needs a backend, got None")
     configs = configs or {}
     p = c.p
     f = c.functional(backward=True)

@@ -102,9 +102,7 @@ def _dkdv_program(
         lse_ptr = Lse + off_z * stride_l[0] + off_h * stride_l[1] + q_start
         delta_ptr = Delta + off_z * stride_l[0] + off_h * stride_l[1] + q_start
         for seg in tl.static_range(3):
-            # runs 0 and 2 are the window's edges and need the mask; run 1 (the interior) does not.
-        # `seg != 1` is written out at each use: a constexpr bound to a local name before a
-        # loop reaches the loop body as a runtime value in Triton 3.6, and fails to compile.
+            # runs 0 and 2 (the window's edges) are masked: `seg != 1`, see common.segment
             start, end = segment(seg, lo, a, b, hi)
             for start_m in range(start, end, BLOCK_M):
                 m_off = tl.cast(start_m, tl.int64)
@@ -203,9 +201,7 @@ def _dq_program(
     lo, a, b, hi = key_blocks(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q), seqlen_k, diag,
                               window_left, window_right, MASK, BLOCK_N)
     for seg in tl.static_range(3):
-        # runs 0 and 2 are the window's edges and need the mask; run 1 (the interior) does not.
-        # `seg != 1` is written out at each use: a constexpr bound to a local name before a
-        # loop reaches the loop body as a runtime value in Triton 3.6, and fails to compile.
+        # runs 0 and 2 (the window's edges) are masked: `seg != 1`, see common.segment
         start, end = segment(seg, lo, a, b, hi)
         for start_n in range(start, end, BLOCK_N):
             n_off = tl.cast(start_n, tl.int64)

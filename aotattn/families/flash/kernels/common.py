@@ -145,7 +145,11 @@ def key_blocks(row_lo, row_hi, seqlen_k, diag, window_left, window_right,
 @triton.jit
 def segment(seg: tl.constexpr, lo, a, b, hi):
     """Bounds of run ``seg`` of :func:`key_blocks`' three: the masked left edge, the
-    unmasked interior, the masked right edge."""
+    unmasked interior, the masked right edge.
+
+    Callers loop ``for seg in tl.static_range(3)`` and pass ``seg != 1`` (masked) at each
+    use: a constexpr bound to a local name before a loop reaches the loop body as a
+    runtime value in Triton 3.6, and the kernel fails to compile."""
     if seg == 0:
         return lo, a
     elif seg == 1:
