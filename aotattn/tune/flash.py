@@ -202,8 +202,7 @@ class Problem:
         got = self.call.functional(backward=self.kernel != "attn_fwd")
         want = self.functional.as_dict()
         if self.kernel == "backward":
-            got = {"dtype": got["dtype"], "BLOCK_D": got["BLOCK_D"], "MASK": got["MASK"],
-                   "DETERMINISTIC": want["DETERMINISTIC"]}
+            got = rules.operator_functional(got, want["DETERMINISTIC"]).as_dict()
         elif self.kernel == "attn_bwd_fused":
             got["ATOMIC_DQ"] = want["ATOMIC_DQ"]
         if got != want:
@@ -319,7 +318,7 @@ def auxiliary(table: str, functional: Functional) -> list[tuple[str, Functional]
     kernel = table.split(".", 1)[1]
     attention = {k: v for k, v in f.items() if k not in ("ATOMIC_DQ", "DETERMINISTIC")}
     if kernel == "backward":
-        attention.update(BLOCK_DV=f["BLOCK_D"], PAD_HEAD=False, VARLEN=False, DROPOUT=False, BIAS=0)
+        attention["BLOCK_DV"] = f["BLOCK_D"]
     forward = {**attention, "BIAS": min(attention.get("BIAS", 0), 1)}
     pre = {"dtype": f["dtype"], "BLOCK_DV": attention["BLOCK_DV"], "PAD_HEAD": attention["PAD_HEAD"],
            "VARLEN": attention["VARLEN"]}

@@ -29,7 +29,7 @@ from aotattn.tuning import Database, parse_patch
 
 PROJECT_TUNING = Path(__file__).resolve().parents[2] / "tuning"
 ENTRIES = select(declared(), ["dense-bf16-*"])  # d64/d128/d256, full and causal, 512..16384
-BAD_BLOCK = Functional.of({"dtype": "bf16", "BLOCK_D": 128, "MASK": 0, "DETERMINISTIC": False})
+BAD_BLOCK = Functional.of({"dtype": "bf16", "BLOCK_D": 128, "PAD_HEAD": False, "MASK": 0, "VARLEN": False, "DROPOUT": False, "BIAS": 0, "DETERMINISTIC": False})
 BAD_PATCH = """# deliberately bad: the fused backward for every bf16 d128 call without a mask
 #! aotattn-patch 1
 #! table flash.backward
@@ -37,7 +37,7 @@ BAD_PATCH = """# deliberately bad: the fused backward for every bf16 d128 call w
 [configs]
 fused = backend=fused
 
-[dtype=bf16 BLOCK_D=128 MASK=0 DETERMINISTIC=False]
+[dtype=bf16 BLOCK_D=128 PAD_HEAD=False MASK=0 VARLEN=False DROPOUT=False BIAS=0 DETERMINISTIC=False]
 seqlen_q=* seqlen_k=*: fused
 """
 
@@ -51,8 +51,8 @@ def tuning_copy(tmp_path) -> Path:
 
 def _functional(entry) -> Functional:
     mask = rules.MASK_NONE if not entry.masked else rules.MASK_BOTTOM_RIGHT
-    return Functional.of({"dtype": entry.dtype, "BLOCK_D": rules.head_dim_bucket(entry.head_dim), "MASK": mask,
-                          "DETERMINISTIC": False})
+    return Functional.of({"dtype": entry.dtype, "BLOCK_D": rules.head_dim_bucket(entry.head_dim), "PAD_HEAD": False,
+                          "MASK": mask, "VARLEN": False, "DROPOUT": False, "BIAS": 0, "DETERMINISTIC": False})
 
 
 def _choice(db: Database, entry) -> tuple[str, str]:

@@ -127,7 +127,7 @@ def test_provenance_names_the_backward_cell_the_choice_came_from():
     from aotattn.perfmon.provenance import Lookup, cell_of, parse_cell
     from aotattn.spec import Config, Functional
 
-    functional = Functional.of({"dtype": "bf16", "BLOCK_D": 128, "MASK": 2, "DETERMINISTIC": False})
+    functional = Functional.of({"dtype": "bf16", "BLOCK_D": 128, "PAD_HEAD": False, "MASK": 2, "VARLEN": False, "DROPOUT": False, "BIAS": 0, "DETERMINISTIC": False})
     lookups = [Lookup(rules.BACKWARD, functional, (("seqlen_k", 3000), ("seqlen_q", 1000)), Config.of(backend="fused")),
                Lookup(rules.ATTN_BWD_FUSED, Functional.of({"x": 1}), (), Config.of(BLOCK_M=64, BLOCK_N=32,
                                                                                    num_warps=4, num_stages=2))]
@@ -140,7 +140,7 @@ def test_provenance_names_the_backward_cell_the_choice_came_from():
     assert tokens["cell"] == cell_of("sm_90", rules.BACKWARD, functional, {"seqlen_q": 1000, "seqlen_k": 3000})
     assert measure.provenance_note(lookups, "bwd", None) == "choice=fused"  # the interpreter: no cells
     for bad in ("flash.backward", "nope.table[x=1]@a=1", "flash.backward[dtype=bf16]@seqlen_q=16,seqlen_k=16",
-                "flash.backward[dtype=bf16,BLOCK_D=128,MASK=2,DETERMINISTIC=False]@seqlen_q=17,seqlen_k=16"):
+                "flash.backward[dtype=bf16,BLOCK_D=128,PAD_HEAD=False,MASK=2,VARLEN=False,DROPOUT=False,BIAS=0,DETERMINISTIC=False]@seqlen_q=17,seqlen_k=16"):
         with pytest.raises(ValueError, match="cell"):
             parse_cell(bad)
 

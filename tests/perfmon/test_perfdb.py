@@ -29,7 +29,7 @@ def random_run(seed: int, n: int = 12) -> Perfdb:
                     records.append(Record(entry.name, pass_, provider, note="skipped: not asked (compiles per shape)"))
                     continue
                 ms = ours if provider == "aotattn" else ours * rng.uniform(0.5, 2)
-                note = "choice=split cell=flash.backward[dtype=bf16,BLOCK_D=128,MASK=0,DETERMINISTIC=False]" \
+                note = "choice=split cell=flash.backward[dtype=bf16,BLOCK_D=128,PAD_HEAD=False,MASK=0,VARLEN=False,DROPOUT=False,BIAS=0,DETERMINISTIC=False]" \
                        "@seqlen_q=4096,seqlen_k=4096" if provider == "aotattn" and pass_ != "fwd" else ""
                 records.append(Record(entry.name, pass_, provider, ms, ms * rng.uniform(0, 0.05),
                                       entry.flops(pass_) / ms / 1e9, ms / ours, note))

@@ -30,7 +30,7 @@ def test_backward_tasks_need_their_auxiliary_kernels():
     fwd = next(j for j in jobs if j.table == "flash.attn_fwd")
     assert fwd.functional == Functional.of(f) and fwd.config == db.lookup("sm_90", fwd.spec(), fwd.functional,
                                                                           {"seqlen_q": 1024, "seqlen_k": 1024})
-    op = Task("sm_90", "flash.backward", Functional.of(dict(dtype="bf16", BLOCK_D=64, MASK=2, DETERMINISTIC=True)),
+    op = Task("sm_90", "flash.backward", Functional.of(dict(dtype="bf16", BLOCK_D=64, PAD_HEAD=False, MASK=2, VARLEN=False, DROPOUT=False, BIAS=0, DETERMINISTIC=True)),
               (1024, 1024))
     op_tables = {j.table for j in ahead.task_jobs(op, settings, db)}
     assert op_tables == {"flash.attn_fwd", "flash.attn_bwd_preprocess", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq",

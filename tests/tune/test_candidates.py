@@ -98,8 +98,8 @@ def test_every_configuration_the_sm90_database_uses_fits():
 
 
 def test_operator_tables_are_not_pruned_and_names():
-    kept, pruned = cand.candidates(rules.BACKWARD, Functional.of(dict(dtype="bf16", BLOCK_D=64, MASK=0,
-                                                                      DETERMINISTIC=False)), "sm_90", None, limit=1)
+    kept, pruned = cand.candidates(rules.BACKWARD, Functional.of(dict(dtype="bf16", BLOCK_D=64, PAD_HEAD=False, MASK=0, VARLEN=False, DROPOUT=False,
+                                                                      BIAS=0, DETERMINISTIC=False)), "sm_90", None, limit=1)
     assert [cand.config_name(c) for c in kept] == ["split", "fused"] and not pruned
     assert cand.config_name(_cfg(128, 64, 8, 3)) == "m128_n64_w8_s3"
     with pytest.raises(ValueError, match="arch"):

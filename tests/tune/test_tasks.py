@@ -75,8 +75,9 @@ def test_payload_round_trip_and_validation():
 
 
 def test_describe_names_the_cell():
-    f = Functional.of(dict(dtype="bf16", BLOCK_D=64, MASK=2, DETERMINISTIC=False))
+    f = Functional.of(dict(dtype="bf16", BLOCK_D=64, PAD_HEAD=False, MASK=2, VARLEN=False, DROPOUT=False, BIAS=0,
+                           DETERMINISTIC=False))
     t = tasks.Task("sm_90", "flash.backward", f, (512, 1024))
-    assert t.describe() == "sm_90 flash.backward [BLOCK_D=64,DETERMINISTIC=False,MASK=2,dtype=bf16] " \
-                           "seqlen_q=512 seqlen_k=1024"
+    assert t.describe() == ("sm_90 flash.backward [BIAS=0,BLOCK_D=64,DETERMINISTIC=False,DROPOUT=False,MASK=2,"
+                            "PAD_HEAD=False,VARLEN=False,dtype=bf16] seqlen_q=512 seqlen_k=1024")
     assert t.category == "flash,backward"

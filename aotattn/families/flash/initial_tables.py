@@ -33,6 +33,8 @@ def sm90(kernel, f: dict) -> Config:
     if kernel is rules.PHILOX_WORDS:
         return Config.of(BLOCK=128, num_warps=4, num_stages=1)
     if kernel is rules.BACKWARD:
+        if f["PAD_HEAD"] or f["VARLEN"] or f["DROPOUT"] or f["BIAS"] or f["MASK"] == rules.MASK_TOP_LEFT:
+            return None  # refinements fall back to their root (rules._operator_fallback)
         return Config.of(backend="split")  # split beat fused-atomic at every benchmark shape
     if kernel is rules.ATTN_BWD_PREPROCESS:
         return Config.of(BLOCK_M=64 if f["BLOCK_DV"] <= 128 else 32, num_warps=4, num_stages=1)

@@ -252,9 +252,7 @@ def choose_backend(c: Call, deterministic: bool, device: torch.device) -> str:
     """The backend when the caller names none: the ``flash.backward`` table's choice on GPUs."""
     if device.type == "cpu":
         return "split"
-    f = c.functional()
-    functional = Functional.of({"dtype": f["dtype"], "BLOCK_D": f["BLOCK_D"], "MASK": f["MASK"],
-                                "DETERMINISTIC": deterministic})
+    functional = rules.operator_functional(c.functional(backward=True), deterministic)
     config = rules.config_for(rules.BACKWARD, functional, device, seqlen_q=c.p.seqlen_q, seqlen_k=c.p.seqlen_k)
     return config["backend"]
 

@@ -238,20 +238,41 @@ PHILOX_WORDS = KernelSpec(
     tuning_space=(("BLOCK", (128,)), ("num_warps", (4,)), ("num_stages", (1,))),
 )
 
-# Operator level: which backward backend runs, per cell (deterministic calls have their own rows).
+def _operator_fallback(functional: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The kernels' fallbacks, then no bias: the seeded operator table holds only the roots
+    (dense, unpadded, no dropout, no bias); patches add the refinements where they differ."""
+    twin = _fallback(functional)
+    if twin is None and functional.get("BIAS"):
+        return {**functional, "BIAS": BIAS_NONE}
+    return twin
+
+
+# Operator level: which backward backend runs, per cell. Padding, varlen, dropout and a bias
+# change which backend wins (perfmon, 2026-11-30: fused 1.1-1.8x faster with odd head dims,
+# dropout, a bias, fp32), so they are axes; deterministic calls have their own rows.
 BACKWARD = OperatorSpec(
     family=FAMILY,
     name="backward",
     functionals=(
         ("dtype", ("fp16", "bf16", "fp32")),
         ("BLOCK_D", HEAD_DIM_BUCKETS),
+        ("PAD_HEAD", (False, True)),
         ("MASK", (MASK_NONE, MASK_TOP_LEFT, MASK_BOTTOM_RIGHT)),
+        ("VARLEN", (False, True)),
+        ("DROPOUT", (False, True)),
+        ("BIAS", (BIAS_NONE, BIAS_ADD, BIAS_GRAD)),
         ("DETERMINISTIC", (False, True)),
     ),
     tuning_space=(("backend", BACKENDS),),
     tuning_keys=_SEQ_KEYS,
-    fallback=_fallback,
+    fallback=_operator_fallback,
 )
+
+
+def operator_functional(kernel_functional: Mapping[str, Any], deterministic: bool) -> Functional:
+    """The ``flash.backward`` functional of a call whose (backward) kernel functional is given."""
+    names = [name for name, _ in BACKWARD.functionals if name != "DETERMINISTIC"]
+    return Functional.of({**{n: kernel_functional[n] for n in names}, "DETERMINISTIC": deterministic})
 
 KERNELS = {spec.name: spec for spec in (ATTN_FWD, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ,
                                         ATTN_BWD_FUSED, DROPOUT_MASK, PHILOX_WORDS)}
