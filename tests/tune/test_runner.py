@@ -107,3 +107,19 @@ def test_bad_task_refused():
     with pytest.raises(ValueError, match="dropout"):
         runner.run_task(Task("sm_90", "flash.attn_fwd", f, (16, 16)), TINY, device="cpu", journal=None)
     assert Config.of(BLOCK_M=16)  # spec types import cleanly beside the runner
+
+
+def test_padded_operator_task_times_both_backends_on_odd_head_dims():
+    """An operator cell of padded heads: both backends run on odd head dims (unaligned rows),
+    within the tolerance, and the result names which one won."""
+    f = Functional.of(dict(dtype="fp16", BLOCK_D=32, PAD_HEAD=True, MASK=2, VARLEN=False, DROPOUT=False, BIAS=0,
+                           DETERMINISTIC=False))
+    task = Task("sm_90", "flash.backward", f, (32, 32))
+    settings = dataclasses.replace(TINY, finalists=2, repeats=(1, 1))
+    result = runner.run_task(task, settings, device="cpu", db=Database(PROJECT_TUNING), journal=None)
+    by_name = {c["name"]: c for c in result["candidates"]}
+    assert set(by_name) == {"split", "fused"} and result["winner"] in by_name
+    dims = {key.split()[0] for c in by_name.values() for key in c["errors"]}
+    assert any(not d.endswith("D32") for d in dims), dims  # an odd head dim was checked
+    for c in by_name.values():
+        assert c["eligible"] and max(c["errors"].values()) < 5e-3, c
