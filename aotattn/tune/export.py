@@ -197,4 +197,4 @@ def _check(db: Database, arch: str, table: str, path: Path, text: str) -> None:
     base = Database(db.root, db.specs)
     table_now = base.effective(arch, table, patches=len([p for p in base.patch_paths(arch, table) if p != path
                                                          and p.name < path.name]))
-    apply_patch(table_now, patch, str(path))
+    apply_patch(table_now, patch, str(path), fallback=spec.fallback)

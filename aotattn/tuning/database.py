@@ -143,7 +143,7 @@ class Database:
         spec = self.spec(table)
         for patch_path in self.patch_paths(arch, table)[:patches]:
             patch = parse_patch(spec, read_text(patch_path), str(patch_path))
-            merged = apply_patch(merged, patch, str(patch_path), only)
+            merged = apply_patch(merged, patch, str(patch_path), only, spec.fallback)
         with self._lock:
             self._effective[key] = merged
         return merged

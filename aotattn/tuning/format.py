@@ -533,10 +533,12 @@ def write_patch(spec: Any, patch: Patch) -> str:
 
 
 def apply_patch(table: Table, patch: Patch, path: str = "<patch>",
-                only: Collection[Functional] | None = None) -> Table:
+                only: Collection[Functional] | None = None, fallback: Any = None) -> Table:
     """A copy of ``table`` with the patch's configurations added and its cells set.
 
     ``only``: the table holds just these functionals' blocks; edits of others are skipped.
+    ``fallback``: the spec's fallback; a patch may then add a block for a functional the
+    table lacks (a refinement), starting as a copy of the block its lookup falls back to.
     """
     out = table.copy()
     out.configs.update(patch.configs)
@@ -545,6 +547,8 @@ def apply_patch(table: Table, patch: Patch, path: str = "<patch>",
         where = f"{path}:{edit.line}"
         if only is not None and edit.functional not in only:
             continue
+        if edit.functional not in out.blocks and (grid := _fallback_grid(out, edit.functional, fallback)) is not None:
+            out.blocks[edit.functional] = grid
         if edit.functional not in out.blocks:
             raise TuningError(f"the patch edits a functional the table does not have: {dict(edit.functional.items)}",
                               where)
@@ -557,6 +561,15 @@ def apply_patch(table: Table, patch: Patch, path: str = "<patch>",
             for c in cols:
                 grid[r][c] = edit.config
     return out
+
+
+def _fallback_grid(table: Table, functional: Functional, fallback: Any) -> list[list[str]] | None:
+    """A copy of the grid of the nearest block in ``functional``'s fallback chain, or None."""
+    while fallback is not None and (twin := fallback(functional.as_dict())) is not None:
+        functional = Functional.of(twin)
+        if functional in table.blocks:
+            return [list(row) for row in table.blocks[functional]]
+    return None
 
 
 def bucket_index(buckets: Sequence[int], value: int) -> int:

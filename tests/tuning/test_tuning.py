@@ -326,3 +326,37 @@ def test_use_tables_names_the_default_registry(tmp_path, monkeypatch):
     tuning.use_tables(lambda: SPECS)
     make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE})
     assert Database(tmp_path).effective("sm_90", "toy.k").configs["small"] == Config.of(BLOCK=16, num_warps=4)
+
+
+def test_a_patch_may_add_a_refinement_block_that_starts_from_its_fallback(tmp_path):
+    """The seeded operator table holds only roots: a patch adds a padded-head block, which
+    starts as a copy of the root's grid; only its edited cells differ; lookups of the
+    refinement and of refinements of it see the new block, the root is untouched."""
+    import shutil
+
+    from aotattn.families.flash import rules
+
+    root = tmp_path / "tuning"
+    shutil.copytree(Path(tuning.database().root), root, ignore=shutil.ignore_patterns("*.dbpatch"))
+    base = dict(dtype="bf16", BLOCK_D=64, PAD_HEAD=False, MASK=0, VARLEN=False, DROPOUT=False, BIAS=0,
+                DETERMINISTIC=False)
+    padded = {**base, "PAD_HEAD": True}
+    patch = ("#! aotattn-patch 1\n#! table flash.backward\n\n[configs]\nfused = backend=fused\n\n"
+             "[dtype=bf16 BLOCK_D=64 PAD_HEAD=True MASK=0 VARLEN=False DROPOUT=False BIAS=0 DETERMINISTIC=False]\n"
+             "seqlen_q=512 seqlen_k=512: fused\n")
+    (root / "nvidia" / "sm_90" / "flash.backward.0001-t.dbpatch").write_text(patch)
+    db = Database(root)
+    assert db.lint() == []
+
+    def backend(f, s):
+        return db.lookup("sm_90", rules.BACKWARD, Functional.of(f), {"seqlen_q": s, "seqlen_k": s})["backend"]
+
+    assert backend(padded, 500) == "fused" and backend(padded, 4096) == "split"
+    assert backend(base, 500) == "split"
+    assert backend({**padded, "DROPOUT": True, "BIAS": 2}, 500) == "fused"  # falls back through the new block
+    full = db.effective("sm_90", "flash.backward")
+    assert full.blocks[Functional.of(padded)][5][6] == full.blocks[Functional.of(base)][5][6]
+    # a functional outside the table's axes is still refused
+    (root / "nvidia" / "sm_90" / "flash.backward.0002-bad.dbpatch").write_text(
+        patch.replace("PAD_HEAD=True", "PAD_HEAD=True NOPE=1"))
+    assert any("NOPE" in str(e) or "axis" in str(e) for e in Database(root).lint())

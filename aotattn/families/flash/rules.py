@@ -239,12 +239,15 @@ PHILOX_WORDS = KernelSpec(
 )
 
 def _operator_fallback(functional: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The kernels' fallbacks, then no bias: the seeded operator table holds only the roots
-    (dense, unpadded, no dropout, no bias); patches add the refinements where they differ."""
-    twin = _fallback(functional)
-    if twin is None and functional.get("BIAS"):
-        return {**functional, "BIAS": BIAS_NONE}
-    return twin
+    """The seeded operator table holds only the roots (unpadded, dense, no dropout, no bias,
+    mask none or bottom-right); patches add refinements where the backend differs. A
+    refinement drops its bias, dropout, varlen and top-left mask first and its padding
+    last: the tuner times padded cells, so a padded call with dropout falls back to them."""
+    for axis, plain in (("BIAS", BIAS_NONE), ("DROPOUT", False), ("VARLEN", False), ("MASK", MASK_BOTTOM_RIGHT),
+                        ("PAD_HEAD", False)):
+        if functional[axis] != plain and not (axis == "MASK" and functional[axis] == MASK_NONE):
+            return {**functional, axis: plain}
+    return None
 
 
 # Operator level: which backward backend runs, per cell. Padding, varlen, dropout and a bias
