@@ -2,8 +2,8 @@
 
 While perfmon runs the unforced operator once (untimed), it records every lookup the
 operator makes (:func:`recording_lookups`); :func:`cell_of` then names the table, the
-block (after the declared fallbacks) and the cell each came from, the way
-:meth:`aotattn.tuning.Database.lookup` resolved it. A fault points at such a cell, and
+functional the call asked for and the cell each came from (resolved, through the declared
+fallbacks, the way :meth:`aotattn.tuning.Database.lookup` does). A fault points at such a cell, and
 :func:`suggest_patch` writes the edit that would set it to the faster choice.
 """
 
@@ -76,9 +76,12 @@ def recording_lookups(family: str = "flash") -> Iterator[list[Lookup]]:
 
 def cell_of(arch: str, spec: Any, functional: Functional, sizes: Mapping[str, int],
             db: tuning.Database | None = None) -> str:
-    """``table[functional]@key=bucket,...``: the block (after fallbacks) and cell a lookup uses.
+    """``table[functional]@key=bucket,...``: the cell of the functional the call asked for.
 
-    Raises :class:`aotattn.tuning.TuningError` when the database has no such block.
+    Its block may be a fallback's (a dropout call reads the dense block until a patch
+    gives dropout its own): a patch for this cell then adds the refinement's block, so
+    fixing a fault never changes the calls that only shared the fallback. Raises
+    :class:`aotattn.tuning.TuningError` when neither the functional nor a fallback has a block.
     """
     db = db or tuning.database()
     chain = [functional]
@@ -90,7 +93,7 @@ def cell_of(arch: str, spec: Any, functional: Functional, sizes: Mapping[str, in
         raise tuning.TuningError(f"{arch} / {spec.qualname}: no block for [{functional}] or its fallbacks")
     keys = ",".join(f"{name}={buckets[tuning.bucket_index(buckets, sizes[name])]}"
                     for name, buckets in spec.tuning_keys)
-    return f"{spec.qualname}[{format_functional(spec, used)[1:-1].replace(' ', ',')}]@{keys}"
+    return f"{spec.qualname}[{format_functional(spec, functional)[1:-1].replace(' ', ',')}]@{keys}"
 
 
 @dataclass(frozen=True)

@@ -226,3 +226,22 @@ def test_cli_faults_compare_summary_and_plot(tuning_copy, tmp_path):
     assert not math.isclose(float(image.std()), 0.0)  # something was drawn
     nothing = invoke("perfdb", "plot", "after", "--group", "window", "--out", str(tmp_path / "none.png"))
     assert nothing.exit_code != 0 and "nothing to plot" in nothing.output
+
+
+def test_a_fault_on_a_refinement_patches_the_refinement_not_its_fallback(tuning_copy):
+    """A dropout call reads the dense block (the seeded operator table has only roots): its
+    fault names the dropout cell, and the suggested patch adds the dropout block, leaving
+    the dense calls that shared the fallback as they were."""
+    db = Database(tuning_copy)
+    dense = _functional(ENTRIES[0])
+    dropout = Functional.of({**dense.as_dict(), "DROPOUT": True})
+    sizes = {"seqlen_q": 1000, "seqlen_k": 1000}
+    cell = parse_cell(cell_of("sm_90", rules.BACKWARD, dropout, sizes, db))
+    assert cell.functional == dropout and dict(cell.buckets) == {"seqlen_q": 1024, "seqlen_k": 1024}
+    (text,) = suggest_patch({cell: Config.of(backend="fused")}, ["test"]).values()
+    (tuning_copy / "nvidia" / "sm_90" / "flash.backward.0009-fix.dbpatch").write_text(text)
+    fixed = Database(tuning_copy)
+    assert fixed.lint() == []
+    assert fixed.lookup("sm_90", rules.BACKWARD, dropout, sizes)["backend"] == "fused"
+    assert fixed.lookup("sm_90", rules.BACKWARD, dense, sizes)["backend"] == "split"
+    assert fixed.lookup("sm_90", rules.BACKWARD, dropout, {"seqlen_q": 4000, "seqlen_k": 4000})["backend"] == "split"
