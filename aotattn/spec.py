@@ -179,6 +179,19 @@ class _Table:
 
 
 @dataclass(frozen=True)
+class ChosenBy:
+    """A kernel that runs only where an operator table chooses it (a backward backend's
+    kernels): the build compiles its configurations only in the cells where the operator
+    table ``operator`` says ``knob=value`` for one of ``functionals(kernel functional)``.
+    Both tables are keyed alike."""
+
+    operator: str  # the operator table's qualname
+    knob: str
+    value: Any
+    functionals: Callable[[Mapping[str, Any]], list[dict[str, Any]]] = field(compare=False)
+
+
+@dataclass(frozen=True)
 class KernelSpec(_Table):
     """Everything the build, the runtime and the tuner need to know about one kernel.
 
@@ -201,6 +214,9 @@ class KernelSpec(_Table):
         aligned_when: the functionals built as the *aligned* variant (alignment hints on
             the ``aligned`` arguments); the operators choose such a functional only for
             inputs that satisfy them. None: every functional is built generic.
+        chosen_by: the operator table whose choice runs this kernel (:class:`ChosenBy`);
+            the build compiles it only where that choice is made. None: wherever its
+            own table says.
     """
 
     family: str
@@ -215,6 +231,7 @@ class KernelSpec(_Table):
     tuning_keys: tuple[tuple[str, tuple[int, ...]], ...] = ()
     fallback: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
     aligned_when: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
+    chosen_by: ChosenBy | None = None
 
     @functools.cached_property
     def argument_names(self) -> tuple[str, ...]:

@@ -32,11 +32,42 @@ def check_archs(archs: Sequence[str]) -> None:
             raise ValueError(f"--arch: {exc}") from None
 
 
-def enumerate_jobs(db: Database, archs: Sequence[str], tables: Sequence[str], where: str | None = None) -> list[Job]:
+def _resolved(db: Database, arch: str, spec: Any, functional: Functional) -> list[list[str]]:
+    """The grid of cell names ``functional``'s lookups read (its block or a fallback's)."""
+    table = db.effective(arch, spec.qualname)
+    resolved = functional
+    while resolved not in table.blocks:
+        twin = spec.fallback(resolved.as_dict()) if spec.fallback else None
+        if twin is None:
+            raise TuningError(f"{arch} / {spec.qualname}: no block for [{functional}] or its fallbacks")
+        resolved = Functional.of(twin)
+    return table.blocks[resolved]
+
+
+def _chosen_cells(db: Database, arch: str, spec: Any, functional: Functional) -> set[tuple[int, int]]:
+    """The cells where the operator table that runs ``spec`` (``spec.chosen_by``) chooses it."""
+    chosen = spec.chosen_by
+    operator = families.tables()[chosen.operator]
+    if operator.tuning_keys != spec.tuning_keys:
+        raise TuningError(f"{spec.qualname} is chosen by {chosen.operator}, whose keys differ")
+    configs = db.effective(arch, chosen.operator).configs
+    cells = set()
+    for f in chosen.functionals(functional.as_dict()):
+        grid = _resolved(db, arch, operator, Functional.of(f))
+        cells |= {(r, c) for r, row in enumerate(grid) for c, name in enumerate(row)
+                  if name != "." and configs[name][chosen.knob] == chosen.value}
+    return cells
+
+
+def enumerate_jobs(db: Database, archs: Sequence[str], tables: Sequence[str], where: str | None = None,
+                   forced: bool = False) -> list[Job]:
     """Every functional of the selected kernels x every configuration its table names for it.
 
     ``where`` (``"dtype=bf16 BLOCK_D=128"``) selects functionals; an axis or value none of
-    the kernels has, or a filter that matches nothing, is a ValueError.
+    the kernels has, or a filter that matches nothing, is a ValueError. A kernel an
+    operator table chooses (a backward backend's, ``KernelSpec.chosen_by``) is listed only
+    in the cells where that table chooses it, unless ``forced``: then also what a call
+    that forces the choice (``backend="fused"``) runs.
     """
     specs = [families.kernels()[name] for name in tables]
     wanted = parse_where(where, specs)
@@ -50,13 +81,11 @@ def enumerate_jobs(db: Database, archs: Sequence[str], tables: Sequence[str], wh
             for functional in spec.enumerate_functionals():
                 if not functional.matches(wanted):
                     continue
-                resolved = functional
-                while resolved not in table.blocks:
-                    twin = spec.fallback(resolved.as_dict()) if spec.fallback else None
-                    if twin is None:
-                        raise TuningError(f"{arch} / {name}: no block for [{functional}] or its fallbacks")
-                    resolved = Functional.of(twin)
-                names = sorted({cell for row in table.blocks[resolved] for cell in row} - {"."})
+                grid = _resolved(db, arch, spec, functional)
+                cells = {(r, c) for r in range(len(grid)) for c in range(len(grid[r]))}
+                if spec.chosen_by is not None and not forced:
+                    cells &= _chosen_cells(db, arch, spec, functional)
+                names = sorted({grid[r][c] for r, c in cells} - {"."})
                 jobs += [Job(arch, name, functional, table.configs[n]) for n in names]
     return jobs
 
@@ -206,13 +235,14 @@ def pack(jobs: Iterable[Job], cache_dir: Path, out: Path, line_info: bool = Fals
 def build(archs: Sequence[str], tables: Sequence[str], where: str | None, out: Path, cache_dir: Path,
           workers: int, timeout: float, db: Database,
           on_outcome: Callable[[Outcome], None] = lambda o: None,
-          on_plan: Callable[[list[Job]], None] = lambda jobs: None, line_info: bool = False) -> BuildReport:
+          on_plan: Callable[[list[Job]], None] = lambda jobs: None, line_info: bool = False,
+          forced: bool = False) -> BuildReport:
     """Compile what :func:`enumerate_jobs` lists (the cache's binaries where it has them)
     and pack it into ``out``. ``line_info``: keep source line tables in the binaries
     (for profilers; about 2.5 times the size, see :mod:`aotattn.compiler.jobs`)."""
     check_archs(archs)
     start = time.monotonic()
-    jobs = enumerate_jobs(db, archs, tables, where)
+    jobs = enumerate_jobs(db, archs, tables, where, forced)
     on_plan(jobs)
     outcomes = run_jobs(jobs, cache_dir, workers, timeout, on_outcome, line_info)
     archives = pack([o.job for o in outcomes if o.status in ("compiled", "cached")], cache_dir, out, line_info)

@@ -59,6 +59,9 @@ def build_command(
     dry_run: bool = typer.Option(False, "--dry-run", help="only list what would be compiled"),
     line_info: bool = typer.Option(False, "--line-info", help="keep source line tables in the kernels (profilers, "
                                    "compute-sanitizer; about 2.5 times the size, and other machine code)"),
+    forced_backends: bool = typer.Option(False, "--forced-backends", help="also the kernels only a call that forces "
+                                         "a backend runs (backend='fused' where the tuning database chooses split; "
+                                         "without them such a call compiles through Triton's JIT once)"),
 ) -> None:
     """Compile every kernel variant the tuning database names, for each arch, into image archives.
 
@@ -79,7 +82,7 @@ def build_command(
         raise ValueError(f"--family/--kernel: no kernel matches {' '.join(family or [])} {' '.join(kernel or [])} "
                          f"(kernels: {', '.join(known)})")
     db = Database(tuning_db, families.tables()) if tuning_db else Database(specs=families.tables())
-    planned = enumerate_jobs(db, archs, tables, where)  # refuses a bad --where before anything starts
+    planned = enumerate_jobs(db, archs, tables, where, forced_backends)  # refuses a bad --where before anything starts
     if dry_run:
         for job in planned:
             console.print(f"{job.arch} {job.table} [{job.functional}] {job.config} ({job.variant})", markup=False)
@@ -103,7 +106,7 @@ def build_command(
                                        style="red")
 
         report = build(archs, tables, where, out or images_root(), cache or DEFAULT_CACHE, jobs or usable_cores(),
-                       timeout, db, on_outcome=done, line_info=line_info)
+                       timeout, db, on_outcome=done, line_info=line_info, forced=forced_backends)
     counts = {}
     for outcome in report.outcomes:
         counts[outcome.status] = counts.get(outcome.status, 0) + 1

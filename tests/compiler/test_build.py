@@ -67,6 +67,40 @@ def test_jobs_follow_the_tuning_database():
     assert {job.config["num_stages"] for job in jobs if job.arch == "sm_80"} == {2}  # sm_80 overrides its base
 
 
+def test_backend_kernels_are_built_only_where_the_operator_table_chooses_them(tmp_path):
+    """The fused backward's kernels are listed only in the cells where ``flash.backward``
+    chooses fused (for the call's own functional or the block it falls back to), the split
+    kernels where it chooses split; ``forced`` lists every cell, for calls that force a backend."""
+    import shutil
+
+    from aotattn import tuning
+    from aotattn.families.flash import rules
+    from aotattn.spec import Functional
+
+    root = tmp_path / "tuning"
+    shutil.copytree(Path(tuning.database().root), root, ignore=shutil.ignore_patterns("*.dbpatch"))
+    where = "dtype=bf16 BLOCK_D=64 MASK=0 PAD_HEAD=False VARLEN=False BIAS=0"
+    fused = ["flash.attn_bwd_fused"]
+    assert enumerate_jobs(Database(root), ["sm_90"], fused, where) == []  # seeded: split everywhere
+    forced = enumerate_jobs(Database(root), ["sm_90"], fused, where, forced=True)
+    assert {j.functional["DROPOUT"] for j in forced} == {False, True} and len(forced) >= 4
+    (root / "nvidia/sm_90/flash.backward.0001-t.dbpatch").write_text(
+        "#! aotattn-patch 1\n#! table flash.backward\n\n[configs]\nfused = backend=fused\n\n"
+        "[dtype=bf16 BLOCK_D=64 PAD_HEAD=False MASK=0 VARLEN=False DROPOUT=False BIAS=0 DETERMINISTIC=False]\n"
+        "seqlen_q=1024 seqlen_k=1024: fused\n")
+    db = Database(root)
+    jobs = enumerate_jobs(db, ["sm_90"], fused, where)
+    spec = rules.ATTN_BWD_FUSED
+    expected = set()
+    for dropout in (False, True):  # the dropout call falls back to the patched dense block
+        f = Functional.of(dict(dtype="bf16", BLOCK_D=64, BLOCK_DV=64, PAD_HEAD=False, MASK=0, VARLEN=False,
+                               DROPOUT=dropout, BIAS=0, ATOMIC_DQ=True))
+        expected.add((f, db.lookup("sm_90", spec, f, {"seqlen_q": 1024, "seqlen_k": 1024})))
+    assert {(j.functional, j.config) for j in jobs} == expected  # atomic only: deterministic stays split
+    split = enumerate_jobs(db, ["sm_90"], ["flash.attn_bwd_dq"], where)
+    assert split and split == enumerate_jobs(db, ["sm_90"], ["flash.attn_bwd_dq"], where, forced=True)
+
+
 def test_cli_ls_extract_verify(built, tmp_path):
     root, _ = built
     runner = CliRunner()

@@ -13,7 +13,7 @@ import torch
 
 from aotattn import tuning
 from aotattn.runtime.device import arch_of
-from aotattn.spec import Arg, Config, Functional, KernelSpec, OperatorSpec
+from aotattn.spec import Arg, ChosenBy, Config, Functional, KernelSpec, OperatorSpec
 
 FAMILY = "flash"
 BACKENDS = ("split", "fused")
@@ -135,12 +135,26 @@ _TUNING = (
     ("num_stages", (1, 2, 3, 4)),
 )
 
+def _split_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The backward operator's functionals whose split backend runs this dK/dV or dQ kernel."""
+    return [operator_functional(functional, deterministic).as_dict() for deterministic in (False, True)]
+
+
+def _fused_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """... whose fused backend runs this fused kernel (atomic dQ unless deterministic)."""
+    return [operator_functional(functional, not functional["ATOMIC_DQ"]).as_dict()]
+
+
+_SPLIT = ChosenBy("flash.backward", "backend", "split", _split_calls)
+_FUSED = ChosenBy("flash.backward", "backend", "fused", _fused_calls)
+
+
 def _attention_kernel(name: str, module: str, arguments: tuple[Arg, ...], functionals,
-                      derive=_derive) -> KernelSpec:
+                      derive=_derive, chosen_by: ChosenBy | None = None) -> KernelSpec:
     """An attention kernel: the flash tuning space, keys, fallbacks and alignment rule."""
     return KernelSpec(family=FAMILY, name=name, module=module, function=name, arguments=arguments,
                       functionals=functionals, tuning_space=_TUNING, derive=derive, disabled=_disabled,
-                      tuning_keys=_SEQ_KEYS, fallback=_fallback, aligned_when=_aligned_when)
+                      tuning_keys=_SEQ_KEYS, fallback=_fallback, aligned_when=_aligned_when, chosen_by=chosen_by)
 
 
 ATTN_FWD = _attention_kernel(
@@ -186,7 +200,7 @@ ATTN_BWD_DKDV = _attention_kernel(
         *_SEQUENCES, Arg("Bias", "*{dtype}"),
         *_QKV_DO_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_BWD_SCALARS,
     ),
-    _BWD_AXES,
+    _BWD_AXES, chosen_by=_SPLIT,
 )
 
 ATTN_BWD_DQ = _attention_kernel(
@@ -197,7 +211,7 @@ ATTN_BWD_DQ = _attention_kernel(
         Arg("Bias", "*{dtype}"), Arg("DBias", "*fp32"),
         *_QKV_DO_STRIDES, *_DQ_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES, *_BWD_SCALARS,
     ),
-    _BWD_AXES,
+    _BWD_AXES, chosen_by=_SPLIT,
 )
 
 ATTN_BWD_FUSED = _attention_kernel(
@@ -209,7 +223,7 @@ ATTN_BWD_FUSED = _attention_kernel(
         *_QKV_DO_STRIDES, *_DQ_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES,
         *_BWD_SCALARS,
     ),
-    _BWD_AXES + (("ATOMIC_DQ", (False, True)),), derive=_derive_fused,
+    _BWD_AXES + (("ATOMIC_DQ", (False, True)),), derive=_derive_fused, chosen_by=_FUSED,
 )
 
 
