@@ -1,0 +1,83 @@
+"""The backward backend is looked up with everything that changes which backend wins:
+padding, the mask's diagonal, varlen, dropout, a bias (and whether its gradient is
+wanted), determinism (on CPU no GPU is needed: the lookup is recorded, not run)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aotattn import tuning
+from aotattn.families.flash import planning, rules
+from aotattn.families.flash.checks import check_bias, check_flash
+from aotattn.spec import Config, Functional
+
+CUDA = torch.device("cuda")  # only named: config_for is recorded, nothing runs there
+
+
+def _choice(monkeypatch, q, k, v, *, bias=None, bias_grad=False, deterministic=False, **mask):
+    seen = []
+
+    def recorded(kernel, functional, device, **sizes):
+        seen.append((kernel, functional, sizes))
+        return tuning.database().lookup("sm_90", kernel, functional, sizes)
+
+    monkeypatch.setattr(rules, "config_for", recorded)
+    p = check_flash(q, k, v, dropout_p=mask.pop("dropout_p", 0.0), softmax_scale=None,
+                    window_size=mask.pop("window_size", (-1, -1)), causal=mask.pop("causal", False),
+                    diagonal=mask.pop("diagonal", "bottom_right"))
+    c = planning.new_call(p, q, k, v, None if bias is None else check_bias("bias", bias, p, q), bias_grad=bias_grad)
+    backend = planning.choose_backend(c, deterministic, CUDA)
+    ((kernel, functional, sizes),) = seen
+    assert kernel is rules.BACKWARD and backend in rules.BACKENDS
+    return functional.as_dict(), sizes
+
+
+def _qkv(d=64, sq=300, sk=300, dtype=torch.bfloat16):
+    return (torch.randn(2, sq, 4, d, dtype=dtype), torch.randn(2, sk, 4, d, dtype=dtype),
+            torch.randn(2, sk, 4, d, dtype=dtype))
+
+
+@pytest.mark.parametrize("case, expect", [
+    (dict(), {}),
+    (dict(d=57), {"PAD_HEAD": True}),
+    (dict(causal=True), {"MASK": rules.MASK_BOTTOM_RIGHT}),
+    (dict(causal=True, diagonal="top_left", sk=500), {"MASK": rules.MASK_TOP_LEFT}),
+    (dict(dropout_p=0.3), {"DROPOUT": True}),
+    (dict(bias=True), {"BIAS": rules.BIAS_ADD}),
+    (dict(bias=True, bias_grad=True), {"BIAS": rules.BIAS_GRAD}),
+    (dict(deterministic=True), {"DETERMINISTIC": True}),
+    (dict(dtype=torch.float32, d=200), {"dtype": "fp32", "BLOCK_D": 256, "PAD_HEAD": True}),
+])
+def test_the_operator_lookup_names_every_axis_of_the_call(monkeypatch, case, expect):
+    case = dict(case)
+    q, k, v = _qkv(case.pop("d", 64), 300, case.pop("sk", 300), case.pop("dtype", torch.bfloat16))
+    bias = torch.randn(2, 4, q.shape[1], k.shape[1], dtype=q.dtype) if case.pop("bias", False) else None
+    functional, sizes = _choice(monkeypatch, q, k, v, bias=bias, **case)
+    base = dict(dtype="bf16", BLOCK_D=64, PAD_HEAD=False, MASK=0, VARLEN=False, DROPOUT=False, BIAS=0,
+                DETERMINISTIC=False)
+    assert functional == {**base, **expect}
+    assert sizes == {"seqlen_q": 300, "seqlen_k": k.shape[1]}
+
+
+def test_every_operator_functional_resolves_in_the_shipped_database():
+    """Each refinement falls back to a block: no call can meet a missing operator cell."""
+    db = tuning.database()
+    for functional in rules.BACKWARD.enumerate_functionals():
+        for s in (16, 1000, 20000):
+            config = db.lookup("sm_90", rules.BACKWARD, functional, {"seqlen_q": s, "seqlen_k": s})
+            assert config["backend"] in rules.BACKENDS
+
+
+def test_operator_fallback_drops_padding_last():
+    f = dict(dtype="bf16", BLOCK_D=64, PAD_HEAD=True, MASK=rules.MASK_TOP_LEFT, VARLEN=True, DROPOUT=True,
+             BIAS=rules.BIAS_GRAD, DETERMINISTIC=False)
+    chain = [f]
+    while (twin := rules.BACKWARD.fallback(chain[-1])) is not None:
+        chain.append(twin)
+    dropped = [next(a for a in f if chain[i][a] != chain[i + 1][a]) for i in range(len(chain) - 1)]
+    assert dropped == ["BIAS", "DROPOUT", "VARLEN", "MASK", "PAD_HEAD"]
+    assert chain[-1] == {**f, "PAD_HEAD": False, "MASK": rules.MASK_BOTTOM_RIGHT, "VARLEN": False,
+                         "DROPOUT": False, "BIAS": rules.BIAS_NONE}
+    assert Functional.of(chain[-1]) in tuning.database().effective("sm_90", "flash.backward").blocks
+    assert Config.of(backend="split") in tuning.database().effective("sm_90", "flash.backward").configs.values()
