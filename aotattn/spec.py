@@ -279,7 +279,7 @@ class KernelSpec(_Table):
             return "aligned"
         return "generic"
 
-    @property
+    @functools.cached_property
     def type_axes(self) -> frozenset[str]:
         """Values that only fill argument types (``dtype`` in ``*{dtype}``), not constexprs."""
         return frozenset(field for arg in self.arguments
