@@ -81,3 +81,24 @@ def test_operator_fallback_drops_padding_last():
                          "DROPOUT": False, "BIAS": rules.BIAS_NONE}
     assert Functional.of(chain[-1]) in tuning.database().effective("sm_90", "flash.backward").blocks
     assert Config.of(backend="split") in tuning.database().effective("sm_90", "flash.backward").configs.values()
+
+
+def test_a_varlen_call_looks_up_its_own_operator_cell(monkeypatch):
+    from aotattn.families.flash.checks import check_varlen
+
+    seen = []
+
+    def recorded(kernel, functional, device, **sizes):
+        seen.append((functional.as_dict(), sizes))
+        return tuning.database().lookup("sm_90", kernel, functional, sizes)
+
+    monkeypatch.setattr(rules, "config_for", recorded)
+    cu = torch.tensor([0, 100, 100, 350], dtype=torch.int32)
+    q, k, v = (torch.randn(350, 4, 128, dtype=torch.float16) for _ in range(3))
+    p = check_varlen(q, k, v, cu, cu, 250, 250, dropout_p=0.0, softmax_scale=None, causal=True,
+                     window_size=(-1, -1), diagonal="bottom_right")
+    planning.choose_backend(planning.new_call(p, q, k, v, None, cu, cu), True, CUDA)
+    ((functional, sizes),) = seen
+    assert functional == dict(dtype="fp16", BLOCK_D=128, PAD_HEAD=False, MASK=rules.MASK_BOTTOM_RIGHT, VARLEN=True,
+                              DROPOUT=False, BIAS=0, DETERMINISTIC=True)
+    assert sizes == {"seqlen_q": 250, "seqlen_k": 250}
