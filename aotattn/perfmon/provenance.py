@@ -19,7 +19,7 @@ from typing import Any
 from aotattn import families, tuning
 from aotattn.spec import Config, Functional
 from aotattn.tune.candidates import config_name
-from aotattn.tuning.format import Edit, Patch, format_functional, parse_functional, write_patch
+from aotattn.tuning.format import Edit, Patch, fallback_chain, format_functional, parse_functional, write_patch
 
 _CELL = re.compile(r"^(?P<table>[A-Za-z0-9_]+\.[A-Za-z0-9_]+)\[(?P<functional>[^\]]*)\]@(?P<keys>\S*)$")
 
@@ -84,9 +84,7 @@ def cell_of(arch: str, spec: Any, functional: Functional, sizes: Mapping[str, in
     :class:`aotattn.tuning.TuningError` when neither the functional nor a fallback has a block.
     """
     db = db or tuning.database()
-    chain = [functional]
-    while spec.fallback is not None and (twin := spec.fallback(chain[-1].as_dict())) is not None:
-        chain.append(Functional.of(twin))
+    chain = fallback_chain(spec.fallback, functional)
     table = db.effective(arch, spec.qualname, only=frozenset(chain))
     used = next((f for f in chain if f in table.blocks), None)
     if used is None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from aotattn.paths import installed_tuning_db
 from aotattn.spec import Config, Functional
-from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, bucket_index, parse_patch,
+from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, bucket_index, fallback_chain, parse_patch,
                                    parse_table, write_table)
 
 ENV_VAR = "AOTATTN_TUNING_DB"
@@ -157,9 +157,7 @@ class Database:
         if found is not None:
             return found
         self.specs.setdefault(spec.qualname, spec)
-        chain = [functional]  # the functional and its declared fallbacks, in order
-        while spec.fallback is not None and (twin := spec.fallback(chain[-1].as_dict())) is not None:
-            chain.append(Functional.of(twin))
+        chain = fallback_chain(spec.fallback, functional)
         table = self.effective(arch, spec.qualname, only=frozenset(chain))
         used = next((f for f in chain if f in table.blocks), None)
         if used is None:

@@ -563,13 +563,18 @@ def apply_patch(table: Table, patch: Patch, path: str = "<patch>",
     return out
 
 
+def fallback_chain(fallback: Any, functional: Functional) -> list[Functional]:
+    """``functional`` and its declared fallbacks, in the order a lookup tries them."""
+    chain = [functional]
+    while fallback is not None and (twin := fallback(chain[-1].as_dict())) is not None:
+        chain.append(Functional.of(twin))
+    return chain
+
+
 def _fallback_grid(table: Table, functional: Functional, fallback: Any) -> list[list[str]] | None:
     """A copy of the grid of the nearest block in ``functional``'s fallback chain, or None."""
-    while fallback is not None and (twin := fallback(functional.as_dict())) is not None:
-        functional = Functional.of(twin)
-        if functional in table.blocks:
-            return [list(row) for row in table.blocks[functional]]
-    return None
+    found = next((f for f in fallback_chain(fallback, functional)[1:] if f in table.blocks), None)
+    return None if found is None else [list(row) for row in table.blocks[found]]
 
 
 def bucket_index(buckets: Sequence[int], value: int) -> int:

@@ -12,6 +12,7 @@ from aotattn import families, tuning
 from aotattn.cli import app
 from aotattn.spec import Config, Functional, OperatorSpec
 from aotattn.tuning import Database, TuningError, parse_patch, parse_table, write_table
+from aotattn.tuning.format import fallback_chain
 
 TOY = OperatorSpec(
     family="toy", name="k",
@@ -218,16 +219,11 @@ def test_the_project_database_is_valid_and_complete():
     db = tuning.database()
     assert db.lint() == []
 
-    def chain(functional):
-        while functional is not None:
-            yield functional
-            twin = spec.fallback(functional.as_dict()) if spec.fallback else None
-            functional = None if twin is None else Functional.of(twin)
-
     for spec in families.tables().values():
         for arch in db.archs():
             table = db.effective(arch, spec.qualname)
-            missing = [fn for fn in spec.enumerate_functionals() if not any(f in table.blocks for f in chain(fn))]
+            missing = [fn for fn in spec.enumerate_functionals()
+                       if not any(f in table.blocks for f in fallback_chain(spec.fallback, fn))]
             assert not missing, f"{arch} / {spec.qualname}: {len(missing)} functionals without a block"
 
 
