@@ -1,6 +1,6 @@
 """aotattn's host time per call with the kernels taken out (no GPU needed).
 
-    python benchmarks/bench_host.py [--calls 2000] [--profile]
+    python benchmarks/bench_host.py [--calls 2000] [--profile] [--device cuda]
 
 CPU tensors go through the same operators, checks, plan cache, autograd Function and
 prepared launches as CUDA ones; only the launch differs (the interpreter instead of the
@@ -9,6 +9,10 @@ is the Python and PyTorch work of a call: the part of issue 17's host time that 
 depend on the GPU. B1 H1 S128 D64 bf16 causal, as ``bench_latency.py`` measures on the
 GPU: inference (no grad), a training forward (inputs that require grad) and a training
 forward + backward. ``--profile`` prints where the forward + backward's time goes.
+
+``--device cuda`` runs the real kernels on the GPU instead (images or the JIT, as
+``AOTATTN_MODE`` says), beside PyTorch's SDPA on the same tensors, timed the same way
+(host time of a batch of calls, then synchronized), and profiles that path.
 """
 
 from __future__ import annotations
@@ -34,10 +38,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args()
-    interpreter.interpreted_function = lambda module, function: _NoKernel()
-    q, k, v = (torch.randn(1, 128, 1, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    dout = torch.randn(1, 128, 1, 64, dtype=torch.bfloat16)
+    if args.device == "cpu":
+        interpreter.interpreted_function = lambda module, function: _NoKernel()
+    q, k, v = (torch.randn(1, 128, 1, 64, dtype=torch.bfloat16, device=args.device, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn(1, 128, 1, 64, dtype=torch.bfloat16, device=args.device)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     def inference():
         with torch.no_grad():
@@ -49,14 +57,40 @@ def main() -> None:
     def forward_backward():
         return torch.autograd.grad(aotattn.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
 
+    def sdpa(grad: bool, backward: bool):
+        qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+        with torch.set_grad_enabled(grad):
+            out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        return torch.autograd.grad(out, (q, k, v), dout.transpose(1, 2)) if backward else out
+
+    peers = {"inference": lambda: sdpa(False, False), "training forward": lambda: sdpa(True, False),
+             "training forward + backward": lambda: sdpa(True, True)}
+
+    def per_call(fn) -> float:
+        """Median over 7 rounds of the host time per call (a round: 100 calls, then synchronized)."""
+        samples = []
+        for _ in range(7):
+            sync()
+            start = time.perf_counter()
+            for _ in range(min(args.calls, 100) if args.device == "cuda" else args.calls // 7):
+                fn()
+            samples.append((time.perf_counter() - start) / (min(args.calls, 100) if args.device == "cuda"
+                                                             else args.calls // 7) * 1e6)
+        sync()
+        return sorted(samples)[3]
+
     for name, fn in (("inference", inference), ("training forward", forward),
                      ("training forward + backward", forward_backward)):
         for _ in range(50):
             fn()
-        start = time.perf_counter()
-        for _ in range(args.calls):
-            fn()
-        print(f"{name:30} {(time.perf_counter() - start) / args.calls * 1e6:8.1f} us per call")
+        ours = per_call(fn)
+        line = f"{name:30} {ours:8.1f} us per call"
+        if args.device == "cuda":
+            for _ in range(50):
+                peers[name]()
+            theirs = per_call(peers[name])
+            line += f"   SDPA {theirs:8.1f} us   ratio {ours / theirs:5.2f}"
+        print(line)
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()

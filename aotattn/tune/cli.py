@@ -26,7 +26,8 @@ CELLS = typer.Option("diagonal", "--cells", help="diagonal (seqlen_q = seqlen_k)
 ARCH = typer.Option("sm_90", "--arch", help="architecture (also the pgdef pool)")
 ALL = typer.Option(False, "--all-functionals", help="also refinements (padded heads, ...), not only roots")
 LIMIT = typer.Option(8, "--limit", help="candidates per cell kept by the speed model (plus the current choice)")
-TOKENS = typer.Option(2**17, "--tokens", help="batch x heads x seqlen_q of the timed problem")
+TOKENS = typer.Option(None, "--tokens", help="batch x heads x seqlen_q of the timed problem (default: the "
+                      "harness's per table: 2^17 for kernel tables, 2^19 for flash.backward)")
 TUNING_DB = typer.Option(None, "--tuning-db", help="tuning database root (default: $AOTATTN_TUNING_DB or tuning/)")
 DSN = typer.Option(None, "--dsn", envvar="AOTATTN_PGDEF_DSN", help="pgdef database (default: the embedded server)")
 HOME = typer.Option(None, "--home", envvar="AOTATTN_PGDEF_HOME", help="work folder of pgdef's embedded server")
@@ -61,19 +62,22 @@ def _select(category: list[str], where: str | None, dtype: str, head_dim: str | 
     return chosen, len(found)
 
 
-def _settings(limit: int, tokens: int):
+def _settings(limit: int, tokens: int | None, table: str):
+    """A task's settings: ``tokens`` when given, else its table's harness default."""
     from aotattn.tune.runner import Settings
 
-    return Settings.from_json({"limit": limit, "tokens": tokens})
+    default = Settings.for_table(table)
+    return Settings.from_json({"limit": limit, "tokens": default.tokens if tokens is None else tokens})
 
 
-def _summary(chosen, total: int, settings, db) -> None:
+def _summary(chosen, total: int, limit: int, tokens: int | None, db) -> None:
     from aotattn.tune import ahead
     from aotattn.tune.estimate import gpu_seconds
 
-    jobs = ahead.plan(chosen, settings, db)
+    jobs = list({(j.table, j.functional, j.config): j for t in chosen
+                 for j in ahead.task_jobs(t, _settings(limit, tokens, t.table), db)}.values())
     functionals = {(t.table, t.functional) for t in chosen}
-    seconds = sum(gpu_seconds(t, settings) for t in chosen)
+    seconds = sum(gpu_seconds(t, _settings(limit, tokens, t.table)) for t in chosen)
     console.print(f"{len(chosen)} tasks ({total - len(chosen)} unsupported left out) over {len(functionals)} "
                   f"functionals; {len(jobs)} kernels to compile; about {seconds / 60:.1f} GPU-minutes")
 
@@ -86,9 +90,8 @@ def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE,
     """Show what a selection holds (tasks, kernels to compile, GPU time); optionally write it as a batch."""
     from aotattn.tune.tasks import write_batch
 
-    settings = _settings(limit, tokens)
     chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
-    _summary(chosen, total, settings, _db(tuning_db))
+    _summary(chosen, total, limit, tokens, _db(tuning_db))
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(write_batch(chosen))
@@ -107,11 +110,11 @@ def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DT
     from aotattn.tune.app import category as category_of
     from aotattn.tune.app import task_spec
 
-    settings = _settings(limit, tokens)
     chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
     by_table: dict[str, list] = {}
     for task in chosen:
-        by_table.setdefault(task.table, []).append(task_spec(task, settings, rerun, priority))
+        by_table.setdefault(task.table, []).append(task_spec(task, _settings(limit, tokens, task.table), rerun,
+                                                             priority))
     with Client(dsn, home=home) as client:
         client.init()
         for table, specs in by_table.items():
@@ -167,7 +170,7 @@ def _batch_tasks(path: Path):
         from aotattn.tune.app import parse_payload
 
         return [parse_payload(t["payload"]) for t in json.loads(text)["tasks"]]
-    return [(task, Settings()) for task in read_batch(text, str(path))]
+    return [(task, Settings.for_table(task.table)) for task in read_batch(text, str(path))]
 
 
 @app.command("compile")

@@ -76,6 +76,23 @@ class Shape:
         return f"B{self.batch} H{self.heads} Sq{self.seqlen_q} Sk{self.seqlen_k} D{self.head_dim}"
 
 
+OPERATOR_TABLE = "flash.backward"
+
+
+def default_tokens(table: str) -> int:
+    """``batch x heads x seqlen_q`` a table's tasks are timed at unless ``--tokens`` says.
+
+    Kernel tables: 2^17, enough programs to fill the GPU many times over. The operator
+    table: 2^19. Its choice is between split and fused, whose difference is memory
+    traffic: fused accumulates dQ with fp32 atomics, and at 2^17 tokens that buffer
+    (32 MB at D 64) and K, V fit the H200's 50 MB L2, so fused won cells at 2^17 that
+    it lost by 10-25% at the 2^19-2^20 tokens of the benchmark grid and the models
+    (benchmarks/RESULTS.md, 2026-11-30): timed where the working set is several times
+    the L2, as in training steps.
+    """
+    return 2**19 if table == OPERATOR_TABLE else 2**17
+
+
 def supports(table: str, functional: Functional) -> bool:
     """Whether this harness can build problems for the functional (dense, no dropout, no bias)."""
     f = functional.as_dict()

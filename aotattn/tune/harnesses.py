@@ -1,7 +1,7 @@
 """Which family harness tunes which table.
 
 A harness is a module (one per family, e.g. :mod:`aotattn.tune.flash`) that provides
-``TABLES``, ``supports``, ``footprint``, ``current_config``, ``auxiliary``,
+``TABLES``, ``supports``, ``default_tokens``, ``footprint``, ``current_config``, ``auxiliary``,
 ``image_key``, ``flops``, ``Problem``, ``timing_shape``, ``accuracy_shapes`` and
 ``errors`` (docs/tuner.md, "Adding a family"). Adding a family's tuning means adding
 its module here; nothing else in the tuner names a family.

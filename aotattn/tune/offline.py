@@ -60,7 +60,7 @@ def run_batch(batch: Path, results: Path, *, shard: str = "0/1", device: str | N
             log(f"deadline: {len(tasks)} tasks in the shard, stopping before {task.describe()}")
             break
         log(f"{task.describe()}")
-        result = run_task(task, Settings(), device=device, db=db, journal=journal_dir(), log=log)
+        result = run_task(task, Settings.for_table(task.table), device=device, db=db, journal=journal_dir(), log=log)
         tmp = out.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
         tmp.replace(out)

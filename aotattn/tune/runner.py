@@ -115,6 +115,13 @@ class Settings:
                 raise ValueError(f"settings.{name}: expected a number >= 1, got {getattr(settings, name)!r}")
         return settings
 
+    @classmethod
+    def for_table(cls, table: str, **changes: Any) -> "Settings":
+        """The defaults, timed at the table's own size (its harness's ``default_tokens``)."""
+        from aotattn.tune.harnesses import harness
+
+        return cls(**{"tokens": harness(table).default_tokens(table), **changes})
+
 
 class DeviceLost(RuntimeError):
     """A CUDA error left the context unusable: the process must end (the task resumes)."""
@@ -334,7 +341,7 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
         DeviceLost: a CUDA error made the context unusable; end the process and rerun.
     """
     start = time.monotonic()
-    settings = settings or Settings()
+    settings = settings or Settings.for_table(task.table)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if db is None:
         from aotattn import tuning

@@ -92,6 +92,9 @@ def test_cli_dispatch_and_plan(dsn, tmp_path):
     with Client(dsn) as client:
         payloads = [t.payload for t in client.tasks("tune")]
     assert all(tune_app.parse_payload(p)[0].arch == "sm_90" for p in payloads) and len(payloads) == 6
+    # each table timed at its harness's size: kernels 2^17 tokens, the operator table 2^19
+    tokens = {(t.table, s.tokens) for t, s in map(tune_app.parse_payload, payloads)}
+    assert tokens == {("flash.attn_fwd", 2**17), ("flash.backward", 2**19)}, tokens
     # a batch sized by the estimate: a tiny budget still takes the first task, in pgdef's claim order
     batch = tmp_path / "batch.json"
     taken = runner.invoke(cli, ["tune", "checkout", "--minutes", "0.0001", "-o", str(batch), "--dsn", dsn])
@@ -101,6 +104,14 @@ def test_cli_dispatch_and_plan(dsn, tmp_path):
     assert counted.exit_code == 0 and "1 tasks need" in counted.output, counted.output
     with Client(dsn) as client:
         assert len(client.tasks("tune", states=["queued"])) == 5
+    # --tokens overrides the harness's size
+    forced = runner.invoke(cli, ["tune", "dispatch", "-c", "flash,backward", "--dtype", "bf16", "--head-dim", "64",
+                                 "--seqlen", "1024", "--tokens", "4096", "--rerun", "small", "--dsn", dsn])
+    assert forced.exit_code == 0 and "4 queued" in forced.output, forced.output
+    with Client(dsn) as client:
+        small = [tune_app.parse_payload(t.payload)[1].tokens for t in client.tasks("tune")
+                 if t.payload["task"]["table"] == "flash.backward"]
+    assert sorted(small) == [4096] * 4 + [2**19] * 4, small
     bad = runner.invoke(cli, ["tune", "plan", "-c", "flash,nosuch"])
     assert bad.exit_code == 1 and "no tunable table" in bad.output
 
