@@ -2,6 +2,8 @@
 
     python benchmarks/bench_tuned.py --baseline build/tuning-seeded [--group dense --group model ...]
         [--images DIR] [--compile --jobs 16] [--json out.json]
+    python benchmarks/bench_tuned.py --baseline ... --group all --images DIR --compile-only   (then one
+        process per GPU on disjoint groups, CUDA_VISIBLE_DEVICES=i)
 
 For every selected perfmon entry (default groups: dense, model, odd-dim, nonsquare, gqa,
 training) and each of its passes, the public operator is timed as users call it (no
@@ -87,6 +89,8 @@ def main() -> int:
     ap.add_argument("--match", action="append", default=[], help="entry name globs")
     ap.add_argument("--images", type=Path, default=None)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile-only", action="store_true", help="build the images, time nothing (then run "
+                    "several processes, one per GPU, on disjoint --group selections)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
@@ -95,11 +99,16 @@ def main() -> int:
 
     tested = (args.tuning_db or default_root()).resolve()
     baseline = args.baseline.resolve()
-    selected = E.select(E.declared(), args.match, args.group or ([] if args.match else GROUPS))
+    groups = args.group or ([] if args.match else GROUPS)
+    if "all" in groups:
+        groups = sorted({e.group for e in E.declared()})
+    selected = E.select(E.declared(), args.match, groups)
     if args.images:
         os.environ["AOTATTN_IMAGES"] = str(args.images.resolve())
-    if args.compile:
+    if args.compile or args.compile_only:
         compile_images(selected, [tested, baseline], args.images, args.jobs)
+    if args.compile_only:
+        return 0
     device = torch.device("cuda")
     plan = Plan(rounds=args.rounds, reps=args.reps, warmup=2)
     rows = []
