@@ -13,8 +13,10 @@ of ``tuning/`` without its ``*-tuned.dbpatch`` files: the hand-seeded tables), i
 interleaved rounds (perfmon's timing: L2 flushed, median of event-timed calls; training
 entries back to back). The database is switched through ``AOTATTN_TUNING_DB``, which the
 operators' plan cache keys on, so both run from the same images. Prints one line per entry
-and pass, then the count of entries faster, within noise and slower beyond noise, and the
-geometric mean of the speed-up per group.
+and pass, then the count of entries faster, within noise and slower beyond noise (and
+those whose launches are the very same kernels under both databases, "same plan": their
+differences are noise whatever the spread says), and the geometric mean of the speed-up
+per group.
 
 ``--compile`` first builds the kernels both databases select for the entries into
 ``--images`` (what ``aotattn perfmon images`` builds, once per database, into one folder).
@@ -67,6 +69,16 @@ def runner_under(entry, x, pass_: str, root: Path):
         with database(root):
             return inner()
     return run
+
+
+def chosen(entry, x, pass_: str, root: Path) -> tuple:
+    """The (kernel, functional, configuration) of every launch the pass makes under
+    ``root``'s database: equal under both databases means the same kernels run."""
+    from aotattn.perfmon.provenance import recording_lookups
+
+    with database(root), P.quiet(), recording_lookups() as lookups:
+        measure._evaluate(entry, x, pass_, P.AOTATTN, entry.dropout_p)
+    return tuple(sorted({(l.spec.qualname, str(l.functional), str(l.config)) for l in lookups}))
 
 
 def compile_images(selected, roots: list[Path], images: Path, jobs: int) -> None:
@@ -125,6 +137,8 @@ def main() -> int:
             (b_ms, b_spread), (t_ms, t_spread) = timed["baseline"], timed["tested"]
             noise = max(b_spread, t_spread)
             verdict = "faster" if b_ms - t_ms > noise else "slower" if t_ms - b_ms > noise else "same"
+            if chosen(entry, x, pass_, baseline) == chosen(entry, x, pass_, tested):
+                verdict = "same plan"  # the very same kernels: any difference is noise
             rows.append(dict(entry=entry.name, group=entry.group, pass_=pass_, baseline_ms=b_ms, tested_ms=t_ms,
                              noise_ms=noise, speedup=b_ms / t_ms, verdict=verdict))
             print(f"{entry.name:44} {pass_:7} {b_ms:11.4f} {t_ms:10.4f} {b_ms / t_ms:8.3f}  {noise:.4f} {verdict}",
@@ -132,9 +146,10 @@ def main() -> int:
         del x
         torch.cuda.empty_cache()
 
-    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("faster", "same", "slower")}
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("faster", "same", "slower", "same plan")}
     print(f"\n{len(rows)} entry passes: {counts['faster']} faster, {counts['same']} within noise, "
-          f"{counts['slower']} slower beyond noise (tested {tested} against baseline {baseline})")
+          f"{counts['slower']} slower beyond noise, {counts['same plan']} with the same kernels under both "
+          f"(tested {tested} against baseline {baseline})")
     for group in sorted({r["group"] for r in rows}):
         for pass_ in sorted({r["pass_"] for r in rows if r["group"] == group}):
             part = [r["speedup"] for r in rows if r["group"] == group and r["pass_"] == pass_]

@@ -100,24 +100,31 @@ def _image(plan: LaunchPlan, device: torch.device) -> Any:
         return None
 
 
-def _launch_jit(plan: LaunchPlan, device: torch.device) -> None:
+def _jit_options(plan: LaunchPlan) -> dict[str, Any]:
+    """The JIT launch's keyword arguments: the variant's constexprs, warps and stages."""
+    return {**plan.kernel.constexprs(plan.functional, plan.config), "num_warps": plan.config.num_warps,
+            "num_stages": plan.config.num_stages}
+
+
+def _launch_jit(plan: LaunchPlan, device: torch.device, options: dict[str, Any] | None = None) -> None:
     fn = jit_function(plan.kernel)
+    options = _jit_options(plan) if options is None else options
     with _SERIAL, torch.cuda.device(device):
-        fn[plan.grid](*plan.args, **plan.kernel.constexprs(plan.functional, plan.config),
-                      num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
+        fn[plan.grid](*plan.args, **options)
 
 
-def _launch_interpreted(plan: LaunchPlan) -> None:
+def _launch_interpreted(plan: LaunchPlan, constexprs: dict[str, Any] | None = None) -> None:
     from aotattn.runtime.interpreter import interpreted_function
 
     fn = interpreted_function(plan.kernel.module, plan.kernel.function)
+    constexprs = plan.kernel.constexprs(plan.functional, plan.config) if constexprs is None else constexprs
     # The interpreter's own warnings (numpy 2.3's array-to-scalar deprecation inside
     # Triton 3.6, numpy overflow notes from exp2 of masked scores) are not the caller's:
     # under `python -W error` or pytest's error filters they would fail every CPU call.
     # Filters are process-wide; the lock keeps other interpreted launches out meanwhile.
     with _SERIAL, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fn[plan.grid](*plan.args, **plan.kernel.constexprs(plan.functional, plan.config))
+        fn[plan.grid](*plan.args, **constexprs)
 
 
 def launch(plan: LaunchPlan) -> None:
@@ -158,14 +165,27 @@ def prepare(plan: LaunchPlan, dynamic: Sequence[tuple[int, int]]) -> Callable[[S
         return prepare_loaded(kernel, plan, device, static, dynamic)
     static_args = [None if i in positions else a for i, a in enumerate(plan.args)]
     bare = dataclasses.replace(plan, args=())
-    run_on = _launch_jit if device.type == "cuda" else (lambda p, _: launch(p))
+    if 0 in plan.grid:
+        return lambda tensors: None
+    # what does not change between calls is worked out once, here
+    if device.type == "cuda":
+        fn, grid, options = jit_function(plan.kernel), plan.grid, _jit_options(plan)
+
+        def run_on(args: list) -> None:
+            with _SERIAL, torch.cuda.device(device):
+                fn[grid](*args, **options)
+    elif device.type == "cpu":
+        constexprs = plan.kernel.constexprs(plan.functional, plan.config)
+
+        def run_on(args: list) -> None:
+            _launch_interpreted(dataclasses.replace(bare, args=tuple(args)), constexprs)
+    else:
+        raise ValueError(f"no launcher for device type {device.type!r}")
 
     def run(tensors: Sequence[torch.Tensor]) -> None:
         args = list(static_args)
         for pos, src in dynamic:
             args[pos] = tensors[src]
-        p = dataclasses.replace(bare, args=tuple(args))
-        if 0 not in p.grid:
-            run_on(p, device)
+        run_on(args)
 
     return run

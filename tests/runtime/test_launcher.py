@@ -135,6 +135,26 @@ def test_a_prepared_launch_decides_once(gpu, tmp_path):
     assert gpu.names()[-1] == "cuLaunchKernel" and struct.unpack("<Q", gpu.launched[0])[0] == outs[0].data_ptr()
 
 
+def test_a_prepared_jit_launch_works_out_its_constexprs_once(gpu, monkeypatch):
+    """The host's per-call work on the JIT path is packing pointers: the variant's
+    constexprs (a walk over the declaration's argument types) are computed when the
+    launch is prepared, not on every call, and every call passes the same options."""
+    from aotattn.spec import KernelSpec
+
+    computed = []
+    original = KernelSpec.constexprs
+    monkeypatch.setattr(KernelSpec, "constexprs", lambda self, f, c: computed.append(1) or original(self, f, c))
+    p = plan()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = launcher.prepare(p, [(0, 0)])
+        for _ in range(5):
+            run([torch.empty(256, dtype=torch.int64)])
+    assert len(computed) == 1 and len(gpu.jit.calls) == 5
+    assert all(call[0] == p.grid and call[2] == {**original(p.kernel, p.functional, p.config), "num_warps": 4,
+                                                 "num_stages": 1} for call in gpu.jit.calls)
+
+
 def test_aot_mode_makes_a_missing_image_an_error(gpu, monkeypatch):
     monkeypatch.setenv(launcher.MODE_VAR, "aot")
     with warnings.catch_warnings(record=True) as record:

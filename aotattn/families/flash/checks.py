@@ -42,6 +42,21 @@ class Problem:
         """Query heads per key/value head; 1 for a call with no heads (an empty result)."""
         return self.heads_q // self.heads_k if self.heads_k else 1
 
+    @property
+    def tuning_sizes(self) -> dict[str, int]:
+        """The lengths the tuning tables are looked up at.
+
+        The sequence lengths, except under a window bounded on both sides (causal with a
+        left bound included) narrower than the keys: every program then loops over at most
+        ``left + right + 1`` keys (or queries), however long the sequences, so its tiles
+        are those of a causal call of that span (the tuned cells are full and causal
+        ones); the sequences' length only adds programs.
+        """
+        span = self.window_left + self.window_right + 1
+        if self.window_left < 0 or self.window_right < 0 or span >= self.seqlen_k:
+            return {"seqlen_q": self.seqlen_q, "seqlen_k": self.seqlen_k}
+        return {"seqlen_q": min(self.seqlen_q, span), "seqlen_k": span}
+
     def kernel_window(self) -> tuple[int, int]:
         """Window sides for the kernels: unbounded (or wider than useful) becomes Sq + Sk."""
         wide = self.seqlen_q + self.seqlen_k

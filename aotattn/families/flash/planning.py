@@ -151,7 +151,7 @@ def _plan(kernel: KernelSpec, functional: Mapping, p: Problem, device: torch.dev
           grid: Callable[[Config], tuple[int, int, int]], args: dict) -> LaunchPlan:
     functional = Functional.of(functional)
     if config is None:
-        config = rules.config_for(kernel, functional, device, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k)
+        config = rules.config_for(kernel, functional, device, **p.tuning_sizes)
     return LaunchPlan(kernel, functional, config, grid(config), kernel.bind(**args))
 
 
@@ -253,7 +253,7 @@ def choose_backend(c: Call, deterministic: bool, device: torch.device) -> str:
     if device.type == "cpu":
         return "split"
     functional = rules.operator_functional(c.functional(backward=True), deterministic)
-    config = rules.config_for(rules.BACKWARD, functional, device, seqlen_q=c.p.seqlen_q, seqlen_k=c.p.seqlen_k)
+    config = rules.config_for(rules.BACKWARD, functional, device, **c.p.tuning_sizes)
     return config["backend"]
 
 

@@ -102,3 +102,35 @@ def test_a_varlen_call_looks_up_its_own_operator_cell(monkeypatch):
     assert functional == dict(dtype="fp16", BLOCK_D=128, PAD_HEAD=False, MASK=rules.MASK_BOTTOM_RIGHT, VARLEN=True,
                               DROPOUT=False, BIAS=0, DETERMINISTIC=True)
     assert sizes == {"seqlen_q": 250, "seqlen_k": 250}
+
+
+@pytest.mark.parametrize("window, causal, sq, sk, expect", [
+    ((256, 0), False, 4096, 4096, (257, 257)),      # sliding window: tiles of a 257-key causal call
+    ((128, 128), False, 8192, 8192, (257, 257)),
+    ((256, -1), True, 4096, 4096, (257, 257)),      # causal sets right = 0: the same window
+    ((100, 20), False, 50, 3000, (50, 121)),        # fewer queries than the span
+    ((2000, 2000), False, 3000, 3000, (3000, 3000)),  # wider than the keys: the lengths
+    ((-1, 0), False, 4096, 4096, (4096, 4096)),     # causal: the lengths
+    ((256, -1), False, 4096, 4096, (4096, 4096)),   # unbounded on one side
+])
+def test_a_windowed_call_is_looked_up_at_its_span(monkeypatch, window, causal, sq, sk, expect):
+    """Every program of a narrow window loops over at most left + right + 1 keys: its
+    backend and every kernel's tiles are those of a call of that span, whatever the lengths."""
+    q, k, v = _qkv(64, sq, sk)
+    _, sizes = _choice(monkeypatch, q, k, v, window_size=window, causal=causal)
+    assert sizes == {"seqlen_q": expect[0], "seqlen_k": expect[1]}
+    seen = []
+
+    def recorded(kernel, functional, device, **sizes):
+        seen.append((kernel.name, sizes))
+        return tuning.database().lookup("sm_90", kernel, functional, sizes)
+
+    monkeypatch.setattr(rules, "config_for", recorded)
+    p = check_flash(q, k, v, dropout_p=0.0, softmax_scale=None, window_size=window, causal=causal,
+                    diagonal="bottom_right")
+    c = planning.new_call(p, q, k, v, None)
+    out = planning.new_output(p, q, False)
+    lse = torch.empty(planning.lse_shape(p, q))
+    plan = planning.forward_plan(c, q, k, v, out, lse)
+    assert seen == [("attn_fwd", {"seqlen_q": expect[0], "seqlen_k": expect[1]})]
+    assert plan.grid[0] == -(-sq // plan.config["BLOCK_M"])  # the programs still cover every query
