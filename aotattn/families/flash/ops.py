@@ -51,6 +51,34 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk, dv, (None if dbias is None else dbias.to(ctx.call.bias.dtype)), None, None, None, None, None
 
 
+class _CachedAttention(torch.autograd.Function):
+    """A plan-cache hit under autograd, kept lean: autograd's bookkeeping grows with each
+    argument, output and view, and on tiny calls it is most of the host time. ``q, k, v``
+    come in the caller's layout (the prepared launch reads only their pointers, so SDPA's
+    ``(B, H, S, D)`` needs no transposes, and none of their backward nodes run); the
+    log-sum-exp is saved for the backward, not returned. ``hit``: ``(entry, backend,
+    deterministic)``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, hit):
+        out, lse = hit[0].launch(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.hit = hit
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        entry, backend, deterministic = ctx.hit
+        if entry.heads_major:  # the launches were planned on flash-attn's layout: views of the same memory
+            q, k, v, out, dout = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), \
+                dout.transpose(1, 2)
+        dq, dk, dv = entry.backward(dout, q, k, v, out, lse, backend, deterministic)
+        if entry.heads_major:
+            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
+        return dq, dk, dv, None
+
+
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -197,14 +225,17 @@ class _PlanCache:
             self.entries[key] = entry
         return entry
 
-    def run(self, key: tuple | None, q, k, v, backend: str | None,
-            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def run(self, key: tuple | None, q, k, v, backend: str | None, deterministic: bool,
+            want_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(out, lse) with out in the caller's layout, or None on a miss. ``q, k, v`` in the
-        caller's layout: SDPA's ``(B, H, S, D)`` for an entry stored heads-major."""
+        caller's layout: SDPA's ``(B, H, S, D)`` for an entry stored heads-major. Under
+        autograd without ``want_lse``, lse is None (:class:`_CachedAttention`)."""
         entry = self.entries.get(key) if key is not None else None
         if entry is None:
             return None
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            if not want_lse:
+                return _CachedAttention.apply(q, k, v, (entry, backend, deterministic)), None
             if entry.heads_major:  # autograd sees the flash-attn layout the Function was planned for
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             out, lse = _FlashAttention.apply(q, k, v, None, entry.call, entry.heads_major, backend, deterministic,
@@ -269,7 +300,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     if _cacheable(q, k, v, dropout_p, bias):
         key = _PLANS.key(q, k, v, "flash", softmax_scale, causal, window_size, diagonal, return_lse, deterministic,
                          backend)
-        hit = _PLANS.run(key, q, k, v, backend, deterministic or torch.are_deterministic_algorithms_enabled())
+        hit = _PLANS.run(key, q, k, v, backend, deterministic or torch.are_deterministic_algorithms_enabled(),
+                         bool(return_lse))
         if hit is not None:
             return hit if return_lse else hit[0]
     p = check_flash(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
@@ -339,7 +371,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if _cacheable(query, key, value, dropout_p, attn_mask):
         cache_key = _PLANS.key(query, key, value, "sdpa", is_causal, scale, enable_gqa, deterministic, backend)
         hit = _PLANS.run(cache_key, query, key, value, backend,
-                         deterministic or torch.are_deterministic_algorithms_enabled())
+                         deterministic or torch.are_deterministic_algorithms_enabled(), False)
         if hit is not None:
             return hit[0]
     p = check_sdpa(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,

@@ -281,6 +281,48 @@ def test_training_calls_served_by_the_plan_cache_match_the_reference(backend, de
     assert len(entry.backwards) == 1
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("enable_gqa", [False, True])
+def test_cached_sdpa_training_calls_take_the_callers_layout(device, enable_gqa):
+    """SDPA-layout training hits run on the caller's ``(B, H, S, D)`` tensors without
+    views (the lean autograd Function): output, gradients and their shapes match the
+    reference on every repeat; only the inputs that require grad get one; a strided dout."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    heads_k = 2 if enable_gqa else 6
+    sq, sk, d = (37, 53, 40) if device == "cpu" else (1000, 1333, 128)
+    ops._PLANS.entries.clear()
+    for trial in range(3):
+        query = torch.randn(2, 6, sq, d, dtype=dtype, device=device, requires_grad=True)
+        key = torch.randn(2, heads_k, sk, d, dtype=dtype, device=device, requires_grad=trial != 1)
+        value = torch.randn(2, heads_k, sk, d, dtype=dtype, device=device, requires_grad=True)
+        out = aotattn.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=enable_gqa)
+        dout = torch.randn(2, sq, 6, d, dtype=dtype, device=device).transpose(1, 2) if trial == 2 else \
+            torch.randn_like(out)
+        wanted = [t for t in (query, key, value) if t.requires_grad]
+        grads = torch.autograd.grad(out, wanted, dout)
+        ref_in = [t.detach().double().requires_grad_() for t in (query, key, value)]
+        ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True, enable_gqa=enable_gqa)
+        ref_grads = torch.autograd.grad(ref, [r for r, t in zip(ref_in, (query, key, value)) if t.requires_grad],
+                                        dout.double())
+        assert out.shape == (2, 6, sq, d) and rel_err(out, ref) < TOLERANCE[dtype], trial
+        for got, want in zip(grads, ref_grads):
+            assert got.shape == want.shape and rel_err(got, want) < TOLERANCE[dtype], trial
+    assert len(ops._PLANS.entries) == 1
+
+
+def test_cached_training_call_returning_the_lse():
+    """``return_lse=True`` under autograd, warm: out and lse as the reference, lse not differentiable."""
+    ops._PLANS.entries.clear()
+    for trial in range(2):
+        q, k, v = make_qkv(1, 19, 23, 2, 2, 16, 16, torch.float32, "cpu", requires_grad=True)
+        out, lse = aotattn.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        ref, ref_lse = reference.attention(*(t.detach().double() for t in (q, k, v)), causal=True)
+        assert rel_err(out, ref) < TOLERANCE[torch.float32] and not lse.requires_grad
+        assert torch.allclose(lse.double(), ref_lse, atol=1e-4)
+        (dq,) = torch.autograd.grad(out.sum(), (q,))
+        assert dq.shape == q.shape and torch.isfinite(dq).all()
+
+
 def test_cached_training_call_with_a_strided_dout():
     ops._PLANS.entries.clear()
     for trial in range(2):
