@@ -19,9 +19,9 @@ from aotattn.tuning import Database
 PROJECT = Path(__file__).resolve().parents[2]
 # what the child process runs: bf16 d128 causal (top- and bottom-right), fp16 d64 window + GQA, RMSNorm
 SUBSET = [
-    (["flash.attn_fwd", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq"],
+    (["flash.attn_fwd", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq", "flash.attn_bwd_fused"],
      "dtype=bf16 BLOCK_D=128 PAD_HEAD=False VARLEN=False DROPOUT=False BIAS=0"),
-    (["flash.attn_fwd", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq"],
+    (["flash.attn_fwd", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq", "flash.attn_bwd_fused"],
      "dtype=fp16 BLOCK_D=64 PAD_HEAD=False MASK=2 VARLEN=False DROPOUT=False BIAS=0"),
     (["flash.attn_fwd"], "dtype=bf16 BLOCK_D=64 PAD_HEAD=False MASK=0 VARLEN=False DROPOUT=False BIAS=0"),
     (["flash.attn_bwd_preprocess"], "PAD_HEAD=False VARLEN=False"),
