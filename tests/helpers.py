@@ -282,9 +282,9 @@ _PHILOX_W = (np.uint64(0x9E3779B9), np.uint64(0xBB67AE85))
 _LOW32 = np.uint64(0xFFFFFFFF)
 
 
-def philox_first_word(seed: int, offset: int, idx: np.ndarray) -> np.ndarray:
-    """First 32-bit word of Philox4x32-10 (Salmon et al., SC'11), key ``seed`` (64 bits),
-    counter ``(idx_lo, idx_hi, offset_lo, offset_hi)``, for an array of 64-bit ``idx``.
+def philox_words(seed: int, offset: int, idx: np.ndarray) -> list[np.ndarray]:
+    """The four 32-bit words of Philox4x32-10 (Salmon et al., SC'11), key ``seed`` (64
+    bits), counter ``(idx_lo, idx_hi, offset_lo, offset_hi)``, for an array of 64-bit ``idx``.
 
     Written from the paper's round function, independently of the kernels, so that a
     test can predict which elements a dropout call keeps without materialising its mask.
@@ -297,4 +297,19 @@ def philox_first_word(seed: int, offset: int, idx: np.ndarray) -> np.ndarray:
         p0, p1 = c[0] * _PHILOX_M[0], c[2] * _PHILOX_M[1]  # 32 x 32 -> 64 bits, exact in uint64
         c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & _LOW32, (p0 >> np.uint64(32)) ^ c[3] ^ k1, p0 & _LOW32]
         k0, k1 = (k0 + _PHILOX_W[0]) & _LOW32, (k1 + _PHILOX_W[1]) & _LOW32
-    return c[0]
+    return c
+
+
+def philox_first_word(seed: int, offset: int, idx: np.ndarray) -> np.ndarray:
+    return philox_words(seed, offset, idx)[0]
+
+
+def dropout_keeps(seed: int, offset: int, dropout_p: float, row: np.ndarray, col: np.ndarray,
+                  seqlen_k: int) -> np.ndarray:
+    """Whether a dropout call keeps element (row, col), by the documented mapping: word
+    ``col % 4`` of Philox at counter ``row * ceil(seqlen_k / 4) + col // 4`` is at least
+    ``dropout_p * 2**32``, where ``row = (b * Hq + h) * max_seqlen_q + i``."""
+    row, col = np.broadcast_arrays(np.asarray(row, dtype=np.int64), np.asarray(col, dtype=np.int64))
+    words = np.stack(philox_words(seed, offset, row * (-(-seqlen_k // 4)) + col // 4))
+    word = np.take_along_axis(words, (col % 4)[None].astype(np.int64), 0)[0]
+    return word >= np.uint64(int(dropout_p * 2**32))

@@ -3,6 +3,7 @@ applied with the exact mask the kernel reports."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from aotattn import reference
 from aotattn.families.flash import rules
 from aotattn.runtime import launch
 from aotattn.spec import Config, Functional, LaunchPlan
-from tests.helpers import DEVICES, TOLERANCE, rel_err
+from tests.helpers import DEVICES, TOLERANCE, dropout_keeps, rel_err
 from tests.families.flash.helpers import make_qkv, seed_from
 from tests.families.flash.test_varlen import make_varlen
 
@@ -35,6 +36,24 @@ def test_philox_known_answers(device, key, counter, expected):
     launch(LaunchPlan(rules.PHILOX_WORDS, Functional.of({}), Config.of(BLOCK=128, num_warps=4, num_stages=1),
                       (1, 1, 1), (out, seed, offset, idx, 1)))
     assert out.item() == expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seqlen_k", [13, 64, 70])
+def test_the_mask_is_the_documented_philox_mapping(device, seqlen_k):
+    """Element (b, h, i, j) is kept iff word j % 4 of Philox4x32-10 at counter
+    ((b * Hq + h) * Sq + i) * ceil(Sk / 4) + j // 4 (offset in the high half) is >= p * 2^32,
+    checked element by element against the tests' numpy Philox (one Philox call per four
+    columns: the forward, the backward and dropout_mask all use this mapping)."""
+    batch, heads, seqlen_q, dropout_p = 2, 3, 5, 0.4
+    torch.manual_seed(11)
+    state = torch.get_rng_state()
+    mask = aotattn.dropout_mask(batch, heads, seqlen_q, seqlen_k, dropout_p, device=device).cpu()
+    torch.set_rng_state(state)
+    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()  # the call's draw
+    rows = np.arange(batch * heads * seqlen_q)[:, None]  # (b * Hq + h) * Sq + i
+    want = dropout_keeps(seed, offset, dropout_p, rows, np.arange(seqlen_k)[None, :], seqlen_k)
+    assert torch.equal(mask.reshape(-1, seqlen_k), torch.from_numpy(want))
 
 
 @pytest.mark.parametrize("device", DEVICES)
