@@ -8,11 +8,13 @@ plan the same way. This module adds the autograd Function and the plan cache.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
 import torch
 
+from aotattn.families.flash import rules
 from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_flash,
                                            check_sdpa, check_varlen)
 from aotattn.families.flash.planning import (Call, backward_buffers, backward_dout, backward_plans, choose_backend,
@@ -96,11 +98,46 @@ def _run(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_major
     return out, run_forward(c, q, k, v, out)
 
 
+PAD_HEADS_VAR = "AOTATTN_PAD_HEADS"
+
+
+def _pad_by_copy() -> bool:
+    """``AOTATTN_PAD_HEADS``: ``copy`` (the default) pads off-bucket head dims with zeros on
+    the way in (see :func:`_attend`); ``kernel`` runs the padded-head kernels instead
+    (for measurement and the tests of those kernels)."""
+    value = os.environ.get(PAD_HEADS_VAR) or "copy"
+    if value not in ("copy", "kernel"):
+        raise ValueError(f"{PAD_HEADS_VAR}: expected copy or kernel, got {value!r}")
+    return value == "copy"
+
+
+def _bucketed(p: Problem) -> int | None:
+    """The head-dim bucket a call with head dims off the buckets is padded to, else None."""
+    bucket = rules.head_dim_bucket(max(p.head_dim, p.head_dim_v))  # one bucket for both: rules._unequal_head_buckets
+    return bucket if (p.head_dim != bucket or p.head_dim_v != bucket) and _pad_by_copy() else None
+
+
 def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
             heads_major: bool, backend: object, deterministic: object, cache_key: tuple | None = None,
             cu_seqlens_q: torch.Tensor | None = None,
             cu_seqlens_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A validated call: run eagerly, or under ``torch.compile`` as one custom op (:mod:`.custom_ops`)."""
+    """A validated call: run eagerly, or under ``torch.compile`` as one custom op (:mod:`.custom_ops`).
+
+    Head dims off the buckets (72, 57, 200, ...) are zero-padded to their bucket here, by
+    differentiable copies, and the output sliced back (a view, as flash-attn and PyTorch's
+    flash backend return): the bucket's aligned kernels then run at full speed, where the
+    padded-head kernels load element by element (2-6x slower than SDPA's flash backend on
+    the H200, benchmarks/RESULTS.md). Zero columns add nothing to ``q . k`` and give zero
+    output columns; the softmax scale was already taken from the real head dim; autograd
+    slices the gradients back. Costs the copies' memory traffic and memory.
+    """
+    bucket = _bucketed(p)
+    if bucket is not None:
+        pad = lambda t, d: torch.nn.functional.pad(t, (0, bucket - d))  # noqa: E731
+        p_full = dataclasses.replace(p, head_dim=bucket, head_dim_v=bucket)
+        out, lse = _attend(p_full, pad(q, p.head_dim), pad(k, p.head_dim), pad(v, p.head_dim_v), bias, heads_major,
+                           backend, deterministic, None, cu_seqlens_q, cu_seqlens_k)
+        return out[..., :p.head_dim_v], lse
     backend, deterministic = check_backend(backend), _deterministic(deterministic)
     if not torch.compiler.is_compiling():
         return _run(new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k), q, k, v, heads_major, backend,
@@ -113,9 +150,15 @@ def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
 
 
 def _cacheable(q: object, k: object, v: object, dropout_p: object, extra: object) -> bool:
-    """Calls without dropout or bias, with or without autograd: those the plan cache serves."""
+    """Calls without dropout or bias, with or without autograd, whose head dims are one
+    bucket: those the plan cache serves."""
     return (not torch.compiler.is_compiling() and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-            and isinstance(v, torch.Tensor) and extra is None and dropout_p == 0.0)
+            and isinstance(v, torch.Tensor) and extra is None and dropout_p == 0.0
+            and ((q.shape[-1:] == v.shape[-1:] and q.shape[-1:] in _BUCKET_SHAPES)
+                 or os.environ.get(PAD_HEADS_VAR) == "kernel"))  # calls padded by copy: see _attend
+
+
+_BUCKET_SHAPES = {torch.Size([b]) for b in rules.HEAD_DIM_BUCKETS}
 
 
 # Which call tensor each kernel argument stands for, by the declarations' argument names:
