@@ -306,10 +306,8 @@ def philox_first_word(seed: int, offset: int, idx: np.ndarray) -> np.ndarray:
 
 def dropout_keeps(seed: int, offset: int, dropout_p: float, row: np.ndarray, col: np.ndarray,
                   seqlen_k: int) -> np.ndarray:
-    """Whether a dropout call keeps element (row, col), by the documented mapping: word
-    ``col % 4`` of Philox at counter ``row * ceil(seqlen_k / 4) + col // 4`` is at least
-    ``dropout_p * 2**32``, where ``row = (b * Hq + h) * max_seqlen_q + i``."""
+    """Whether a dropout call keeps element (row, col), by the documented mapping: the first
+    word of Philox at counter ``row * seqlen_k + col`` is at least ``dropout_p * 2**32``,
+    where ``row = (b * Hq + h) * max_seqlen_q + i`` and ``seqlen_k`` is ``max_seqlen_k``."""
     row, col = np.broadcast_arrays(np.asarray(row, dtype=np.int64), np.asarray(col, dtype=np.int64))
-    words = np.stack(philox_words(seed, offset, row * (-(-seqlen_k // 4)) + col // 4))
-    word = np.take_along_axis(words, (col % 4)[None].astype(np.int64), 0)[0]
-    return word >= np.uint64(int(dropout_p * 2**32))
+    return philox_first_word(seed, offset, row * seqlen_k + col) >= np.uint64(int(dropout_p * 2**32))

@@ -41,10 +41,10 @@ def test_philox_known_answers(device, key, counter, expected):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seqlen_k", [13, 64, 70])
 def test_the_mask_is_the_documented_philox_mapping(device, seqlen_k):
-    """Element (b, h, i, j) is kept iff word j % 4 of Philox4x32-10 at counter
-    ((b * Hq + h) * Sq + i) * ceil(Sk / 4) + j // 4 (offset in the high half) is >= p * 2^32,
-    checked element by element against the tests' numpy Philox (one Philox call per four
-    columns: the forward, the backward and dropout_mask all use this mapping)."""
+    """Element (b, h, i, j) is kept iff the first word of Philox4x32-10 at counter
+    ((b * Hq + h) * Sq + i) * Sk + j (offset in the high half) is >= p * 2^32, checked
+    element by element against the tests' numpy Philox (the forward, the backward and
+    dropout_mask all use this mapping)."""
     batch, heads, seqlen_q, dropout_p = 2, 3, 5, 0.4
     torch.manual_seed(11)
     state = torch.get_rng_state()

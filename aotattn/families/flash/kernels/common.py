@@ -53,8 +53,8 @@ def row_sum(x):
 
 
 @triton.jit
-def philox(seed, offset, idx):
-    """The four 32-bit words of Philox4x32-10 at counter (idx, offset) under key seed."""
+def philox_word(seed, offset, idx):
+    """First 32-bit word of Philox4x32-10 at counter (idx, offset) under key seed."""
     # the JIT types small integer arguments as i32, and a 32-bit shift of an i32 is poison
     idx = tl.cast(idx, tl.int64)
     offset = tl.cast(offset, tl.int64)
@@ -80,32 +80,14 @@ def philox(seed, offset, idx):
         c3 = lo0
         k0 = k0 + w0
         k1 = k1 + w1
-    return c0, c1, c2, c3
-
-
-@triton.jit
-def philox_word(seed, offset, idx):
-    """First 32-bit word of Philox4x32-10 at counter (idx, offset) under key seed."""
-    c0, c1, c2, c3 = philox(seed, offset, idx)
     return c0
 
 
 @triton.jit
-def dropout_keep(seed, offset, threshold, row_base, rows, start_n, max_seqlen_k, BLOCK_N: tl.constexpr):
-    """Keep-mask ``[len(rows), BLOCK_N]`` of the columns ``start_n .. start_n + BLOCK_N``.
-
-    Element (row r, column j) is kept when word ``j % 4`` of Philox4x32-10 at counter
-    ``(row_base + r) * ceil(max_seqlen_k / 4) + j // 4`` is >= ``threshold``: one Philox
-    call serves four neighbouring columns. ``start_n`` and ``BLOCK_N`` are multiples of 4
-    (block starts are multiples of BLOCK_N >= 16), so a tile's columns are whole groups.
-    """
-    groups = start_n // 4 + tl.arange(0, BLOCK_N // 4)
-    idx = (row_base + rows.to(tl.int64))[:, None] * ((max_seqlen_k + 3) // 4) + groups[None, :]
-    c0, c1, c2, c3 = philox(seed, offset, idx)
-    # [rows, groups, i, a] holds word a + 2 i, column 4 g + 2 i + a: flattened, word j % 4 at column j
-    words = tl.join(tl.join(c0, c2), tl.join(c1, c3))
-    words = tl.reshape(words, (rows.shape[0], BLOCK_N))
-    return words.to(tl.int64) >= threshold
+def dropout_keep(seed, offset, threshold, base, rows, cols, max_seqlen_k):
+    """Keep-mask of the elements (rows, cols), broadcast tensors of positions."""
+    idx = base + rows.to(tl.int64) * max_seqlen_k + cols
+    return philox_word(seed, offset, idx).to(tl.int64) >= threshold
 
 
 # ------------------------------------------------------------------ sequences and masks
