@@ -97,6 +97,10 @@ def _line_info(keep: bool) -> Iterator[None]:
             os.environ[_LINE_INFO_VAR] = previous
 
 
+class ResourceError(RuntimeError):
+    """A compiled kernel needs more of a per-block resource than its architecture has."""
+
+
 def compile_job(job: Job, line_info: bool = False) -> tuple[Entry, bytes]:
     """The job's kernel compiled for its target: its entry (launch metadata) and binary."""
     import triton
@@ -109,6 +113,10 @@ def compile_job(job: Job, line_info: bool = False) -> tuple[Entry, bytes]:
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                                   target=GPUTarget(backend, arch, warp_size), options=options)
     md = compiled.metadata
+    limit = arches.arch(job.arch).shared_memory
+    if md.shared > limit:  # Triton compiles it; the driver would refuse it at load (cuFuncSetAttribute)
+        raise ResourceError(f"needs {md.shared} bytes of shared memory, {job.arch} allows {limit} per block: the "
+                            "image would not load (choose a smaller configuration for this cell)")
     binary_kind = "hsaco" if backend == "hip" else "cubin"
     entry = Entry(
         key=job.key, functional=job.functional.as_dict(), config=job.config.as_dict(), variant=job.variant,

@@ -98,7 +98,7 @@ class Driver:
                    f"cuModuleGetFunction({symbol})")
         if shared > 48 * 1024:
             self.check(self.cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared),
-                       "cuFuncSetAttribute")
+                       f"cuFuncSetAttribute({symbol}: {shared} bytes of dynamic shared memory)")
         return module.value, function.value
 
 

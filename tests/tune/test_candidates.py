@@ -119,3 +119,14 @@ def test_estimate_matches_a_compiled_kernel():
     entry, _ = compile_job(Job("sm_90", f"flash.{kernel}", f, config))
     estimate = cand.shared_bytes(flash.FOOTPRINTS[kernel], f, config, SM90)
     assert abs(estimate - entry.shared) <= 8192, (kernel, config, estimate, entry.shared)
+
+
+def test_a_kernel_over_the_shared_memory_limit_fails_its_compile():
+    """Triton compiles a tile that needs more shared memory than sm_90 has; the build
+    refuses it (its image would fail at load with a bare cuFuncSetAttribute error)."""
+    pytest.importorskip("triton")
+    from aotattn.compiler.jobs import Job, ResourceError, compile_job
+
+    f = _functional("attn_fwd", d=256)
+    with pytest.raises(ResourceError, match=r"needs \d+ bytes of shared memory, sm_90 allows 232448 per block"):
+        compile_job(Job("sm_90", "flash.attn_fwd", f, _cfg(128, 128, 8, 4)))
