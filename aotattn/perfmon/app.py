@@ -64,8 +64,10 @@ def parse_payload(data: Any):
             raise ValueError(f"options: expected keys {_OPTION_FIELDS}, got {got}")
         counts = [raw[k] for k in ("rounds", "reps", "warmup", "seed")]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in counts) or min(counts[:2]) < 1 \
-                or counts[2] < 0 or not all(isinstance(raw[k], bool) for k in ("peers", "flex")):
-            raise ValueError(f"options: rounds, reps >= 1, warmup >= 0, seed integers, peers/flex booleans; got {raw}")
+                or counts[2] < 0 or not isinstance(raw["peers"], bool) \
+                or not (isinstance(raw["flex"], bool) or raw["flex"] == "all"):
+            raise ValueError(f"options: rounds, reps >= 1, warmup >= 0, seed integers, peers a boolean, flex a "
+                             f"boolean or 'all'; got {raw}")
         options = Options(Plan(raw["rounds"], raw["reps"], raw["warmup"]), raw["peers"], raw["flex"], raw["seed"])
     except (ValueError, TypeError) as exc:
         raise PayloadError(f"perfmon: bad payload ({exc}); {expected}") from exc

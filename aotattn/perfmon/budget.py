@@ -79,7 +79,8 @@ def entry_seconds(entry: Entry, providers: dict[str, list[str]], plan: Plan) -> 
 
     ``providers``: per pass, the providers timed.
     """
-    seconds = SETUP_S["entry"] + (SETUP_S["flex"] if entry.flex else 0.0)
+    flex = any("flex" in names for names in providers.values())
+    seconds = SETUP_S["entry"] + (SETUP_S["flex"] if flex else 0.0)
     for pass_, names in providers.items():
         for provider in names:
             one = call_ms(entry, pass_, provider)

@@ -42,7 +42,17 @@ def _entries(match: list[str] | None, group: list[str] | None) -> list[Entry]:
     return chosen
 
 
-def _providers(entry: Entry, peers: bool, flex: bool) -> dict[str, list[str]]:
+FLEX_ALL = typer.Option(False, "--flex-all", help="time FlexAttention on every entry it supports, not only those "
+                        "that ask for it (about 20 s of compiling per entry)")
+
+
+def _flex(no_flex: bool, flex_all: bool) -> bool | str:
+    if no_flex and flex_all:
+        raise _fail("--no-flex and --flex-all: choose one")
+    return False if no_flex else ("all" if flex_all else True)
+
+
+def _providers(entry: Entry, peers: bool, flex: bool | str) -> dict[str, list[str]]:
     from aotattn.perfmon import providers as P
 
     return {p: [name for name in P.ALL if P.unsupported(entry, name, p, flex) is None
@@ -50,7 +60,7 @@ def _providers(entry: Entry, peers: bool, flex: bool) -> dict[str, list[str]]:
 
 
 def _plan(entries: list[Entry], rounds: int, reps: int | None, warmup: int, budget: float | None,
-          peers: bool, flex: bool):
+          peers: bool, flex: bool | str):
     """The repetitions: ``reps`` as given, or the most (1..20) whose estimate fits ``budget`` seconds."""
     from aotattn.perfmon.budget import Plan, entry_seconds
 
@@ -78,25 +88,27 @@ def list_entries(match: list[str] = MATCH, group: list[str] = GROUP,
                  reps: int = typer.Option(None, help="timed calls per round (default: 5, or what --budget allows)"),
                  budget: float = typer.Option(None, "--budget", help="seconds on an H200 to size --reps to"),
                  no_peers: bool = typer.Option(False, "--no-peers"), no_flex: bool = typer.Option(False, "--no-flex"),
+                 flex_all: bool = FLEX_ALL,
                  verbose: bool = typer.Option(False, "--verbose", "-v", help="one row per entry")) -> None:
     """The declared entries, their FLOPs and the estimated H200 time of a run."""
     from aotattn.perfmon.budget import entry_seconds
 
     entries = _entries(match, group)
-    plan, seconds = _plan(entries, rounds, reps, 2, budget, not no_peers, not no_flex)
+    flex = _flex(no_flex, flex_all)
+    plan, seconds = _plan(entries, rounds, reps, 2, budget, not no_peers, flex)
     table = Table("entry" if verbose else "group", "entries" if not verbose else "shape", "GFLOP (fwd)",
                   "est. s", title=f"{len(entries)} entries; {plan.rounds} rounds x {plan.reps} reps: "
                                   f"~{seconds:.0f} s on an H200")
     if verbose:
         for e in entries:
             table.add_row(e.name, e.describe(), f"{e.flops('fwd') / 1e9:.1f}",
-                          f"{entry_seconds(e, _providers(e, not no_peers, not no_flex), plan):.2f}")
+                          f"{entry_seconds(e, _providers(e, not no_peers, flex), plan):.2f}")
     else:
         groups: dict[str, list[Entry]] = {}
         for e in entries:
             groups.setdefault(e.group, []).append(e)
         for name, members in groups.items():
-            seconds_of = sum(entry_seconds(e, _providers(e, not no_peers, not no_flex), plan) for e in members)
+            seconds_of = sum(entry_seconds(e, _providers(e, not no_peers, flex), plan) for e in members)
             table.add_row(name, str(len(members)), f"{sum(e.flops('fwd') for e in members) / 1e9:.0f}",
                           f"{seconds_of:.0f}")
     console.print(table)
@@ -112,6 +124,7 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
         deadline: float = typer.Option(None, "--deadline", help="start no entry after this many seconds"),
         no_peers: bool = typer.Option(False, "--no-peers", help="time aotattn only"),
         no_flex: bool = typer.Option(False, "--no-flex", help="skip FlexAttention (it compiles per shape)"),
+        flex_all: bool = FLEX_ALL,
         resume: bool = typer.Option(False, "--resume", help="keep the tag's measured entries, run the others"),
         force: bool = typer.Option(False, "--force", help="replace an existing file of this tag"),
         device: str = typer.Option(None, help="cuda (default when present) or cpu (the interpreter: tiny entries)"),
@@ -129,8 +142,9 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
         raise _fail(f"--device: expected cuda or cpu, got {device!r}")
     dev = torch.device(device)
     entries = _entries(match, group)
-    plan, estimate = _plan(entries, rounds, reps, warmup, budget, not no_peers, not no_flex)
-    options = Options(plan, peers=not no_peers, flex=not no_flex, seed=seed)
+    flex = _flex(no_flex, flex_all)
+    plan, estimate = _plan(entries, rounds, reps, warmup, budget, not no_peers, flex)
+    options = Options(plan, peers=not no_peers, flex=flex, seed=seed)
     header = {"tag": tag, **environment(dev, plan)}
     path = out or store.path_for(tag, header["arch"], root)
     db = store.Perfdb(header=header)
@@ -251,6 +265,7 @@ def dispatch(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/
              reps: int = typer.Option(5, help="timed calls per provider and round"),
              warmup: int = typer.Option(2, help="untimed calls per provider first"),
              no_peers: bool = typer.Option(False, "--no-peers"), no_flex: bool = typer.Option(False, "--no-flex"),
+             flex_all: bool = FLEX_ALL,
              seed: int = typer.Option(0, help="inputs and dropout draws"),
              priority: int = typer.Option(0, help="higher runs first"),
              dsn: str = DSN, home: Path = HOME) -> None:
@@ -261,7 +276,7 @@ def dispatch(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/
     from aotattn.pgdef import Client
 
     entries = _entries(match, group)
-    options = Options(Plan(rounds, reps, warmup), peers=not no_peers, flex=not no_flex, seed=seed)
+    options = Options(Plan(rounds, reps, warmup), peers=not no_peers, flex=_flex(no_flex, flex_all), seed=seed)
     with Client(dsn, home=home) as client:
         client.init()
         report = client.dispatch(CATEGORY, arch, [task_spec(tag, e, options, priority) for e in entries],

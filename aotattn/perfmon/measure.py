@@ -36,11 +36,12 @@ GRAD_NAMES = ("dq", "dk", "dv", "dbias")
 @dataclass(frozen=True)
 class Options:
     """How a run measures. ``peers``: time PyTorch's backends; ``flex``: FlexAttention on
-    the entries that ask for it; ``seed``: inputs and dropout draws."""
+    the entries that ask for it (True), on every entry it supports (``"all"``) or none
+    (False); ``seed``: inputs and dropout draws."""
 
     plan: Plan = Plan()
     peers: bool = True
-    flex: bool = True
+    flex: bool | str = True
     seed: int = 0
 
 

@@ -177,9 +177,15 @@ def call(entry: Entry, x: Inputs, provider: str, dropout_p: float | None = None)
     raise ValueError(f"provider: expected one of {ALL}, got {provider!r}")
 
 
-def unsupported(entry: Entry, provider: str, pass_: str, flex: bool = True) -> str | None:
+FLEX_ALL = "all"  # the ``flex`` setting that times FlexAttention on every entry it supports
+
+
+def unsupported(entry: Entry, provider: str, pass_: str, flex: bool | str = True) -> str | None:
     """Why ``provider`` does not run this entry's pass (None: it runs). Limits of a kernel
-    that only show at run time (a head dim, a dtype) are found by running it instead."""
+    that only show at run time (a head dim, a dtype) are found by running it instead.
+
+    ``flex``: False never times FlexAttention, True on the entries that ask for it
+    (``Entry.flex``), ``"all"`` wherever it supports the entry (about 20 s of compiling each)."""
     if provider == AOTATTN:
         return None
     if provider in FORCED:
@@ -194,8 +200,8 @@ def unsupported(entry: Entry, provider: str, pass_: str, flex: bool = True) -> s
         if entry.causal and entry.diagonal == "bottom_right" and entry.seqlen_q != entry.seqlen_k:
             return "is_causal is top-left only"
         return None
-    if not flex or not entry.flex:
-        return "not asked (compiles per shape: see Entry.flex)"
+    if not flex or (not entry.flex and flex != FLEX_ALL):
+        return "not asked (compiles per shape: see Entry.flex, or --flex-all)"
     if entry.dropout_p:
         return "no dropout"
     if entry.bias != "none":

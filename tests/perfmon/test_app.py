@@ -3,6 +3,8 @@ ending in a perfdb file (tasks run in the interpreter: AOTATTN_PERFMON_DEVICE=cp
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from typer.testing import CliRunner
 
@@ -79,6 +81,8 @@ def test_offline_batch_then_export_from_the_results_file(dsn, cpu_tasks, tmp_pat
     ({**perfmon_app.payload("x", ENTRIES[0], TINY), "options": {"rounds": 0, "reps": 1, "warmup": 0, "seed": 0,
                                                                 "peers": True, "flex": True}}, "rounds"),
     ({**perfmon_app.payload("x", ENTRIES[0], TINY), "options": {"rounds": 1}}, "options"),
+    ({**perfmon_app.payload("x", ENTRIES[0], TINY), "options": {"rounds": 1, "reps": 1, "warmup": 0, "seed": 0,
+                                                                "peers": True, "flex": "some"}}, "flex a boolean or 'all'"),
 ])
 def test_malformed_payloads_are_refused(payload, words):
     with pytest.raises(PayloadError, match=words):
@@ -88,3 +92,24 @@ def test_malformed_payloads_are_refused(payload, words):
 def test_a_payload_round_trips():
     tag, entry, options = perfmon_app.parse_payload(perfmon_app.payload("x", ENTRIES[1], TINY))
     assert (tag, entry, options) == ("x", ENTRIES[1], TINY)
+    every = dataclasses.replace(TINY, flex="all")
+    assert perfmon_app.parse_payload(perfmon_app.payload("x", ENTRIES[1], every))[2] == every
+
+
+def test_flex_all_times_flexattention_wherever_it_supports_the_entry():
+    """``--flex-all``: FlexAttention on entries that do not ask for it, its compile in the
+    estimate; never where it cannot run (dropout, bias, varlen, deterministic)."""
+    from aotattn.perfmon import entries as E
+    from aotattn.perfmon import providers as P
+    from aotattn.perfmon.budget import Plan, entry_seconds
+    from aotattn.perfmon.cli import _providers
+
+    dense = next(e for e in E.declared() if e.group == "dense" and not e.flex)
+    assert "not asked" in P.unsupported(dense, "flex", "fwd", True)
+    assert P.unsupported(dense, "flex", "fwd", P.FLEX_ALL) is None and P.unsupported(dense, "flex", "fwd", False)
+    for group in ("dropout", "bias", "varlen", "deterministic"):
+        e = next(e for e in E.declared() if e.group == group)
+        assert P.unsupported(e, "flex", "fwd", P.FLEX_ALL) is not None, group
+    asked, every = _providers(dense, True, True), _providers(dense, True, P.FLEX_ALL)
+    assert "flex" not in asked["fwd"] and "flex" in every["fwd"] and "flex" in every["bwd"]
+    assert entry_seconds(dense, every, Plan()) > entry_seconds(dense, asked, Plan()) + 19
