@@ -18,7 +18,7 @@ from aotattn.compiler.jobs import Job, cache_key, compile_job, source_hash
 from aotattn.runtime.images import Archive, Entry, ImageError, Packed, archive_path, write_archive
 from aotattn.spec import Functional, parse_where
 from aotattn.tuning import Database, TuningError
-from aotattn.tuning.format import fallback_chain
+from aotattn.tuning.format import block_for, fallback_chain
 
 DEFAULT_OUT = paths.default_images()  # a checkout's images/, else ~/.cache/aotattn/images
 DEFAULT_CACHE = paths.default_build_cache()  # a checkout's build/cache/, else ~/.cache/aotattn/build
@@ -36,10 +36,7 @@ def check_archs(archs: Sequence[str]) -> None:
 def _resolved(db: Database, arch: str, spec: Any, functional: Functional) -> list[list[str]]:
     """The grid of cell names ``functional``'s lookups read (its block or a fallback's)."""
     table = db.effective(arch, spec.qualname)
-    resolved = next((f for f in fallback_chain(spec.fallback, functional) if f in table.blocks), None)
-    if resolved is None:
-        raise TuningError(f"{arch} / {spec.qualname}: no block for [{functional}] or its fallbacks")
-    return table.blocks[resolved]
+    return table.blocks[block_for(table, fallback_chain(spec.fallback, functional), f"{arch} / {spec.qualname}")]
 
 
 def _chosen_cells(db: Database, arch: str, spec: Any, functional: Functional) -> set[tuple[int, int]]:

@@ -19,7 +19,8 @@ from typing import Any
 from aotattn import families, tuning
 from aotattn.spec import Config, Functional
 from aotattn.tune.candidates import config_name
-from aotattn.tuning.format import Edit, Patch, fallback_chain, format_functional, parse_functional, write_patch
+from aotattn.tuning.format import (Edit, Patch, block_for, fallback_chain, format_functional, parse_functional,
+                                   write_patch)
 
 _CELL = re.compile(r"^(?P<table>[A-Za-z0-9_]+\.[A-Za-z0-9_]+)\[(?P<functional>[^\]]*)\]@(?P<keys>\S*)$")
 
@@ -86,9 +87,7 @@ def cell_of(arch: str, spec: Any, functional: Functional, sizes: Mapping[str, in
     db = db or tuning.database()
     chain = fallback_chain(spec.fallback, functional)
     table = db.effective(arch, spec.qualname, only=frozenset(chain))
-    used = next((f for f in chain if f in table.blocks), None)
-    if used is None:
-        raise tuning.TuningError(f"{arch} / {spec.qualname}: no block for [{functional}] or its fallbacks")
+    block_for(table, chain, f"{arch} / {spec.qualname}")
     keys = ",".join(f"{name}={buckets[tuning.bucket_index(buckets, sizes[name])]}"
                     for name, buckets in spec.tuning_keys)
     return f"{spec.qualname}[{format_functional(spec, functional)[1:-1].replace(' ', ',')}]@{keys}"

@@ -17,7 +17,6 @@ Triton is imported only by the JIT and the interpreter paths.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import os
 import threading
@@ -106,25 +105,31 @@ def _jit_options(plan: LaunchPlan) -> dict[str, Any]:
             "num_stages": plan.config.num_stages}
 
 
-def _launch_jit(plan: LaunchPlan, device: torch.device, options: dict[str, Any] | None = None) -> None:
-    fn = jit_function(plan.kernel)
-    options = _jit_options(plan) if options is None else options
+def _jit_call(fn: Any, grid: tuple[int, ...], args: Sequence[Any], options: dict[str, Any],
+              device: torch.device) -> None:
     with _SERIAL, torch.cuda.device(device):
-        fn[plan.grid](*plan.args, **options)
+        fn[grid](*args, **options)
 
 
-def _launch_interpreted(plan: LaunchPlan, constexprs: dict[str, Any] | None = None) -> None:
+def _launch_jit(plan: LaunchPlan, device: torch.device) -> None:
+    _jit_call(jit_function(plan.kernel), plan.grid, plan.args, _jit_options(plan), device)
+
+
+def _interpret(kernel: KernelSpec, grid: tuple[int, ...], args: Sequence[Any], constexprs: dict[str, Any]) -> None:
     from aotattn.runtime.interpreter import interpreted_function
 
-    fn = interpreted_function(plan.kernel.module, plan.kernel.function)
-    constexprs = plan.kernel.constexprs(plan.functional, plan.config) if constexprs is None else constexprs
+    fn = interpreted_function(kernel.module, kernel.function)
     # The interpreter's own warnings (numpy 2.3's array-to-scalar deprecation inside
     # Triton 3.6, numpy overflow notes from exp2 of masked scores) are not the caller's:
     # under `python -W error` or pytest's error filters they would fail every CPU call.
     # Filters are process-wide; the lock keeps other interpreted launches out meanwhile.
     with _SERIAL, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fn[plan.grid](*plan.args, **constexprs)
+        fn[grid](*args, **constexprs)
+
+
+def _launch_interpreted(plan: LaunchPlan) -> None:
+    _interpret(plan.kernel, plan.grid, plan.args, plan.kernel.constexprs(plan.functional, plan.config))
 
 
 def launch(plan: LaunchPlan) -> None:
@@ -164,21 +169,20 @@ def prepare(plan: LaunchPlan, dynamic: Sequence[tuple[int, int]]) -> Callable[[S
                   for i, a in enumerate(plan.args)]
         return prepare_loaded(kernel, plan, device, static, dynamic)
     static_args = [None if i in positions else a for i, a in enumerate(plan.args)]
-    bare = dataclasses.replace(plan, args=())
     if 0 in plan.grid:
         return lambda tensors: None
     # what does not change between calls is worked out once, here
+    grid = plan.grid
     if device.type == "cuda":
-        fn, grid, options = jit_function(plan.kernel), plan.grid, _jit_options(plan)
+        fn, options = jit_function(plan.kernel), _jit_options(plan)
 
         def run_on(args: list) -> None:
-            with _SERIAL, torch.cuda.device(device):
-                fn[grid](*args, **options)
+            _jit_call(fn, grid, args, options, device)
     elif device.type == "cpu":
-        constexprs = plan.kernel.constexprs(plan.functional, plan.config)
+        kernel, constexprs = plan.kernel, plan.kernel.constexprs(plan.functional, plan.config)
 
         def run_on(args: list) -> None:
-            _launch_interpreted(dataclasses.replace(bare, args=tuple(args)), constexprs)
+            _interpret(kernel, grid, args, constexprs)
     else:
         raise ValueError(f"no launcher for device type {device.type!r}")
 

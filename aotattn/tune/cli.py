@@ -70,14 +70,19 @@ def _settings(limit: int, tokens: int | None, table: str):
     return Settings.from_json({"limit": limit, "tokens": default.tokens if tokens is None else tokens})
 
 
+def _settings_by_table(chosen, limit: int, tokens: int | None) -> dict[str, Any]:
+    return {table: _settings(limit, tokens, table) for table in {t.table for t in chosen}}
+
+
 def _summary(chosen, total: int, limit: int, tokens: int | None, db) -> None:
     from aotattn.tune import ahead
     from aotattn.tune.estimate import gpu_seconds
 
+    settings = _settings_by_table(chosen, limit, tokens)
     jobs = list({(j.table, j.functional, j.config): j for t in chosen
-                 for j in ahead.task_jobs(t, _settings(limit, tokens, t.table), db)}.values())
+                 for j in ahead.task_jobs(t, settings[t.table], db)}.values())
     functionals = {(t.table, t.functional) for t in chosen}
-    seconds = sum(gpu_seconds(t, _settings(limit, tokens, t.table)) for t in chosen)
+    seconds = sum(gpu_seconds(t, settings[t.table]) for t in chosen)
     console.print(f"{len(chosen)} tasks ({total - len(chosen)} unsupported left out) over {len(functionals)} "
                   f"functionals; {len(jobs)} kernels to compile; about {seconds / 60:.1f} GPU-minutes")
 
@@ -111,10 +116,10 @@ def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DT
     from aotattn.tune.app import task_spec
 
     chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
+    settings = _settings_by_table(chosen, limit, tokens)
     by_table: dict[str, list] = {}
     for task in chosen:
-        by_table.setdefault(task.table, []).append(task_spec(task, _settings(limit, tokens, task.table), rerun,
-                                                             priority))
+        by_table.setdefault(task.table, []).append(task_spec(task, settings[task.table], rerun, priority))
     with Client(dsn, home=home) as client:
         client.init()
         for table, specs in by_table.items():

@@ -19,8 +19,8 @@ from typing import Any
 
 from aotattn.paths import installed_tuning_db
 from aotattn.spec import Config, Functional
-from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, bucket_index, fallback_chain, parse_patch,
-                                   parse_table, write_table)
+from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, block_for, bucket_index,
+                                   fallback_chain, parse_patch, parse_table, write_table)
 
 ENV_VAR = "AOTATTN_TUNING_DB"
 MAX_BASE_DEPTH = 16  # `#! base` hops from a table to its root (the project's longest is 1)
@@ -159,11 +159,7 @@ class Database:
         self.specs.setdefault(spec.qualname, spec)
         chain = fallback_chain(spec.fallback, functional)
         table = self.effective(arch, spec.qualname, only=frozenset(chain))
-        used = next((f for f in chain if f in table.blocks), None)
-        if used is None:
-            raise TuningError(f"{arch} / {spec.qualname}: no block for functional [{chain[0]}]"
-                              + (f" nor its fallbacks [{'], ['.join(map(str, chain[1:]))}]" if len(chain) > 1 else "")
-                              + f" in {self.table_path(arch, spec.qualname)}")
+        used = block_for(table, chain, f"{arch} / {spec.qualname}", str(self.table_path(arch, spec.qualname)))
         grid = table.blocks[used]
         name = grid[cell_index[0] if cell_index else 0][cell_index[1] if len(cell_index) > 1 else 0]
         if name == NO_ENTRY:

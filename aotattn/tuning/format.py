@@ -571,6 +571,17 @@ def fallback_chain(fallback: Any, functional: Functional) -> list[Functional]:
     return chain
 
 
+def block_for(table: Table, chain: Sequence[Functional], where: str, source: str = "") -> Functional:
+    """The first functional of ``chain`` (:func:`fallback_chain`) that ``table`` has a block
+    for; a :class:`TuningError` naming ``where`` (and the file, ``source``) when none has."""
+    used = next((f for f in chain if f in table.blocks), None)
+    if used is None:
+        raise TuningError(f"{where}: no block for functional [{chain[0]}]"
+                          + (f" nor its fallbacks [{'], ['.join(map(str, chain[1:]))}]" if len(chain) > 1 else "")
+                          + (f" in {source}" if source else ""))
+    return used
+
+
 def _fallback_grid(table: Table, functional: Functional, fallback: Any) -> list[list[str]] | None:
     """A copy of the grid of the nearest block in ``functional``'s fallback chain, or None."""
     found = next((f for f in fallback_chain(fallback, functional)[1:] if f in table.blocks), None)
