@@ -141,8 +141,8 @@ MUTANTS = (
     _mutant(
         "dropout-offset-bwd", "the backward draws its dropout mask at another Philox offset than the forward",
         BACKWARD,
-        "z_t = dropout_keep(philox_seed, philox_offset, ",
-        "z_t = dropout_keep(philox_seed, philox_offset + 1, ",
+        "z_t = tl.trans(dropout_keep(philox_seed, philox_offset, ",
+        "z_t = tl.trans(dropout_keep(philox_seed, philox_offset + 1, ",
         MISTAKES + "::test_dropout_counter_is_64_bit", "tests/families/flash/test_dropout.py",
     ),
     Mutant(
@@ -163,10 +163,11 @@ MUTANTS = (
         FLOOR.format(case="window-left-unbounded-fp16-split"), FLOOR.format(case="masked-rows-br-fp16-split"),
     ),
     _mutant(
-        "drop-base-int32", "the forward's Philox counter base computed in 32 bits ((b * Hq + h) * Sq * Sk overflows)",
-        FORWARD,
-        "drop_base = (off_z.to(tl.int64) * num_heads_q + off_h) * max_seqlen_q * max_seqlen_k",
-        "drop_base = (off_z * num_heads_q + off_h) * max_seqlen_q * max_seqlen_k",
+        "drop-counter-int32",
+        "the Philox counter computed in 32 bits (((b * Hq + h) * Sq + i) * 4 * ceil(Sk / 16) overflows)",
+        COMMON,
+        "idx = (row_base + rows.to(tl.int64))[:, None] * (((max_seqlen_k + 15) // 16) * 4) + calls[None, :]",
+        "idx = (row_base.to(tl.int32) + rows)[:, None] * (((max_seqlen_k + 15) // 16) * 4) + calls[None, :]",
         MISTAKES + "::test_dropout_counter_is_64_bit",
     ),
     _mutant(

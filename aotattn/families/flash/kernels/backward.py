@@ -89,7 +89,7 @@ def _dkdv_program(
                               window_right, window_left, MASK, BLOCK_M)
     for g in range(0, group_size):
         off_h = off_hk * group_size + g
-        drop_base = (off_z * num_heads_q + off_h) * max_seqlen_q * max_seqlen_k
+        drop_rows = (off_z * num_heads_q + off_h) * max_seqlen_q  # dropout counters: this head's rows
         rows0 = q_start + offs_m[:, None].to(tl.int64)
         q_ptrs = Q + off_z * stride_q[0] + off_h * stride_q[1] + rows0 * stride_q[2] + offs_d[None, :]
         do_ptrs = DO + off_z * stride_do[0] + off_h * stride_do[1] + rows0 * stride_do[2] + offs_dv[None, :]
@@ -127,8 +127,8 @@ def _dkdv_program(
                     p_t = tl.where(keep, p_t, 0.0)
                 dp_t = mma(v, tl.trans(do), tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32), PRECISION)
                 if DROPOUT:
-                    z_t = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_base, rows[None, :],
-                                       offs_n[:, None], max_seqlen_k)
+                    z_t = tl.trans(dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_rows, rows,
+                                                start_n, max_seqlen_k, BLOCK_N))
                     dv = mma((tl.where(z_t, p_t, 0.0) * dropout_scale).to(do.dtype), do, dv, PRECISION)
                     dp_t = tl.where(z_t, dp_t * dropout_scale, 0.0)
                 else:
@@ -172,7 +172,7 @@ def _dq_program(
         return
     off_hk = (off_h // group_size).to(tl.int64)
     off_h = off_h.to(tl.int64)
-    drop_base = (off_z * num_heads_q + off_h) * max_seqlen_q * max_seqlen_k
+    drop_rows = (off_z * num_heads_q + off_h) * max_seqlen_q  # dropout counters: this head's rows
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -218,8 +218,8 @@ def _dq_program(
                 p = tl.where(visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), p, 0.0)
             dp = mma(do, tl.trans(v), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)
             if DROPOUT:
-                z = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_base, offs_m[:, None],
-                                 cols[None, :], max_seqlen_k)
+                z = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_rows, offs_m, start_n,
+                                 max_seqlen_k, BLOCK_N)
                 dp = tl.where(z, dp * dropout_scale, 0.0)
             ds = p * (dp - delta[:, None])
             if BIAS == BIAS_GRAD:

@@ -53,8 +53,8 @@ def row_sum(x):
 
 
 @triton.jit
-def philox_word(seed, offset, idx):
-    """First 32-bit word of Philox4x32-10 at counter (idx, offset) under key seed."""
+def philox(seed, offset, idx):
+    """The four 32-bit words of Philox4x32-10 at counter (idx, offset) under key seed."""
     # the JIT types small integer arguments as i32, and a 32-bit shift of an i32 is poison
     idx = tl.cast(idx, tl.int64)
     offset = tl.cast(offset, tl.int64)
@@ -80,14 +80,36 @@ def philox_word(seed, offset, idx):
         c3 = lo0
         k0 = k0 + w0
         k1 = k1 + w1
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def philox_word(seed, offset, idx):
+    """First 32-bit word of Philox4x32-10 at counter (idx, offset) under key seed."""
+    c0, c1, c2, c3 = philox(seed, offset, idx)
     return c0
 
 
 @triton.jit
-def dropout_keep(seed, offset, threshold, base, rows, cols, max_seqlen_k):
-    """Keep-mask of the elements (rows, cols), broadcast tensors of positions."""
-    idx = base + rows.to(tl.int64) * max_seqlen_k + cols
-    return philox_word(seed, offset, idx).to(tl.int64) >= threshold
+def dropout_keep(seed, offset, threshold, row_base, rows, start_n, max_seqlen_k, BLOCK_N: tl.constexpr):
+    """Keep-mask ``[len(rows), BLOCK_N]`` of the columns ``start_n .. start_n + BLOCK_N``.
+
+    Column ``j = 16 g + 8 h + 2 p + a`` of row ``r`` is kept when word ``2 h + a`` of
+    Philox4x32-10 at counter ``(row_base + r) * 4 * ceil(max_seqlen_k / 16) + 4 g + p`` is
+    >= ``threshold``: one Philox call serves four columns, and they are the four a thread
+    of Hopper's wgmma accumulator holds (columns 2p, 2p+1 of both 8-column halves of each
+    16), so the interleave below stays in registers. ``start_n`` and ``BLOCK_N`` are
+    multiples of 16.
+    """
+    calls = start_n // 4 + tl.arange(0, BLOCK_N // 4)  # 4 g + p
+    idx = (row_base + rows.to(tl.int64))[:, None] * (((max_seqlen_k + 15) // 16) * 4) + calls[None, :]
+    c0, c1, c2, c3 = philox(seed, offset, idx)
+    # [rows, 4 g + p, a, h] -> [rows, g, h, p, a] -> column 16 g + 8 h + 2 p + a
+    keep = tl.join(tl.join(c0.to(tl.int64) >= threshold, c1.to(tl.int64) >= threshold),
+                   tl.join(c2.to(tl.int64) >= threshold, c3.to(tl.int64) >= threshold))
+    keep = tl.reshape(keep, (rows.shape[0], BLOCK_N // 16, 4, 2, 2))
+    keep = tl.permute(keep, (0, 1, 4, 2, 3))
+    return tl.reshape(keep, (rows.shape[0], BLOCK_N))
 
 
 # ------------------------------------------------------------------ sequences and masks

@@ -1,10 +1,11 @@
 """Dropout's keep-mask on its own, and the raw Philox stream the tests check.
 
-The keep decision of element (batch b, query head h, row i, column j) is the first word
-of Philox4x32-10 (Salmon et al., SC'11) keyed by the call's seed, at counter
-(idx_lo, idx_hi, offset_lo, offset_hi) with the 64-bit
-``idx = ((b * Hq + h) * max_seqlen_q + i) * max_seqlen_k + j``; an element is kept when
-that word is >= ``dropout_p * 2**32``. The forward, the backward and
+The keep decision of element (batch b, query head h, row i, column
+``j = 16 g + 8 e + 2 p + a``) is word ``2 e + a`` of Philox4x32-10 (Salmon et al., SC'11)
+keyed by the call's seed, at counter (idx_lo, idx_hi, offset_lo, offset_hi) with the
+64-bit ``idx = ((b * Hq + h) * max_seqlen_q + i) * 4 * ceil(max_seqlen_k / 16) + 4 g + p``;
+an element is kept when that word is >= ``dropout_p * 2**32``. One call serves the four
+columns one thread of the wgmma accumulator holds (:func:`.common.dropout_keep`). The forward, the backward and
 ``dropout_mask_kernel`` evaluate the same function (:func:`.common.dropout_keep`), so
 the mask is bit-identical between them.
 """
@@ -31,13 +32,13 @@ def dropout_mask_kernel(
     """The keep-mask the attention kernels use, as int8 (B, Hq, max_seqlen_q, max_seqlen_k)."""
     off_h = tl.program_id(1)
     off_z = tl.program_id(2)
-    drop_base = (off_z.to(tl.int64) * num_heads_q + off_h) * max_seqlen_q * max_seqlen_k
+    drop_rows = (off_z.to(tl.int64) * num_heads_q + off_h) * max_seqlen_q
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_in = offs_m < max_seqlen_q
     ptrs = (Mask + off_z.to(tl.int64) * stride_mz + off_h.to(tl.int64) * stride_mh
             + offs_m[:, None].to(tl.int64) * stride_mm)
     for start_n in range(0, max_seqlen_k, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        keep = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_base, offs_m[:, None],
-                            cols[None, :], max_seqlen_k)
+        keep = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_rows, offs_m, start_n,
+                            max_seqlen_k, BLOCK_N)
         tl.store(ptrs + cols[None, :], keep.to(tl.int8), mask=m_in[:, None] & (cols < max_seqlen_k)[None, :])

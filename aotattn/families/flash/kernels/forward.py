@@ -58,7 +58,7 @@ def attn_fwd(
         # windowed rows further down cost more; start those first
         pid_m = num_m_blocks - 1 - pid_m
     off_hk = (off_h // group_size).to(tl.int64)
-    drop_base = (off_z.to(tl.int64) * num_heads_q + off_h) * max_seqlen_q * max_seqlen_k
+    drop_rows = (off_z.to(tl.int64) * num_heads_q + off_h) * max_seqlen_q  # dropout counters: this head's rows
     off_h = off_h.to(tl.int64)
     off_z = off_z.to(tl.int64)
 
@@ -115,8 +115,8 @@ def attn_fwd(
             acc = acc * alpha[:, None]
             v = load_rows(v_ptrs, n_off, stride_vn, n_in, dv_mask, seg != 1, PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
             if DROPOUT:
-                keep = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_base, offs_m[:, None],
-                                    cols[None, :], max_seqlen_k)
+                keep = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_rows, offs_m, start_n,
+                                    max_seqlen_k, BLOCK_N)
                 p = tl.where(keep, p, 0.0)
             acc = mma(p.to(v.dtype), v, acc, PRECISION)
             m_i = m_new
