@@ -100,6 +100,15 @@ def main() -> None:
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(20)
         print(out.getvalue())
+        if args.device == "cuda":  # where the device time goes: kernels, copies, memsets per call
+            for name, fn in (("aotattn", forward_backward), ("SDPA", lambda: sdpa(True, True))):
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(20):
+                        fn()
+                    sync()
+                print(f"--- {name}: forward + backward x 20")
+                print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
 
 
 if __name__ == "__main__":
