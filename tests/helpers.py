@@ -307,11 +307,13 @@ def philox_first_word(seed: int, offset: int, idx: np.ndarray) -> np.ndarray:
 def dropout_keeps(seed: int, offset: int, dropout_p: float, row: np.ndarray, col: np.ndarray,
                   seqlen_k: int) -> np.ndarray:
     """Whether a dropout call keeps element (row, col), by the documented mapping: with
-    ``col = 16 g + 8 h + 2 p + a``, word ``2 h + a`` of Philox at counter
-    ``row * 4 * ceil(seqlen_k / 16) + 4 g + p`` is at least ``dropout_p * 2**32``, where
-    ``row = (b * Hq + h) * max_seqlen_q + i`` and ``seqlen_k`` is ``max_seqlen_k``."""
+    ``col = 32 g + 8 h + 2 p + a``, half ``a`` (0: low 16 bits, 1: high) of word ``h`` of
+    Philox at counter ``row * 4 * ceil(seqlen_k / 32) + 4 g + p`` is at least
+    ``round(dropout_p * 2**16)``, where ``row = (b * Hq + h) * max_seqlen_q + i`` and
+    ``seqlen_k`` is ``max_seqlen_k``."""
     row, col = np.broadcast_arrays(np.asarray(row, dtype=np.int64), np.asarray(col, dtype=np.int64))
-    g, h, p, a = col // 16, (col // 8) % 2, (col // 2) % 4, col % 2
-    words = np.stack(philox_words(seed, offset, row * (4 * (-(-seqlen_k // 16))) + 4 * g + p))
-    word = np.take_along_axis(words, (2 * h + a)[None], 0)[0]
-    return word >= np.uint64(int(dropout_p * 2**32))
+    g, h, p, a = col // 32, (col // 8) % 4, (col // 2) % 4, col % 2
+    words = np.stack(philox_words(seed, offset, row * (4 * (-(-seqlen_k // 32))) + 4 * g + p))
+    word = np.take_along_axis(words, h[None], 0)[0]
+    draw = (word >> (16 * a).astype(np.uint64)) & np.uint64(0xFFFF)
+    return draw >= np.uint64(min(round(dropout_p * 2**16), 2**16))

@@ -183,19 +183,19 @@ def test_numpy_philox_known_answers(key, counter, expected):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_dropout_counter_is_64_bit(request, device):
-    """The Philox counter of element (b, h, i, j) is ((b Hq + h) Sq + i) 4 ceil(Sk / 16) +
-    4 (j // 16) + (j // 2) % 4: past 2**31 for heads h >= 32 here (Sq Sk / 4 = 2**26). Each row sees one key (window (0, 0)), so its
+    """The Philox counter of element (b, h, i, j) is ((b Hq + h) Sq + i) 4 ceil(Sk / 32) +
+    4 (j // 32) + (j // 2) % 4: past 2**31 for heads h >= 32 here (Sq Sk / 8 = 2**26). Each row sees one key (window (0, 0)), so its
     output is that key's value, kept or dropped: the expected output follows from an
     independent numpy Philox without materialising a mask of 2**33 elements. A counter
     computed in 32 bits wraps and drops other elements than the mask says.
 
-    The backward (each kept key's dV is dO / (1 - p)) runs on the GPU only: its 2**24
-    keys are 2**20 key-major programs, minutes in the interpreter.
+    The backward (each kept key's dV is dO / (1 - p)) runs on the GPU only: its 2**25
+    keys are 2**21 key-major programs, minutes in the interpreter.
     """
     from aotattn.families.flash.planning import philox_state
 
     seed_from(request.node.name)
-    heads_q, seqlen_q, seqlen_k, dropout_p = 40, 16, 2**24, 0.5
+    heads_q, seqlen_q, seqlen_k, dropout_p = 40, 16, 2**25, 0.5
     q = torch.randn(1, seqlen_q, heads_q, 1, device=device, dtype=torch.float16)
     k = torch.randn(1, seqlen_k, 1, 1, device=device, dtype=torch.float16)
     v = torch.randn(1, seqlen_k, 1, 2, device=device, dtype=torch.float16)

@@ -164,10 +164,10 @@ MUTANTS = (
     ),
     _mutant(
         "drop-counter-int32",
-        "the Philox counter computed in 32 bits (((b * Hq + h) * Sq + i) * 4 * ceil(Sk / 16) overflows)",
+        "the Philox counter computed in 32 bits (((b * Hq + h) * Sq + i) * 4 * ceil(Sk / 32) overflows)",
         COMMON,
-        "idx = (row_base + rows.to(tl.int64))[:, None] * (((max_seqlen_k + 15) // 16) * 4) + calls[None, :]",
-        "idx = (row_base.to(tl.int32) + rows)[:, None] * (((max_seqlen_k + 15) // 16) * 4) + calls[None, :]",
+        "idx = (row_base + rows.to(tl.int64))[:, None] * (((max_seqlen_k + 31) // 32) * 4) + calls[None, :]",
+        "idx = (row_base.to(tl.int32) + rows)[:, None] * (((max_seqlen_k + 31) // 32) * 4) + calls[None, :]",
         MISTAKES + "::test_dropout_counter_is_64_bit",
     ),
     _mutant(

@@ -125,8 +125,9 @@ class Call:
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """Keep an element when its Philox word is >= this (32-bit words)."""
-    return min(int(dropout_p * 2.0**32), 2**32)
+    """Keep an element when its 16-bit draw is >= this (:func:`.kernels.common.dropout_keep`):
+    ``dropout_p * 2**16`` rounded, so the kept fraction is within 2**-17 of ``1 - dropout_p``."""
+    return min(round(dropout_p * 2.0**16), 2**16)
 
 
 def new_call(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None,

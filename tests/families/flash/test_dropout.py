@@ -41,10 +41,11 @@ def test_philox_known_answers(device, key, counter, expected):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seqlen_k", [13, 64, 70, 200])
 def test_the_mask_is_the_documented_philox_mapping(device, seqlen_k):
-    """Element (b, h, i, j), j = 16 g + 8 e + 2 p + a, is kept iff word 2 e + a of
-    Philox4x32-10 at counter ((b * Hq + h) * Sq + i) * 4 * ceil(Sk / 16) + 4 g + p (offset
-    in the high half) is >= p * 2^32, checked element by element against the tests' numpy
-    Philox (the forward, the backward and dropout_mask all use this mapping)."""
+    """Element (b, h, i, j), j = 32 g + 8 e + 2 p + a, is kept iff half a (low or high 16
+    bits) of word e of Philox4x32-10 at counter ((b * Hq + h) * Sq + i) * 4 * ceil(Sk / 32)
+    + 4 g + p (offset in the high half) is >= round(p * 2^16), checked element by element
+    against the tests' numpy Philox (the forward, the backward and dropout_mask all use
+    this mapping)."""
     batch, heads, seqlen_q, dropout_p = 2, 3, 5, 0.4
     torch.manual_seed(11)
     state = torch.get_rng_state()

@@ -94,22 +94,43 @@ def philox_word(seed, offset, idx):
 def dropout_keep(seed, offset, threshold, row_base, rows, start_n, max_seqlen_k, BLOCK_N: tl.constexpr):
     """Keep-mask ``[len(rows), BLOCK_N]`` of the columns ``start_n .. start_n + BLOCK_N``.
 
-    Column ``j = 16 g + 8 h + 2 p + a`` of row ``r`` is kept when word ``2 h + a`` of
-    Philox4x32-10 at counter ``(row_base + r) * 4 * ceil(max_seqlen_k / 16) + 4 g + p`` is
-    >= ``threshold``: one Philox call serves four columns, and they are the four a thread
-    of Hopper's wgmma accumulator holds (columns 2p, 2p+1 of both 8-column halves of each
-    16), so the interleave below stays in registers. ``start_n`` and ``BLOCK_N`` are
-    multiples of 16.
+    Each 32-bit Philox word holds two 16-bit draws, and a column is kept when its draw is
+    >= ``threshold`` (``dropout_p * 2**16``, rounded): column ``j = 32 g + 8 h + 2 p + a``
+    of row ``r`` takes half ``a`` (0: low, 1: high) of word ``h`` of Philox4x32-10 at
+    counter ``(row_base + r) * 4 * ceil(max_seqlen_k / 32) + 4 g + p``. One Philox call
+    thus serves eight columns, and they are the eight one thread of Hopper's wgmma
+    accumulator holds (columns 2p, 2p+1 of each 8-column group), so the interleave below
+    stays in registers. ``start_n`` is a multiple of ``BLOCK_N`` >= 16.
     """
-    calls = start_n // 4 + tl.arange(0, BLOCK_N // 4)  # 4 g + p
-    idx = (row_base + rows.to(tl.int64))[:, None] * (((max_seqlen_k + 15) // 16) * 4) + calls[None, :]
+    if BLOCK_N >= 32:
+        return _dropout_span(seed, offset, threshold, row_base, rows, start_n, max_seqlen_k, BLOCK_N)
+    else:
+        tl.static_assert(BLOCK_N == 16)
+        # half of the 32 columns one set of calls covers
+        span = _dropout_span(seed, offset, threshold, row_base, rows, start_n - start_n % 32, max_seqlen_k, 32)
+        first, second = tl.split(tl.permute(tl.reshape(span, (rows.shape[0], 2, 16)), (0, 2, 1)))
+        return tl.where(start_n % 32 == 0, first, second)
+
+
+@triton.jit
+def _dropout_span(seed, offset, threshold, row_base, rows, start_n, max_seqlen_k, BLOCK_N: tl.constexpr):
+    """:func:`dropout_keep` for ``start_n`` and ``BLOCK_N`` multiples of 32."""
+    calls = start_n // 8 + tl.arange(0, BLOCK_N // 8)  # 4 g + p
+    idx = (row_base + rows.to(tl.int64))[:, None] * (((max_seqlen_k + 31) // 32) * 4) + calls[None, :]
     c0, c1, c2, c3 = philox(seed, offset, idx)
-    # [rows, 4 g + p, a, h] -> [rows, g, h, p, a] -> column 16 g + 8 h + 2 p + a
-    keep = tl.join(tl.join(c0.to(tl.int64) >= threshold, c1.to(tl.int64) >= threshold),
-                   tl.join(c2.to(tl.int64) >= threshold, c3.to(tl.int64) >= threshold))
-    keep = tl.reshape(keep, (rows.shape[0], BLOCK_N // 16, 4, 2, 2))
-    keep = tl.permute(keep, (0, 1, 4, 2, 3))
+    t = threshold.to(tl.int32)
+    # per word h: [rows, 4 g + p, a]; joined: [rows, 4 g + p, a, h % 2, h // 2]
+    keep = tl.join(tl.join(_keep_halves(c0, t), _keep_halves(c1, t)),
+                   tl.join(_keep_halves(c2, t), _keep_halves(c3, t)))
+    keep = tl.reshape(keep, (rows.shape[0], BLOCK_N // 32, 4, 2, 2, 2))
+    keep = tl.permute(keep, (0, 1, 5, 4, 2, 3))  # [rows, g, h // 2, h % 2, p, a]: column 32 g + 8 h + 2 p + a
     return tl.reshape(keep, (rows.shape[0], BLOCK_N))
+
+
+@triton.jit
+def _keep_halves(word, threshold):
+    """[..., 2]: whether the low and the high 16 bits of ``word`` are >= ``threshold``."""
+    return tl.join((word & 0xFFFF).to(tl.int32) >= threshold, (word >> 16).to(tl.int32) >= threshold)
 
 
 # ------------------------------------------------------------------ sequences and masks

@@ -1,11 +1,12 @@
 """Dropout's keep-mask on its own, and the raw Philox stream the tests check.
 
 The keep decision of element (batch b, query head h, row i, column
-``j = 16 g + 8 e + 2 p + a``) is word ``2 e + a`` of Philox4x32-10 (Salmon et al., SC'11)
-keyed by the call's seed, at counter (idx_lo, idx_hi, offset_lo, offset_hi) with the
-64-bit ``idx = ((b * Hq + h) * max_seqlen_q + i) * 4 * ceil(max_seqlen_k / 16) + 4 g + p``;
-an element is kept when that word is >= ``dropout_p * 2**32``. One call serves the four
-columns one thread of the wgmma accumulator holds (:func:`.common.dropout_keep`). The forward, the backward and
+``j = 32 g + 8 e + 2 p + a``) is half ``a`` (low or high 16 bits) of word ``e`` of
+Philox4x32-10 (Salmon et al., SC'11) keyed by the call's seed, at counter (idx_lo, idx_hi,
+offset_lo, offset_hi) with the 64-bit
+``idx = ((b * Hq + h) * max_seqlen_q + i) * 4 * ceil(max_seqlen_k / 32) + 4 g + p``; an
+element is kept when that 16-bit draw is >= ``round(dropout_p * 2**16)``. One call serves
+the eight columns one thread of the wgmma accumulator holds (:func:`.common.dropout_keep`). The forward, the backward and
 ``dropout_mask_kernel`` evaluate the same function (:func:`.common.dropout_keep`), so
 the mask is bit-identical between them.
 """
