@@ -39,6 +39,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--api", default="flash", choices=("flash", "sdpa"),
+                    help="flash: flash_attn_func, causal (default); sdpa: scaled_dot_product_attention on "
+                         "(B, H, S, D), not causal, as bench_latency.py calls it")
     args = ap.parse_args()
     if args.device == "cpu":
         interpreter.interpreted_function = lambda module, function: _NoKernel()
@@ -47,20 +50,29 @@ def main() -> None:
     dout = torch.randn(1, 128, 1, 64, dtype=torch.bfloat16, device=args.device)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
+    causal = args.api == "flash"
+    if args.api == "flash":
+        def attend():
+            return aotattn.flash_attn_func(q, k, v, causal=True)
+    else:
+        def attend():
+            return aotattn.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+
     def inference():
         with torch.no_grad():
-            return aotattn.flash_attn_func(q, k, v, causal=True)
+            return attend()
 
     def forward():
-        return aotattn.flash_attn_func(q, k, v, causal=True)
+        return attend()
 
     def forward_backward():
-        return torch.autograd.grad(aotattn.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+        out = attend()
+        return torch.autograd.grad(out, (q, k, v), dout if args.api == "flash" else dout.transpose(1, 2))
 
     def sdpa(grad: bool, backward: bool):
         qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
         with torch.set_grad_enabled(grad):
-            out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+            out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
         return torch.autograd.grad(out, (q, k, v), dout.transpose(1, 2)) if backward else out
 
     peers = {"inference": lambda: sdpa(False, False), "training forward": lambda: sdpa(True, False),

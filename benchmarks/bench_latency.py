@@ -81,12 +81,30 @@ def _median_us(fn, rounds: int = 7, calls: int = 200, sync_each_round: bool = Tr
     return sorted(samples)[len(samples) // 2]
 
 
+def _paired_median_us(ours, theirs, rounds: int = 9, calls: int = 200) -> tuple[float, float]:
+    """:func:`_median_us` of two callables, their rounds interleaved (ours, theirs, ours,
+    ...) so that a drift of the host's speed during the run reaches both alike."""
+    import torch
+
+    samples: tuple[list, list] = ([], [])
+    for _ in range(rounds):
+        for fn, out in ((ours, samples[0]), (theirs, samples[1])):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out.append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+    return tuple(sorted(s)[len(s) // 2] for s in samples)
+
+
 def host_overhead() -> dict:
     """Per tiny call (B1 H1 S128 D64 bf16): the host's time to issue it (200 calls, timed
     before synchronizing: fewer than the launch queue holds, so the GPU never holds the
-    host back), and the time per call back to back (2000 calls, synchronized: the larger
-    of host and GPU). Inference calls, training forwards (inputs that require grad) and
-    training forward + backward, aotattn beside PyTorch's SDPA."""
+    host back; rounds of aotattn and SDPA interleaved), and the time per call back to back
+    (2000 calls, synchronized: the larger of host and GPU). Inference calls, training
+    forwards (inputs that require grad) and training forward + backward, aotattn beside
+    PyTorch's SDPA."""
     import torch
 
     import aotattn
@@ -96,17 +114,19 @@ def host_overhead() -> dict:
                   for _ in range(3))
     grad = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
     results = {}
-    for name, fn in (("aotattn", aotattn.scaled_dot_product_attention),
-                     ("sdpa", torch.nn.functional.scaled_dot_product_attention)):
-        calls = {
-            "": lambda: fn(q, q, q),
-            " train fwd": lambda: fn(qg, kg, vg),
-            " train fwd+bwd": lambda: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), grad),
-        }
-        for label, call in calls.items():
+    impls = {"aotattn": aotattn.scaled_dot_product_attention, "sdpa": torch.nn.functional.scaled_dot_product_attention}
+    calls = {name: {
+        "": lambda fn=fn: fn(q, q, q),
+        " train fwd": lambda fn=fn: fn(qg, kg, vg),
+        " train fwd+bwd": lambda fn=fn: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), grad),
+    } for name, fn in impls.items()}
+    for label in calls["aotattn"]:
+        for name in impls:
             for _ in range(50):
-                call()
-            results[name + label] = _median_us(call)
+                calls[name][label]()
+        results["aotattn" + label], results["sdpa" + label] = _paired_median_us(calls["aotattn"][label],
+                                                                                calls["sdpa"][label])
+    for name, fn in impls.items():
         back_to_back = []
         for _ in range(5):
             start = time.perf_counter()

@@ -18,8 +18,8 @@ from aotattn.families.flash import rules
 from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_flash,
                                            check_sdpa, check_varlen)
 from aotattn.families.flash.planning import (Call, backward_buffers, backward_dout, backward_plans, choose_backend,
-                                             dropout_mask_plan, finish_dq, forward_plan, lse_shape, new_call,
-                                             new_output, philox_state, run_backward, run_forward)
+                                             dq_accumulates, dropout_mask_plan, finish_dq, forward_plan, lse_shape,
+                                             new_call, new_output, philox_state, run_backward, run_forward)
 from aotattn.runtime import launch, prepare
 from aotattn.runtime.launcher import MODE_VAR
 from aotattn.tuning import ENV_VAR as TUNING_DB_VAR
@@ -72,12 +72,7 @@ class _CachedAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         entry, backend, deterministic = ctx.hit
-        if entry.heads_major:  # the launches were planned on flash-attn's layout: views of the same memory
-            q, k, v, out, dout = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2), \
-                dout.transpose(1, 2)
-        dq, dk, dv = entry.backward(dout, q, k, v, out, lse, backend, deterministic)
-        if entry.heads_major:
-            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
+        dq, dk, dv = entry.backward(dout, q, k, v, out, lse, backend, deterministic, caller_layout=True)
         return dq, dk, dv, None
 
 
@@ -204,23 +199,44 @@ class _Entry:
         out, lse = self.launch(q, k, v)
         return (out.transpose(1, 2) if self.heads_major else out), lse
 
-    def backward(self, dout, q, k, v, out, lse, backend: str | None, deterministic: bool):
+    def backward(self, dout, q, k, v, out, lse, backend: str | None, deterministic: bool,
+                 caller_layout: bool = False):
+        """dQ, dK, dV shaped like q, k, v. With ``caller_layout`` the tensors come in the
+        caller's layout (SDPA's for a heads-major entry): the prepared launches read only
+        their pointers, so no view is made but of ``dout``, whose layout picks the launches,
+        and the gradients are allocated in the caller's layout directly."""
         c = self.call
-        dout = backward_dout(c, dout)
+        flip = caller_layout and self.heads_major  # views of the same memory, heads and rows swapped
+        dout = backward_dout(c, dout.transpose(1, 2) if flip else dout)
         choice = (dout.stride(), dout.data_ptr() % 16 == 0, backend, deterministic)
         prepared = self.backwards.get(choice)
         if prepared is None:
+            if flip:  # planning reads flash-attn's layout
+                q, k, v, out = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2)
             chosen = backend or choose_backend(c, deterministic, q.device)
-            delta, dq, dk, dv, _ = backward_buffers(c, q, k, v, chosen, deterministic)
-            plans = backward_plans(c, dout, q, k, v, out, lse, delta, dq, dk, dv, None, chosen, deterministic)
-            prepared = chosen, [_prepare(plan, _BACKWARD_ROLES) for plan in plans]
+            buffers = backward_buffers(c, q, k, v, chosen, deterministic)[:4]
+            plans = backward_plans(c, dout, q, k, v, out, lse, *buffers, None, chosen, deterministic)
+            zeroed = (False, dq_accumulates(chosen, deterministic), False, False)  # delta, dq, dk, dv
+            layouts = tuple((tuple(t.shape), t.stride(), t.dtype, zero) for t, zero in zip(buffers, zeroed))
+            prepared = [_prepare(plan, _BACKWARD_ROLES) for plan in plans], layouts
             self.backwards[choice] = prepared  # a race stores an equal value twice
-        chosen, launches = prepared
-        delta, dq, dk, dv, _ = backward_buffers(c, q, k, v, chosen, deterministic)
+        launches, layouts = prepared
+        delta, dq, dk, dv = (_buffer(layout, i > 0 and flip, q.device) for i, layout in enumerate(layouts))
         tensors = (dout, q, k, v, out, lse, delta, dq, dk, dv)
         for launch_one in launches:
             launch_one(tensors)
         return finish_dq(dq, q), dk, dv
+
+
+def _buffer(layout: tuple, flip: bool, device: torch.device) -> torch.Tensor:
+    """A fresh backward buffer of a recorded ``(shape, stride, dtype, zeroed)``, viewed with
+    dims 1 and 2 swapped when ``flip`` (the caller's layout of a heads-major entry)."""
+    shape, stride, dtype, zeroed = layout
+    if flip:
+        shape = (shape[0], shape[2], shape[1], *shape[3:])
+        stride = (stride[0], stride[2], stride[1], *stride[3:])
+    t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return t.zero_() if zeroed else t
 
 
 class _PlanCache:

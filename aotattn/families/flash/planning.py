@@ -266,6 +266,12 @@ def backward_dout(c: Call, dout: torch.Tensor) -> torch.Tensor:
     return dout
 
 
+def dq_accumulates(backend: str, deterministic: bool) -> bool:
+    """Whether dQ is accumulated with atomics into a zeroed fp32 buffer (the fused backend
+    without ``deterministic``)."""
+    return backend == "fused" and not deterministic
+
+
 def backward_buffers(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
                      deterministic: bool) -> tuple[torch.Tensor, ...]:
     """(delta, dq, dk, dv, dbias or None), fresh: the backward kernels' outputs.
@@ -276,7 +282,7 @@ def backward_buffers(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dk = torch.empty(tuple(k.shape), dtype=k.dtype, device=dev)
     dv = torch.empty(tuple(v.shape), dtype=v.dtype, device=dev)
     delta = torch.empty(lse_shape(p, q), dtype=torch.float32, device=dev)
-    if backend == "fused" and not deterministic:
+    if dq_accumulates(backend, deterministic):
         dq = torch.zeros(tuple(q.shape), dtype=torch.float32, device=dev)
     else:
         dq = torch.empty(tuple(q.shape), dtype=q.dtype, device=dev)

@@ -282,22 +282,28 @@ def test_training_calls_served_by_the_plan_cache_match_the_reference(backend, de
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("enable_gqa", [False, True])
-def test_cached_sdpa_training_calls_take_the_callers_layout(device, enable_gqa):
+@pytest.mark.parametrize("enable_gqa,backend,deterministic", [(False, None, False), (True, None, False),
+                                                              (True, "fused", False), (False, "split", False),
+                                                              (True, "fused", True)])
+def test_cached_sdpa_training_calls_take_the_callers_layout(device, enable_gqa, backend, deterministic):
     """SDPA-layout training hits run on the caller's ``(B, H, S, D)`` tensors without
-    views (the lean autograd Function): output, gradients and their shapes match the
-    reference on every repeat; only the inputs that require grad get one; a strided dout."""
+    views (the lean autograd Function; gradients allocated in the caller's layout, the
+    fused backend's fp32 dQ accumulator too): output, gradients and their shapes match the
+    reference on every repeat; only the inputs that require grad get one; a transposed
+    dout, and one with a last stride of 2 (copied first)."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     heads_k = 2 if enable_gqa else 6
     sq, sk, d = (37, 53, 32) if device == "cpu" else (1000, 1333, 128)
     ops._PLANS.entries.clear()
-    for trial in range(3):
+    for trial in range(4):
         query = torch.randn(2, 6, sq, d, dtype=dtype, device=device, requires_grad=True)
         key = torch.randn(2, heads_k, sk, d, dtype=dtype, device=device, requires_grad=trial != 1)
         value = torch.randn(2, heads_k, sk, d, dtype=dtype, device=device, requires_grad=True)
-        out = aotattn.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=enable_gqa)
-        dout = torch.randn(2, sq, 6, d, dtype=dtype, device=device).transpose(1, 2) if trial == 2 else \
-            torch.randn_like(out)
+        out = aotattn.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=enable_gqa,
+                                                   backend=backend, deterministic=deterministic)
+        dout = {2: lambda: torch.randn(2, sq, 6, d, dtype=dtype, device=device).transpose(1, 2),
+                3: lambda: torch.randn(2, 6, sq, 2 * d, dtype=dtype, device=device)[..., ::2]}.get(
+                    trial, lambda: torch.randn_like(out))()
         wanted = [t for t in (query, key, value) if t.requires_grad]
         grads = torch.autograd.grad(out, wanted, dout)
         ref_in = [t.detach().double().requires_grad_() for t in (query, key, value)]
