@@ -71,6 +71,35 @@ def test_keep_rate_and_reproducibility(device, dropout_p):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dropout_p,kept", [(2.0**-18, 1.0), (1 - 2.0**-18, 0.0), (2.0**-16, None)])
+def test_extreme_probabilities_follow_the_16_bit_threshold(request, device, dropout_p, kept):
+    """Draws are 16 bits, kept when >= round(p * 2^16): a p below 2^-17 drops nothing (the
+    kept weights still scaled by 1 / (1 - p)), a p within 2^-17 of 1 keeps nothing (output
+    0), and p = 2^-16 drops exactly the draws equal to 0, as the numpy Philox predicts."""
+    seed_from(request.node.nodeid)
+    n = (2, 3, 40, 70) if device == "cpu" else (4, 8, 1000, 1000)
+    state = torch.get_rng_state()
+    mask = aotattn.dropout_mask(*n, dropout_p, device=device)
+    torch.set_rng_state(state)
+    seed, offset = torch.randint(0, 2**62, (2,), dtype=torch.int64).tolist()
+    rows = np.arange(n[0] * n[1] * n[2])[:, None]
+    want = dropout_keeps(seed, offset, dropout_p, rows, np.arange(n[3])[None, :], n[3])
+    assert torch.equal(mask.cpu().reshape(-1, n[3]), torch.from_numpy(want))
+    if kept is not None:
+        assert mask.float().mean().item() == kept
+    q, k, v = make_qkv(2, 33, 47, 3, 3, 16, 16, torch.float32, device)
+    state = torch.get_rng_state()
+    out = aotattn.flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True)
+    torch.set_rng_state(state)
+    keep = aotattn.dropout_mask(2, 3, 33, 47, dropout_p, device=device)
+    ref, _ = reference.attention(q.double(), k.double(), v.double(), dropout_mask=keep, dropout_p=dropout_p,
+                                 causal=True)
+    assert rel_err(out, ref) < TOLERANCE[torch.float32]
+    if kept == 0.0:
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", [("split", False), ("fused", False), ("fused", True)],
                          ids=["split", "fused-atomic", "fused-deterministic"])
 @pytest.mark.parametrize("mask", [{}, {"causal": True}, {"window_size": (7, 3), "diagonal": "top_left"}],
