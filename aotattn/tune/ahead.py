@@ -54,10 +54,10 @@ def task_jobs(task: Task, settings: Settings, db: Any) -> list[Job]:
     return jobs
 
 
-def plan(tasks: Iterable[Task], settings: Settings, db: Any) -> list[Job]:
-    """Every kernel a batch needs, each once, in first-needed order."""
+def plan(tasks: Iterable[tuple[Task, Settings]], db: Any) -> list[Job]:
+    """Every kernel a batch of ``(task, its settings)`` needs, each once, in first-needed order."""
     seen: dict[tuple[str, str, Functional, Any], Job] = {}
-    for task in tasks:
+    for task, settings in tasks:
         for job in task_jobs(task, settings, db):
             seen.setdefault((job.arch, job.table, job.functional, job.config), job)
     return list(seen.values())

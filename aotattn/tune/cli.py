@@ -79,8 +79,7 @@ def _summary(chosen, total: int, limit: int, tokens: int | None, db) -> None:
     from aotattn.tune.estimate import gpu_seconds
 
     settings = _settings_by_table(chosen, limit, tokens)
-    jobs = list({(j.table, j.functional, j.config): j for t in chosen
-                 for j in ahead.task_jobs(t, settings[t.table], db)}.values())
+    jobs = ahead.plan([(t, settings[t.table]) for t in chosen], db)
     functionals = {(t.table, t.functional) for t in chosen}
     seconds = sum(gpu_seconds(t, settings[t.table]) for t in chosen)
     console.print(f"{len(chosen)} tasks ({total - len(chosen)} unsupported left out) over {len(functionals)} "
@@ -192,10 +191,7 @@ def compile_command(batch: Path = typer.Argument(..., help="pgdef batch file or 
 
     db = _db(tuning_db)
     pairs = _batch_tasks(batch)
-    needed = ahead.plan([t for t, _ in pairs], pairs[0][1], db) if pairs else []
-    if len({s for _, s in pairs}) > 1:  # settings differ between tasks: each task's own candidates
-        needed = list({(j.table, j.functional, j.config): j for t, s in pairs
-                       for j in ahead.task_jobs(t, s, db)}.values())
+    needed = ahead.plan(pairs, db)
     console.print(f"{len(pairs)} tasks need {len(needed)} kernels")
     if dry_run:
         return

@@ -37,7 +37,7 @@ def test_backward_tasks_need_their_auxiliary_kernels():
                          "flash.attn_bwd_fused"}
     fused = next(j for j in ahead.task_jobs(op, settings, db) if j.table == "flash.attn_bwd_fused")
     assert fused.functional["ATOMIC_DQ"] is False  # deterministic: no atomics
-    both = ahead.plan([dq, dq, op], settings, db)
+    both = ahead.plan([(dq, settings), (dq, settings), (op, settings)], db)
     assert len(both) == len({(j.table, j.functional, j.config) for j in both})
 
 
@@ -47,7 +47,7 @@ def test_compiled_images_hold_every_candidate(tmp_path, monkeypatch):
 
     task = forward_task(cell=(4096, 4096), head_dim=16)
     settings = dataclasses.replace(Settings(), limit=1)
-    jobs = ahead.plan([task], settings, Database(PROJECT_TUNING))
+    jobs = ahead.plan([(task, settings)], Database(PROJECT_TUNING))
     assert 1 <= len(jobs) <= 2
     report = ahead.compile_ahead(jobs, tmp_path / "images", tmp_path / "cache", workers=2)
     assert not report.failures and report.seconds_per_kernel() > 0
