@@ -411,7 +411,8 @@ def _print_faults(db: store.Perfdb, tag: str, margin: float = 0.0):
 def faults(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: str = ARCH, root: Path = ROOT,
            margin: float = typer.Option(0.0, help="also require the win to exceed this fraction of the time"),
            patch: Path = typer.Option(None, "--patch", help="write the patch that sets each faulty cell to the "
-                                      "faster backend into this folder (one .dbpatch per table)"),
+                                      "faster backend: into this folder (one .dbpatch per table), or into "
+                                      "this file when it ends in .dbpatch"),
            fail: bool = typer.Option(False, "--fail", help="exit 1 when there is a fault")) -> None:
     """Tuning faults: a forced backend beat the operator's own choice by more than the noise."""
     from aotattn.perfmon.provenance import parse_cell, suggest_patch
@@ -428,9 +429,13 @@ def faults(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: 
         changes = {cell: Config.of(backend=next(iter(w))) for cell, w in votes.items() if len(w) == 1}
         texts = suggest_patch(changes, [f"from `aotattn perfdb faults {tag}` ({db.header.get('gpu', '?')}, "
                                         f"{db.header.get('date', '?')})"])
-        patch.mkdir(parents=True, exist_ok=True)
+        as_file = patch.suffix == ".dbpatch"
+        if as_file and len(texts) > 1:
+            raise typer.BadParameter(f"the faults touch {len(texts)} tables ({', '.join(sorted(texts))}): give a "
+                                     "folder, not one .dbpatch file", param_hint="--patch")
+        (patch.parent if as_file else patch).mkdir(parents=True, exist_ok=True)
         for table, text in texts.items():
-            target = patch / f"{table}.perfmon-faults.dbpatch"
+            target = patch if as_file else patch / f"{table}.perfmon-faults.dbpatch"
             target.write_text(text)
             console.print(f"wrote {target} (rename to <table>.<NNNN>-<what>.dbpatch in tuning/<vendor>/<arch>/ "
                           "to apply it)")

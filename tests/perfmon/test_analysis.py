@@ -198,6 +198,9 @@ def test_cli_faults_compare_summary_and_plot(tuning_copy, tmp_path):
     assert "BLOCK_D=128" in faulty.output and "fused" in faulty.output
     (suggested,) = patch_dir.glob("*.dbpatch")
     assert parse_patch(rules.BACKWARD, suggested.read_text()).edits
+    one_file = tmp_path / "patches" / "flash.backward.0009-faults.dbpatch"  # a file name: that file, no folder
+    invoke("perfdb", "faults", "after", "--patch", str(one_file))
+    assert one_file.is_file() and one_file.read_text() == suggested.read_text()
 
     same = invoke("perfdb", "compare", "before", "before", "--fail-on-regression")
     assert same.exit_code == 0 and "0 regression(s)" in same.output

@@ -19,8 +19,8 @@ Stride arguments travel between the functions here as tuples, one per tensor:
 import triton
 import triton.language as tl
 
-from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, diagonal, dropout_keep, key_blocks,
-                                                   load_rows, mma, row_sum, segment, sequence, visible)
+from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, diagonal, dropout_keep, head_columns,
+                                                   key_blocks, load_rows, mma, row_sum, segment, sequence, visible)
 
 
 @triton.jit
@@ -72,8 +72,8 @@ def _dkdv_program(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    d_mask = offs_d < head_dim
-    dv_mask = offs_dv < head_dim_v
+    d_mask = head_columns(offs_d, head_dim, PAD_HEAD)
+    dv_mask = head_columns(offs_dv, head_dim_v, PAD_HEAD)
     n_in = offs_n < seqlen_k
     keys = k_start + offs_n[:, None].to(tl.int64)
     k = load_rows(K + off_z * stride_k[0] + off_hk * stride_k[1] + keys * stride_k[2] + offs_d[None, :],
@@ -87,65 +87,74 @@ def _dkdv_program(
     # the queries that see these keys: the window transposed
     lo, a, b, hi = key_blocks(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k), seqlen_q, -diag,
                               window_right, window_left, MASK, BLOCK_M)
-    for g in range(0, group_size):
-        off_h = off_hk * group_size + g
-        drop_rows = (off_z * num_heads_q + off_h) * max_seqlen_q  # dropout counters: this head's rows
-        rows0 = q_start + offs_m[:, None].to(tl.int64)
-        q_ptrs = Q + off_z * stride_q[0] + off_h * stride_q[1] + rows0 * stride_q[2] + offs_d[None, :]
-        do_ptrs = DO + off_z * stride_do[0] + off_h * stride_do[1] + rows0 * stride_do[2] + offs_dv[None, :]
-        dq_ptrs = DQ + off_z * stride_dq[0] + off_h * stride_dq[1] + rows0 * stride_dq[2] + offs_d[None, :]
-        # bias tiles read transposed: [BLOCK_N keys, BLOCK_M queries]
-        bias_ptrs = (Bias + off_z * stride_b[0] + off_h * stride_b[1] + offs_m[None, :] * stride_b[2]
-                     + offs_n[:, None].to(tl.int64) * stride_b[3])
-        dbias_ptrs = (DBias + off_z * stride_db[0] + off_h * stride_db[1] + offs_m[None, :] * stride_db[2]
-                      + offs_n[:, None].to(tl.int64))
-        lse_ptr = Lse + off_z * stride_l[0] + off_h * stride_l[1] + q_start
-        delta_ptr = Delta + off_z * stride_l[0] + off_h * stride_l[1] + q_start
-        for seg in tl.static_range(3):
-            # runs 0 and 2 (the window's edges) are masked: `seg != 1`, see common.segment
-            start, end = segment(seg, lo, a, b, hi)
-            for start_m in range(start, end, BLOCK_M):
-                m_off = tl.cast(start_m, tl.int64)
-                rows = start_m + offs_m
-                m_in = rows < seqlen_q
-                q = load_rows(q_ptrs, m_off, stride_q[2], m_in, d_mask, seg != 1, PAD_HEAD)  # [BLOCK_M, BLOCK_D]
-                do = load_rows(do_ptrs, m_off, stride_do[2], m_in, dv_mask, seg != 1, PAD_HEAD)  # [BLOCK_M, BLOCK_DV]
-                if seg != 1:
-                    lse = tl.load(lse_ptr + rows, mask=m_in, other=float("inf"))
-                    delta = tl.load(delta_ptr + rows, mask=m_in, other=0.0)
-                else:
-                    lse = tl.load(lse_ptr + rows)
-                    delta = tl.load(delta_ptr + rows)
-                # [BLOCK_N, BLOCK_M]: keys down, queries across
-                s_t = mma(k, tl.trans(q), tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32), PRECISION) * qk_scale
-                if BIAS != BIAS_NONE:
-                    bias_t = tl.load(bias_ptrs + m_off * stride_b[2], mask=n_in[:, None] & m_in[None, :], other=0.0)
-                    s_t += bias_t.to(tl.float32) * LOG2E
-                p_t = tl.exp2(s_t - (lse * LOG2E)[None, :])
-                if seg != 1:
-                    keep = visible(offs_n, rows, seqlen_q, -diag, window_right, window_left, MASK)
-                    p_t = tl.where(keep, p_t, 0.0)
-                dp_t = mma(v, tl.trans(do), tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32), PRECISION)
-                if DROPOUT:
-                    z_t = tl.trans(dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_rows, rows,
-                                                start_n, max_seqlen_k, BLOCK_N))
-                    dv = mma((tl.where(z_t, p_t, 0.0) * dropout_scale).to(do.dtype), do, dv, PRECISION)
-                    dp_t = tl.where(z_t, dp_t * dropout_scale, 0.0)
-                else:
-                    dv = mma(p_t.to(do.dtype), do, dv, PRECISION)
-                ds_t = p_t * (dp_t - delta[None, :])
-                dk = mma(ds_t.to(q.dtype), q, dk, PRECISION)
-                if ATOMIC_DQ:
-                    # Keys past seqlen_k (the last key block's tail) load as zero, so their scores are 0
-                    # and p = exp2(-lse2), unmasked: a row whose lse is very negative (it sees one key
-                    # with a large negative score) overflows fp16 there, and inf * (k = 0) is NaN in dQ.
-                    # dK/dV drop those rows at the store; dQ sums over them, so they are zeroed here.
-                    ds_t = tl.where(n_in[:, None], ds_t, 0.0)
-                    dq = mma(tl.trans(ds_t.to(k.dtype)), k, tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32), PRECISION)
-                    tl.atomic_add(dq_ptrs + m_off * stride_dq[2], dq * sm_scale,
-                                  mask=m_in[:, None] & d_mask[None, :], sem="relaxed")
-                    if BIAS == BIAS_GRAD:
-                        tl.store(dbias_ptrs + m_off * stride_db[2], ds_t, mask=n_in[:, None] & m_in[None, :])
+    # One loop per run over (query head of the group, query block) pairs: a runtime group
+    # loop around the runs would nest three pipelined loops in a fourth, which costs ~80
+    # registers per thread and the pipeline's refill at every head in the images (their
+    # group_size is a runtime argument; Triton's JIT folds group_size == 1 away).
+    rows0 = q_start + offs_m[:, None].to(tl.int64)
+    for seg in tl.static_range(3):
+        # runs 0 and 2 (the window's edges) are masked: `seg != 1`, see common.segment
+        start, end = segment(seg, lo, a, b, hi)
+        blocks = (end - start + BLOCK_M - 1) // BLOCK_M
+        # the pipeliner computes the first steps' addresses before it tests the trip count:
+        # an empty run must not divide by zero there (undefined in LLVM, a fault on the GPU)
+        divisor = tl.maximum(blocks, 1)
+        for step in range(0, group_size * blocks):
+            g = step // divisor
+            start_m = start + (step - g * divisor) * BLOCK_M
+            off_h = off_hk * group_size + g
+            drop_rows = (off_z * num_heads_q + off_h) * max_seqlen_q  # dropout counters: this head's rows
+            m_off = tl.cast(start_m, tl.int64)
+            rows = start_m + offs_m
+            m_in = rows < seqlen_q
+            q_ptrs = Q + off_z * stride_q[0] + off_h * stride_q[1] + rows0 * stride_q[2] + offs_d[None, :]
+            do_ptrs = DO + off_z * stride_do[0] + off_h * stride_do[1] + rows0 * stride_do[2] + offs_dv[None, :]
+            q = load_rows(q_ptrs, m_off, stride_q[2], m_in, d_mask, seg != 1, PAD_HEAD)  # [BLOCK_M, BLOCK_D]
+            do = load_rows(do_ptrs, m_off, stride_do[2], m_in, dv_mask, seg != 1, PAD_HEAD)  # [BLOCK_M, BLOCK_DV]
+            lse_ptr = Lse + off_z * stride_l[0] + off_h * stride_l[1] + q_start
+            delta_ptr = Delta + off_z * stride_l[0] + off_h * stride_l[1] + q_start
+            if seg != 1:
+                lse = tl.load(lse_ptr + rows, mask=m_in, other=float("inf"))
+                delta = tl.load(delta_ptr + rows, mask=m_in, other=0.0)
+            else:
+                lse = tl.load(lse_ptr + rows)
+                delta = tl.load(delta_ptr + rows)
+            # [BLOCK_N, BLOCK_M]: keys down, queries across
+            s_t = mma(k, tl.trans(q), tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32), PRECISION) * qk_scale
+            if BIAS != BIAS_NONE:
+                # bias tiles read transposed: [BLOCK_N keys, BLOCK_M queries]
+                bias_ptrs = (Bias + off_z * stride_b[0] + off_h * stride_b[1] + rows[None, :].to(tl.int64) * stride_b[2]
+                             + offs_n[:, None].to(tl.int64) * stride_b[3])
+                bias_t = tl.load(bias_ptrs, mask=n_in[:, None] & m_in[None, :], other=0.0)
+                s_t += bias_t.to(tl.float32) * LOG2E
+            p_t = tl.exp2(s_t - (lse * LOG2E)[None, :])
+            if seg != 1:
+                keep = visible(offs_n, rows, seqlen_q, -diag, window_right, window_left, MASK)
+                p_t = tl.where(keep, p_t, 0.0)
+            dp_t = mma(v, tl.trans(do), tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32), PRECISION)
+            if DROPOUT:
+                z_t = tl.trans(dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_rows, rows,
+                                            start_n, max_seqlen_k, BLOCK_N))
+                dv = mma((tl.where(z_t, p_t, 0.0) * dropout_scale).to(do.dtype), do, dv, PRECISION)
+                dp_t = tl.where(z_t, dp_t * dropout_scale, 0.0)
+            else:
+                dv = mma(p_t.to(do.dtype), do, dv, PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = mma(ds_t.to(q.dtype), q, dk, PRECISION)
+            if ATOMIC_DQ:
+                # Keys past seqlen_k (the last key block's tail) load as zero, so their scores are 0
+                # and p = exp2(-lse2), unmasked: a row whose lse is very negative (it sees one key
+                # with a large negative score) overflows fp16 there, and inf * (k = 0) is NaN in dQ.
+                # dK/dV drop those rows at the store; dQ sums over them, so they are zeroed here.
+                ds_t = tl.where(n_in[:, None], ds_t, 0.0)
+                dq = mma(tl.trans(ds_t.to(k.dtype)), k, tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32), PRECISION)
+                dq_ptrs = DQ + off_z * stride_dq[0] + off_h * stride_dq[1] + rows0 * stride_dq[2] + offs_d[None, :]
+                tl.atomic_add(dq_ptrs + m_off * stride_dq[2], dq * sm_scale,
+                              mask=m_in[:, None] & d_mask[None, :], sem="relaxed")
+                if BIAS == BIAS_GRAD:
+                    dbias_ptrs = (DBias + off_z * stride_db[0] + off_h * stride_db[1]
+                                  + rows[None, :].to(tl.int64) * stride_db[2] + offs_n[:, None].to(tl.int64))
+                    tl.store(dbias_ptrs, ds_t, mask=n_in[:, None] & m_in[None, :])
     dk = dk * sm_scale
     tl.store(DK + off_z * stride_dk[0] + off_hk * stride_dk[1] + keys * stride_dk[2] + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=n_in[:, None] & d_mask[None, :])
@@ -177,8 +186,8 @@ def _dq_program(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    d_mask = offs_d < head_dim
-    dv_mask = offs_dv < head_dim_v
+    d_mask = head_columns(offs_d, head_dim, PAD_HEAD)
+    dv_mask = head_columns(offs_dv, head_dim_v, PAD_HEAD)
     m_in = offs_m < seqlen_q
     rows = q_start + offs_m[:, None].to(tl.int64)
     q = load_rows(Q + off_z * stride_q[0] + off_h * stride_q[1] + rows * stride_q[2] + offs_d[None, :],

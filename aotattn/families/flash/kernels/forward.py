@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from aotattn.families.flash.kernels.common import (BIAS_NONE, LN2, LOG2E, MASK_NONE, diagonal, dropout_keep,
-                                                   key_blocks, load_rows, mma, row_max, row_sum, segment, sequence,
-                                                   visible)
+                                                   head_columns, key_blocks, load_rows, mma, row_max, row_sum, segment,
+                                                   sequence, visible)
 
 
 @triton.jit
@@ -67,8 +67,8 @@ def attn_fwd(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    d_mask = offs_d < head_dim
-    dv_mask = offs_dv < head_dim_v
+    d_mask = head_columns(offs_d, head_dim, PAD_HEAD)
+    dv_mask = head_columns(offs_dv, head_dim_v, PAD_HEAD)
     m_in = offs_m < seqlen_q
     rows = q_start + offs_m[:, None].to(tl.int64)
 

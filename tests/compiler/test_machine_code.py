@@ -1,0 +1,71 @@
+"""What the sm_90 images' machine code must keep, read on the CPU machine (Triton compiles
+for sm_90 here; its package carries cuobjdump): properties that cost speed, not
+correctness, so no numerical test would notice them going."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from aotattn import families
+from aotattn.compiler.jobs import Job, compile_job
+from aotattn.spec import Config, Functional
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+TILES = Config.of(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+def sass(cubin: bytes) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([str(CUOBJDUMP), "--dump-sass", str(path)], check=True, capture_output=True,
+                              text=True).stdout
+
+
+def image_sass(table: str, pad_head: bool) -> str:
+    functional = Functional.of(dict(dtype="bf16", BLOCK_D=64, BLOCK_DV=64, PAD_HEAD=pad_head, MASK=0, VARLEN=False,
+                                    DROPOUT=False, BIAS=0))
+    _, cubin = compile_job(Job("sm_90", table, functional, TILES))
+    return sass(cubin)
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton package carries no cuobjdump")
+@pytest.mark.parametrize("table", ["flash.attn_bwd_dkdv", "flash.attn_bwd_dq"])
+def test_unpadded_gradient_tiles_are_stored_16_bytes_at_a_time(table):
+    """The unpadded variants know every head-dim column is inside the head (common.head_columns),
+    so dK, dV and dQ leave in 16-byte stores. With a runtime ``offs < head_dim`` column mask
+    the images stored them two bytes at a time: dK/dV 1.3-1.5x slower at seqlen 512 than
+    the same kernel through Triton's JIT, which had seen head_dim divisible by 16."""
+    unpadded = image_sass(table, pad_head=False)
+    assert "STG.E.128" in unpadded
+    assert "STG.E.U16" not in unpadded
+    # the padded variant (no alignment hints, a real column mask) is what narrow stores look like
+    assert "STG.E.U16" in image_sass(table, pad_head=True)
+
+
+@pytest.mark.parametrize("table", ["flash.dropout_mask", "flash.attn_fwd"])
+def test_a_dropout_threshold_of_one_compiles_as_the_jit_passes_it(table):
+    """Triton's JIT turns an integer argument equal to 1 into a constant: dropout_p near 2^-16
+    (threshold round(p * 2^16) = 1) reached the kernels as a Python int, and `.to()` on it
+    failed to compile on the GPU (the interpreter and the images pass a tensor)."""
+    spec = families.kernels()[table]
+    functional = next(f for f in spec.enumerate_functionals()
+                      if f.as_dict().get("DROPOUT", True) and f.as_dict().get("dtype", "bf16") == "bf16"
+                      and f.as_dict().get("BLOCK_D", 64) == 64 and not f.as_dict().get("VARLEN", False))
+    config = Config.of(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    signature = spec.signature(functional)
+    constexprs = {**spec.constexprs(functional, config), "dropout_threshold": 1}
+    signature.update({name: "constexpr" for name in constexprs})
+    fn = getattr(__import__(spec.module, fromlist=[spec.function]), spec.function)
+    os.environ.setdefault("TRITON_DISABLE_LINE_INFO", "1")
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, {}), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 1})
+    assert compiled.asm["cubin"]
