@@ -31,22 +31,27 @@ def sass(cubin: bytes) -> str:
 
 
 def image_sass(table: str, pad_head: bool) -> str:
-    functional = Functional.of(dict(dtype="bf16", BLOCK_D=64, BLOCK_DV=64, PAD_HEAD=pad_head, MASK=0, VARLEN=False,
-                                    DROPOUT=False, BIAS=0))
+    axes = dict(dtype="bf16", BLOCK_D=64, BLOCK_DV=64, PAD_HEAD=pad_head, MASK=0, VARLEN=False, DROPOUT=False, BIAS=0)
+    if table == "flash.attn_bwd_fused":
+        axes["ATOMIC_DQ"] = True
+    functional = Functional.of(axes)
     _, cubin = compile_job(Job("sm_90", table, functional, TILES))
     return sass(cubin)
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton package carries no cuobjdump")
-@pytest.mark.parametrize("table", ["flash.attn_bwd_dkdv", "flash.attn_bwd_dq"])
+@pytest.mark.parametrize("table", ["flash.attn_bwd_dkdv", "flash.attn_bwd_dq", "flash.attn_bwd_fused"])
 def test_unpadded_gradient_tiles_are_stored_16_bytes_at_a_time(table):
     """The unpadded variants know every head-dim column is inside the head (common.head_columns),
     so dK, dV and dQ leave in 16-byte stores. With a runtime ``offs < head_dim`` column mask
     the images stored them two bytes at a time: dK/dV 1.3-1.5x slower at seqlen 512 than
-    the same kernel through Triton's JIT, which had seen head_dim divisible by 16."""
+    the same kernel through Triton's JIT, which had seen head_dim divisible by 16. The fused
+    backend's atomic dQ adds go four floats at a time for the same reason."""
     unpadded = image_sass(table, pad_head=False)
     assert "STG.E.128" in unpadded
     assert "STG.E.U16" not in unpadded
+    if table == "flash.attn_bwd_fused":
+        assert "REDG.E.ADD.F32x4" in unpadded
     # the padded variant (no alignment hints, a real column mask) is what narrow stores look like
     assert "STG.E.U16" in image_sass(table, pad_head=True)
 
