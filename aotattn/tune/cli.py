@@ -55,7 +55,7 @@ def _select(category: list[str], where: str | None, dtype: str, head_dim: str | 
         raise tasks.SelectionError(f"--seqlen: expected buckets like 1024,4096, got {seqlen!r}") from exc
     tables = tasks.select_tables(category, harnesses.tunable())
     found = list(tasks.enumerate_tasks(arch, tables, filters, lengths, cells, all_functionals))
-    chosen = [t for t in found if harnesses.supported(t.table, t.functional)]
+    chosen = [t for t in found if harnesses.supported(t.table, t.functional, t.cell)]
     if not chosen:
         raise tasks.SelectionError("the selection holds no task the tuner can run (dropout, bias and varlen "
                                    "functionals are not tuned yet)")

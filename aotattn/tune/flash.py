@@ -93,9 +93,13 @@ def default_tokens(table: str) -> int:
     return 2**19 if table == OPERATOR_TABLE else 2**17
 
 
-def supports(table: str, functional: Functional) -> bool:
-    """Whether this harness can build problems for the functional (dense, no dropout, no bias)."""
+def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = None) -> bool:
+    """Whether this harness can build problems for the functional (dense, no dropout, no bias)
+    at the cell: a top-left window over equal lengths runs the bottom-right variant
+    (planning.kernel_mask), so no problem selects MASK_TOP_LEFT on the diagonal."""
     f = functional.as_dict()
+    if cell is not None and f.get("MASK") == rules.MASK_TOP_LEFT and len(set(cell)) == 1:
+        return False
     return table in TABLES and not f.get("VARLEN") and not f.get("DROPOUT") and not f.get("BIAS")
 
 

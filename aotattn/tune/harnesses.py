@@ -33,6 +33,6 @@ def harness(table: str) -> ModuleType:
     raise ValueError(f"table: no tuner harness for {table!r} (tunable: {', '.join(tunable())})")
 
 
-def supported(table: str, functional) -> bool:
-    """Whether a harness can build problems for this functional of this table."""
-    return table in tunable() and harness(table).supports(table, functional)
+def supported(table: str, functional, cell: tuple[int, ...] | None = None) -> bool:
+    """Whether a harness can build problems for this functional of this table (at this cell)."""
+    return table in tunable() and harness(table).supports(table, functional, cell)

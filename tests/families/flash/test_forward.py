@@ -187,3 +187,47 @@ def test_repeated_calls_reuse_plans_without_confusing_them(request, device):
         assert_forward_matches(out.transpose(1, 2), None, q, k, v, causal=True, diagonal="top_left")
     with pytest.raises(TypeError, match="softmax_scale"):
         aotattn.flash_attn_func(q, k, v, softmax_scale=[1.0])  # unhashable: the full path reports it
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (5, 3)], ids=["causal", "window"])
+def test_top_left_over_equal_lengths_runs_the_bottom_right_variant(window):
+    """Over equal lengths both diagonals are column = row: a top-left call runs the
+    bottom-right variant (its images and tuned cells), unequal lengths and varlen keep
+    their own; the two calls then give the same bits, forward and backward."""
+    from aotattn.families.flash import planning, rules
+    from aotattn.families.flash.checks import check_flash
+
+    def kernel_mask(sq, sk, diagonal):
+        q, k, v = make_qkv(2, sq, sk, 2, 2, 16, 16, torch.float16, "cpu")
+        p = check_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=window == (-1, -1), window_size=window,
+                        diagonal=diagonal)
+        return planning.Call(p).functional()["MASK"]
+
+    assert kernel_mask(37, 37, "top_left") == rules.MASK_BOTTOM_RIGHT
+    assert kernel_mask(37, 53, "top_left") == kernel_mask(53, 37, "top_left") == rules.MASK_TOP_LEFT
+    assert kernel_mask(37, 37, "bottom_right") == rules.MASK_BOTTOM_RIGHT
+    torch.manual_seed(0)
+    q, k, v = make_qkv(2, 40, 40, 3, 1, 32, 32, torch.float32, "cpu", requires_grad=True)
+    causal = window == (-1, -1)
+    runs = [aotattn.flash_attn_func(q, k, v, causal=causal, window_size=window, diagonal=d)
+            for d in ("top_left", "bottom_right")]
+    dout = torch.randn_like(runs[0])
+    grads = [torch.autograd.grad(out, (q, k, v), dout) for out in runs]
+    assert torch.equal(runs[0], runs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    ref, _ = reference.attention(q.double(), k.double(), v.double(), causal=causal, window_size=window,
+                                 diagonal="top_left")
+    assert rel_err(runs[0], ref) < TOLERANCE[torch.float32]
+
+
+def test_the_tuner_leaves_top_left_cells_on_the_diagonal_out():
+    """No problem selects MASK_TOP_LEFT at equal lengths, so the tuner has nothing to time there."""
+    from aotattn.families.flash import rules
+    from aotattn.spec import Functional
+    from aotattn.tune import flash as harness
+
+    f = Functional.of(dict(dtype="bf16", BLOCK_D=64, BLOCK_DV=64, PAD_HEAD=False, MASK=rules.MASK_TOP_LEFT,
+                           VARLEN=False, DROPOUT=False, BIAS=0))
+    assert not harness.supports("flash.attn_fwd", f, (1024, 1024))
+    assert harness.supports("flash.attn_fwd", f, (1024, 4096))
+    assert harness.supports("flash.attn_fwd", f)
