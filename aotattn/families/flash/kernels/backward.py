@@ -88,9 +88,9 @@ def _dkdv_program(
     lo, a, b, hi = key_blocks(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k), seqlen_q, -diag,
                               window_right, window_left, MASK, BLOCK_M)
     # One loop per run over (query head of the group, query block) pairs: a runtime group
-    # loop around the runs would nest three pipelined loops in a fourth, which costs ~80
-    # registers per thread and the pipeline's refill at every head in the images (their
-    # group_size is a runtime argument; Triton's JIT folds group_size == 1 away).
+    # loop around the runs nested three pipelined loops in a fourth (the images pass
+    # group_size at run time), 66 more registers per thread at d64 and a pipeline refill at
+    # every head; no time by itself on MHA (RESULTS.md, fifth session).
     rows0 = q_start + offs_m[:, None].to(tl.int64)
     for seg in tl.static_range(3):
         # runs 0 and 2 (the window's edges) are masked: `seg != 1`, see common.segment
