@@ -95,10 +95,11 @@ def default_tokens(table: str) -> int:
 
 def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = None) -> bool:
     """Whether this harness can build problems for the functional (dense, no dropout, no bias)
-    at the cell: a top-left window over equal lengths runs the bottom-right variant
-    (planning.kernel_mask), so no problem selects MASK_TOP_LEFT on the diagonal."""
+    at the cell: none where a call of the cell's lengths runs another MASK variant
+    (rules.kernel_mask: top-left on the diagonal runs bottom-right)."""
     f = functional.as_dict()
-    if cell is not None and f.get("MASK") == rules.MASK_TOP_LEFT and len(set(cell)) == 1:
+    if cell is not None and len(cell) == 2 and "MASK" in f \
+            and rules.kernel_mask(f["MASK"], f.get("VARLEN", False), *cell) != f["MASK"]:
         return False
     return table in TABLES and not f.get("VARLEN") and not f.get("DROPOUT") and not f.get("BIAS")
 

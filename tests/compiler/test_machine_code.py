@@ -4,7 +4,6 @@ correctness, so no numerical test would notice them going."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -15,7 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from aotattn import families
-from aotattn.compiler.jobs import Job, compile_job
+from aotattn.compiler.jobs import Job, _triton_inputs, compile_job
 from aotattn.spec import Config, Functional
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -65,12 +64,10 @@ def test_a_dropout_threshold_of_one_compiles_as_the_jit_passes_it(table):
     functional = next(f for f in spec.enumerate_functionals()
                       if f.as_dict().get("DROPOUT", True) and f.as_dict().get("dtype", "bf16") == "bf16"
                       and f.as_dict().get("BLOCK_D", 64) == 64 and not f.as_dict().get("VARLEN", False))
-    config = Config.of(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
-    signature = spec.signature(functional)
-    constexprs = {**spec.constexprs(functional, config), "dropout_threshold": 1}
-    signature.update({name: "constexpr" for name in constexprs})
-    fn = getattr(__import__(spec.module, fromlist=[spec.function]), spec.function)
-    os.environ.setdefault("TRITON_DISABLE_LINE_INFO", "1")
-    compiled = triton.compile(ASTSource(fn, signature, constexprs, {}), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "num_stages": 1})
+    job = Job("sm_90", table, functional, Config.of(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1))
+    fn, signature, constexprs, attrs, options = _triton_inputs(job)  # as the build compiles it, but:
+    constexprs["dropout_threshold"] = 1
+    signature["dropout_threshold"] = "constexpr"
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
     assert compiled.asm["cubin"]

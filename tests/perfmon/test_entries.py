@@ -144,7 +144,7 @@ def test_the_operators_take_every_kind_of_entry_and_the_sm90_database_has_its_ce
         fwd = [j.functional.as_dict() for j in jobs if j.table == "flash.attn_fwd"]
         assert len(fwd) == 1, e.name
         f = fwd[0]
-        # over equal lengths (not varlen) a top-left window runs the bottom-right variant (planning.kernel_mask)
+        # over equal lengths (not varlen) a top-left window runs the bottom-right variant (rules.kernel_mask)
         own_top_left = e.diagonal == "top_left" and (e.api == "varlen" or e.seqlen_q != e.seqlen_k)
         mask = rules.MASK_NONE if not e.masked else (rules.MASK_TOP_LEFT if own_top_left else rules.MASK_BOTTOM_RIGHT)
         assert f["dtype"] == e.dtype and f["BLOCK_D"] == rules.head_dim_bucket(max(e.head_dim, e.head_dim_v))

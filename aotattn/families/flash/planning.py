@@ -43,16 +43,6 @@ def philox_state(dropout_p: float) -> tuple[int, int]:
     return seed, offset
 
 
-def kernel_mask(p: Problem) -> int:
-    """The MASK variant that runs ``p``: a top-left window over equal lengths (no varlen) is
-    the bottom-right one (both diagonals are column = row), so it shares that variant's
-    images and tuned cells (the tuner times MASK 0 and 2; gpt2's causal forward ran a
-    seeded tile at 0.87x SDPA-flash, RESULTS.md, fifth session)."""
-    if p.mask == rules.MASK_TOP_LEFT and not p.varlen and p.seqlen_q == p.seqlen_k:
-        return rules.MASK_BOTTOM_RIGHT
-    return p.mask
-
-
 @dataclass(frozen=True)
 class Call:
     """One attention call, validated: the problem plus its optional tensors and RNG state."""
@@ -80,7 +70,7 @@ class Call:
             "BLOCK_DV": bucket,
             # the unpadded functionals are built with alignment hints (rules._aligned_when)
             "PAD_HEAD": p.head_dim != bucket or p.head_dim_v != bucket or not self.aligned,
-            "MASK": kernel_mask(p),
+            "MASK": rules.kernel_mask(p.mask, p.varlen, p.seqlen_q, p.seqlen_k),
             "VARLEN": p.varlen,
             "DROPOUT": p.dropout_p > 0.0,
             "BIAS": bias,
