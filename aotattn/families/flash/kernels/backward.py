@@ -19,8 +19,9 @@ Stride arguments travel between the functions here as tuples, one per tensor:
 import triton
 import triton.language as tl
 
-from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, diagonal, dropout_keep, head_columns,
-                                                   key_blocks, load_rows, mma, row_sum, segment, sequence, visible)
+from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, MASK_NONE, diagonal, dropout_keep,
+                                                   head_columns, key_blocks, load_rows, mma, row_sum, segment, sequence,
+                                                   visible)
 
 
 @triton.jit
@@ -176,9 +177,14 @@ def _dq_program(
     """dQ (and dBias) of BLOCK_M query rows of one query head."""
     q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
                                                     VARLEN)
-    start_m = pid_m * BLOCK_M
-    if start_m >= seqlen_q:  # varlen: this sequence is shorter than the longest
+    num_m_blocks = (seqlen_q + BLOCK_M - 1) // BLOCK_M
+    if pid_m >= num_m_blocks:  # varlen: this sequence is shorter than the longest
         return
+    if MASK != MASK_NONE:
+        # rows further down see more keys under a causal mask: start those first, as the
+        # forward does, so the last wave holds the lightest programs
+        pid_m = num_m_blocks - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     off_hk = (off_h // group_size).to(tl.int64)
     off_h = off_h.to(tl.int64)
     drop_rows = (off_z * num_heads_q + off_h) * max_seqlen_q  # dropout counters: this head's rows
