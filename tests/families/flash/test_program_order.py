@@ -1,0 +1,93 @@
+"""Masked grids run their programs in another order than launched, and every block of
+every head is still computed exactly once.
+
+Under a causal mask or a window the forward and dQ programs take their query blocks
+last-first (rank 0 is the costliest block); ``benchmarks/pending/program-order.patch``
+(prepared, measured on no GPU yet) renumbers the forward, dK/dV and dQ grids across
+groups of heads as well, and these tests are its correctness check. The outputs are
+allocated while torch fills uninitialized memory with NaN (its deterministic mode), so a
+block that no program wrote fails the comparison with the float64 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aotattn
+from aotattn import reference
+from tests.helpers import DEVICES, TOLERANCE, rel_err
+from tests.families.flash.helpers import make_qkv, seed_from
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, window): the comment gives the
+# groups of (head, batch) pairs the patch cuts the forward/dQ and the dK/dV grids into
+CASES = {
+    "cpu": [
+        (3, 70, 70, 7, 7, 16, None),      # 21 pairs: 16 + 5; dK/dV the same
+        (5, 40, 90, 6, 2, 32, None),      # GQA, Sq < Sk: 30 pairs (16 + 14), dK/dV 10
+        (1, 33, 33, 1, 1, 16, None),      # one pair
+        (4, 50, 50, 5, 5, 16, (7, 3)),    # a window: 20 pairs, 16 + 4
+    ],
+    "cuda": [
+        (5, 4096, 4096, 7, 7, 128, None),     # K, V 2 MB a head: groups of 8, 35 pairs = 4 x 8 + 3
+        (3, 2048, 2048, 8, 2, 256, None),     # GQA d256: forward/dQ 16 + 8; dK/dV 2 + 2 + 2 (8 MB of q, dO)
+        (2, 3000, 5000, 12, 12, 64, (300, 0)),  # a window, Sq < Sk: 24 pairs, 16 + 8
+    ],
+}
+
+
+def _cases(device: str):
+    return [(device, *case) for case in CASES[device]]
+
+
+@pytest.mark.parametrize("device, batch, sq, sk, hq, hk, d, window",
+                         _cases("cpu") + [pytest.param(*c, marks=pytest.mark.gpu) for c in _cases("cuda")])
+def test_every_block_of_every_head_is_computed_once(device, batch, sq, sk, hq, hk, d, window, request):
+    seed_from(request.node.name)
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    q, k, v = make_qkv(batch, sq, sk, hq, hk, d, d, dtype, device, requires_grad=True)
+    dout = torch.randn(batch, sq, hq, d, dtype=dtype, device=device)
+    mask = dict(causal=True) if window is None else dict(window_size=window)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # torch.empty now fills floating tensors with NaN
+    try:
+        assert torch.utils.deterministic.fill_uninitialized_memory
+        out = aotattn.flash_attn_func(q, k, v, backend="split", **mask)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+    q64, k64, v64 = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
+    ref_out, _ = reference.attention(q64, k64, v64, **mask)
+    ref_grads = torch.autograd.grad(ref_out, (q64, k64, v64), dout.to(torch.float64))
+    tolerance = TOLERANCE[dtype]
+    assert rel_err(out.detach(), ref_out) < tolerance
+    for name, grad, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert rel_err(grad, ref) < tolerance, name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_sequences_shorter_than_the_grid(device, request):
+    """A grid sized for the longest sequence: the ranks past a shorter sequence's blocks end
+    their program, whichever head and batch entry the renumbering gave them."""
+    seed_from(request.node.name)
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    lengths = [70, 13, 0, 41, 1] if device == "cpu" else [4000, 130, 0, 2500, 1, 3333]
+    heads, d = (7, 16) if device == "cpu" else (9, 128)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    total, longest = sum(lengths), max(lengths)
+    q, k, v = (torch.randn(total, heads, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    dout = torch.randn(total, heads, d, dtype=dtype, device=device)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # torch.empty now fills floating tensors with NaN
+    try:
+        out = aotattn.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True, backend="split")
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    q64, k64, v64 = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
+    ref_out, _ = reference.attention_varlen(q64, k64, v64, cu, cu, causal=True)
+    ref_grads = torch.autograd.grad(ref_out, (q64, k64, v64), dout.to(torch.float64))
+    assert rel_err(out.detach(), ref_out) < TOLERANCE[dtype]
+    for name, grad, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert rel_err(grad, ref) < TOLERANCE[dtype], name
