@@ -151,6 +151,15 @@ class _Table:
     name: str
     functionals: tuple[tuple[str, tuple[Any, ...]], ...]
     disabled: Callable[[Mapping[str, Any]], bool] | None
+    knob_defaults: tuple[tuple[str, Any], ...]
+
+    def canonical(self, config: Config) -> Config:
+        """``config`` without the knobs that are at their default (``knob_defaults``: knobs
+        a configuration may leave out, see :class:`KernelSpec`)."""
+        defaults = dict(self.knob_defaults)
+        if not any(k in defaults and defaults[k] == v for k, v in config.items):
+            return config
+        return Config(tuple((k, v) for k, v in config.items if not (k in defaults and defaults[k] == v)))
 
     @property
     def qualname(self) -> str:
@@ -217,6 +226,11 @@ class KernelSpec(_Table):
         chosen_by: the operator table whose choice runs this kernel (:class:`ChosenBy`);
             the build compiles it only where that choice is made. None: wherever its
             own table says.
+        knob_defaults: knobs of the tuning space a configuration may leave out (added
+            after tables were written), with the value a configuration without them
+            means. A configuration is kept in its canonical form (:meth:`canonical`): a
+            knob at its default is left out, so tables, image keys and names of the
+            configurations written before the knob existed stay what they were.
     """
 
     family: str
@@ -232,6 +246,7 @@ class KernelSpec(_Table):
     fallback: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
     aligned_when: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
     chosen_by: ChosenBy | None = None
+    knob_defaults: tuple[tuple[str, Any], ...] = ()
 
     @functools.cached_property
     def argument_names(self) -> tuple[str, ...]:
@@ -300,6 +315,7 @@ class KernelSpec(_Table):
         """All constexpr arguments of one compiled variant."""
         values = {k: v for k, v in self._values(functional).items() if k not in self.type_axes}
         knobs = {name for name, _ in self.tuning_space}
+        values.update({k: v for k, v in self.knob_defaults if k not in LAUNCH_OPTIONS})
         values.update({k: v for k, v in config.constexprs.items() if k in knobs})
         return values
 
@@ -319,6 +335,7 @@ class OperatorSpec(_Table):
     tuning_keys: tuple[tuple[str, tuple[int, ...]], ...] = ()
     fallback: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
     disabled: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
+    knob_defaults: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,8 @@ def score(footprint: Footprint, functional: Functional, config: Config, tgt: Arc
 def space(spec: Any) -> list[Config]:
     """Every configuration of the declared tuning space, in declaration order."""
     names = [name for name, _ in spec.tuning_space]
-    return [Config.of(dict(zip(names, values))) for values in itertools.product(*(c for _, c in spec.tuning_space))]
+    return [spec.canonical(Config.of(dict(zip(names, values))))
+            for values in itertools.product(*(c for _, c in spec.tuning_space))]
 
 
 def candidates(spec: Any, functional: Functional, arch: str, footprint: Footprint | None,
@@ -219,12 +220,12 @@ def candidates(spec: Any, functional: Functional, arch: str, footprint: Footprin
 def config_name(config: Config) -> str:
     """A name spelling the values: ``m128_n64_w8_s3``, ``split`` (an operator choice)."""
     values = config.as_dict()
-    short = {"BLOCK_M": "m", "BLOCK_N": "n", "num_warps": "w", "num_stages": "s", "BLOCK": "b"}
+    short = {"BLOCK_M": "m", "BLOCK_N": "n", "num_warps": "w", "num_stages": "s", "BLOCK": "b", "OVERLAP": "o"}
     if len(values) == 1 and isinstance(next(iter(values.values())), str):
         return str(next(iter(values.values())))
     return "_".join(f"{short.get(k, k.lower())}{v}" for k, v in _ordered(values))
 
 
 def _ordered(values: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    order = ("BLOCK", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+    order = ("BLOCK", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "OVERLAP")
     return sorted(values.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0]))

@@ -104,7 +104,7 @@ def build_patch(spec: Any, results: list[Mapping[str, Any]], old: Patch | None) 
         label = _cell_label(spec, task.functional, task.cell)
         comments[label] = _comment(spec, result)
         if result.get("winner") is not None:
-            config = Config.of(result["winner_config"])
+            config = spec.canonical(Config.of(result["winner_config"]))  # a knob at its default is not spelled
             new_cells[(task.functional, task.cell)] = (config_name(config), config, label)
     patch = Patch(spec.qualname)
     kept = 0

@@ -42,8 +42,11 @@ _ROWS = (Tile("BLOCK_M", 1, "fp32"), Tile("BLOCK_M", 1, "fp32"))  # lse and delt
 _SCORES = (Tile("BLOCK_M", "BLOCK_N", "fp32"),)
 _PADS = (("BLOCK_M", "seqlen_q"), ("BLOCK_N", "seqlen_k"))
 FOOTPRINTS: dict[str, Footprint] = {
-    "attn_fwd": Footprint(resident=(_Q,), pipelined=(_K, _V, _BIAS),
-                          accumulators=(Tile("BLOCK_M", "BLOCK_DV", "fp32"), *_SCORES), pads=_PADS),
+    # OVERLAP: the interior's first K tile is loaded outside the pipelined loop, and the
+    # next block's scores are alive beside the current ones
+    "attn_fwd": Footprint(resident=(_Q, Tile("BLOCK_N", "BLOCK_D", when="OVERLAP")), pipelined=(_K, _V, _BIAS),
+                          accumulators=(Tile("BLOCK_M", "BLOCK_DV", "fp32"), *_SCORES,
+                                        Tile("BLOCK_M", "BLOCK_N", "fp32", when="OVERLAP")), pads=_PADS),
     "attn_bwd_dq": Footprint(resident=(_Q, _DO), pipelined=(_K, _V, _BIAS),
                              accumulators=(Tile("BLOCK_M", "BLOCK_D", "fp32"), *_SCORES, *_SCORES), pads=_PADS),
     "attn_bwd_dkdv": Footprint(resident=(_K, _V), pipelined=(_Q, _DO, *_ROWS, _BIAS),

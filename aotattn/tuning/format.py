@@ -163,10 +163,10 @@ def parse_config(spec: Any, text: str, where: str) -> Config:
             raise TuningError(f"unknown tuning knob {knob!r} for {spec.qualname} "
                               f"(knobs: {', '.join(space)})", where)
         values[knob] = parse_value(raw, space[knob], knob, where)
-    missing = [k for k in space if k not in values]
+    missing = [k for k in space if k not in values and k not in dict(spec.knob_defaults)]
     if missing:
         raise TuningError(f"the configuration lacks knobs {', '.join(missing)}", where)
-    return Config.of(values)
+    return spec.canonical(Config.of(values))
 
 
 def _keys_line(keys: Sequence[tuple[str, Sequence[int]]]) -> str:

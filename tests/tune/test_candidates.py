@@ -3,6 +3,7 @@ estimate against what Triton really allocates for a compiled sm_90 kernel."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -44,6 +45,10 @@ def test_shared_memory_by_hand():
     fb = _functional("attn_fwd", BIAS=1)
     assert cand.shared_bytes(flash.FOOTPRINTS["attn_fwd"], fb, c2, SM90) - \
         cand.shared_bytes(flash.FOOTPRINTS["attn_fwd"], f, c2, SM90) == 2 * 64 * 64 * 2
+    # OVERLAP=1: one more K tile, outside the pipeline (compiled sm_90: 147456 B at m128 n64 w8 s3, d128)
+    c3 = _cfg(128, 64, 8, 3)
+    assert cand.shared_bytes(flash.FOOTPRINTS["attn_fwd"], f, Config.of(c3.as_dict(), OVERLAP=1), SM90) == 147456
+    assert cand.shared_bytes(flash.FOOTPRINTS["attn_fwd"], f, c3, SM90) == 147456 - 64 * 128 * 2
 
 
 def test_registers_and_warps():
@@ -63,7 +68,8 @@ def test_candidates_fit_and_respect_limit(table):
     fp = flash.footprint(table)
     f = _functional(spec.name, d=random.choice(rules.HEAD_DIM_BUCKETS))
     everything, pruned_all = cand.candidates(spec, f, "sm_90", fp)
-    assert len(everything) + len(pruned_all) == 256 and everything
+    size_of_space = math.prod(len(choices) for _, choices in spec.tuning_space)  # 256, x2 with the forward's OVERLAP
+    assert len(everything) + len(pruned_all) == size_of_space and everything
     for config in everything:
         assert cand.shared_bytes(fp, f, config, SM90) <= SM90.shared_memory
     keep = next(iter(pruned_all))  # a configuration the estimates refuse, kept on request
@@ -113,8 +119,9 @@ def test_estimate_matches_a_compiled_kernel():
     pytest.importorskip("triton")
     from aotattn.compiler.jobs import Job, compile_job
 
+    overlap = Config.of(_cfg(128, 64, 8, 3).as_dict(), OVERLAP=1)  # one more K tile, resident
     kernel, d, config = random.choice([("attn_fwd", 64, _cfg(64, 64, 4, 2)), ("attn_bwd_dq", 64, _cfg(64, 64, 4, 3)),
-                                       ("attn_bwd_dkdv", 64, _cfg(32, 64, 4, 2))])
+                                       ("attn_bwd_dkdv", 64, _cfg(32, 64, 4, 2)), ("attn_fwd", 128, overlap)])
     f = _functional(kernel, d=d)
     entry, _ = compile_job(Job("sm_90", f"flash.{kernel}", f, config))
     estimate = cand.shared_bytes(flash.FOOTPRINTS[kernel], f, config, SM90)

@@ -356,3 +356,25 @@ def test_a_patch_may_add_a_refinement_block_that_starts_from_its_fallback(tmp_pa
     (root / "nvidia" / "sm_90" / "flash.backward.0002-bad.dbpatch").write_text(
         patch.replace("PAD_HEAD=True", "PAD_HEAD=True NOPE=1"))
     assert any("NOPE" in str(e) or "axis" in str(e) for e in Database(root).lint())
+
+
+def test_a_knob_with_a_default_may_be_left_out_and_is_written_without_it():
+    """The forward's OVERLAP came after its tables: a configuration without it means 0, one
+    that spells OVERLAP=0 is the same configuration, and the writer leaves the default out
+    (tables, image keys and configuration names stay what they were)."""
+    from aotattn.families.flash import rules
+    from aotattn.tuning.format import format_config, parse_config
+
+    spec = rules.ATTN_FWD
+    plain = parse_config(spec, "BLOCK_M=128 BLOCK_N=64 num_warps=8 num_stages=3", "t:1")
+    spelled = parse_config(spec, "BLOCK_M=128 BLOCK_N=64 num_warps=8 num_stages=3 OVERLAP=0", "t:2")
+    overlapped = parse_config(spec, "BLOCK_M=128 BLOCK_N=64 num_warps=8 num_stages=3 OVERLAP=1", "t:3")
+    assert plain == spelled != overlapped
+    assert format_config(spelled, spec) == "BLOCK_M=128 BLOCK_N=64 num_warps=8 num_stages=3"
+    assert format_config(overlapped, spec) == "BLOCK_M=128 BLOCK_N=64 num_warps=8 num_stages=3 OVERLAP=1"
+    with pytest.raises(TuningError, match="lacks knobs num_stages"):
+        parse_config(spec, "BLOCK_M=128 BLOCK_N=64 num_warps=8", "t:4")
+    with pytest.raises(TuningError, match=r"t:5"):
+        parse_config(spec, "BLOCK_M=128 BLOCK_N=64 num_warps=8 num_stages=3 OVERLAP=2", "t:5")
+    with pytest.raises(TuningError, match="unknown tuning knob 'OVERLAP'"):
+        parse_config(rules.ATTN_BWD_DQ, "BLOCK_M=128 BLOCK_N=64 num_warps=8 num_stages=3 OVERLAP=1", "t:6")

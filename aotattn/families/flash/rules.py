@@ -144,6 +144,10 @@ _TUNING = (
     ("num_warps", (1, 2, 4, 8)),
     ("num_stages", (1, 2, 3, 4)),
 )
+# The forward's OVERLAP: 1 issues each interior key block's scores one block ahead of its
+# softmax (kernels/forward.py); 0, the plain loop, is what a configuration without it means.
+_FWD_TUNING = _TUNING + (("OVERLAP", (0, 1)),)
+_FWD_KNOB_DEFAULTS = (("OVERLAP", 0),)
 
 def _split_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The backward operator's functionals whose split backend runs this dK/dV or dQ kernel."""
@@ -160,11 +164,13 @@ _FUSED = ChosenBy("flash.backward", "backend", "fused", _fused_calls)
 
 
 def _attention_kernel(name: str, module: str, arguments: tuple[Arg, ...], functionals,
-                      derive=_derive, chosen_by: ChosenBy | None = None) -> KernelSpec:
+                      derive=_derive, chosen_by: ChosenBy | None = None, tuning_space=_TUNING,
+                      knob_defaults=()) -> KernelSpec:
     """An attention kernel: the flash tuning space, keys, fallbacks and alignment rule."""
     return KernelSpec(family=FAMILY, name=name, module=module, function=name, arguments=arguments,
-                      functionals=functionals, tuning_space=_TUNING, derive=derive, disabled=_disabled,
-                      tuning_keys=_SEQ_KEYS, fallback=_fallback, aligned_when=_aligned_when, chosen_by=chosen_by)
+                      functionals=functionals, tuning_space=tuning_space, derive=derive, disabled=_disabled,
+                      tuning_keys=_SEQ_KEYS, fallback=_fallback, aligned_when=_aligned_when, chosen_by=chosen_by,
+                      knob_defaults=knob_defaults)
 
 
 ATTN_FWD = _attention_kernel(
@@ -178,6 +184,8 @@ ATTN_FWD = _attention_kernel(
         Arg("qk_scale", _F32), Arg("window_left", _I32), Arg("window_right", _I32), *_DROPOUT,
     ),
     _FWD_AXES,
+    tuning_space=_FWD_TUNING,
+    knob_defaults=_FWD_KNOB_DEFAULTS,
 )
 
 ATTN_BWD_PREPROCESS = KernelSpec(

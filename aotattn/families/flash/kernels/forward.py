@@ -43,9 +43,12 @@ def attn_fwd(
     MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OVERLAP: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one query head; grid (m blocks, Hq, B)."""
+    """One program: BLOCK_M query rows of one query head; grid (m blocks, Hq, B).
+
+    OVERLAP (a tuning knob, 0 or 1): the unmasked interior issues each key block's scores
+    one block ahead of its softmax."""
     off_h = tl.program_id(1)
     off_z = tl.program_id(2)
     q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
@@ -91,35 +94,41 @@ def attn_fwd(
     for seg in tl.static_range(3):
         # runs 0 and 2 (the window's edges) are masked: `seg != 1`, see common.segment
         start, end = segment(seg, lo, a, b, hi)
-        for start_n in range(start, end, BLOCK_N):
-            n_off = tl.cast(start_n, tl.int64)
-            cols = start_n + offs_n
-            n_in = cols < seqlen_k
-            k = load_rows(k_ptrs, n_off, stride_kn, n_in, d_mask, seg != 1, PAD_HEAD)  # [BLOCK_N, BLOCK_D]
-            # [BLOCK_M, BLOCK_N]
-            s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION) * qk_scale
-            if BIAS != BIAS_NONE:
-                bias = tl.load(bias_ptrs + n_off * stride_bn, mask=m_in[:, None] & n_in[None, :], other=0.0)
-                s += bias.to(tl.float32) * LOG2E
-            if seg != 1:
-                s = tl.where(visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), s, float("-inf"))
-            m_new = tl.maximum(m_i, row_max(s))
-            if seg != 1 or BIAS != BIAS_NONE:
-                # a row that has seen no visible key yet keeps m = -inf; shift by 0 instead
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                m_use = m_new
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + row_sum(p)
-            acc = acc * alpha[:, None]
-            v = load_rows(v_ptrs, n_off, stride_vn, n_in, dv_mask, seg != 1, PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
-            if DROPOUT:
-                keep = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_rows, offs_m, start_n,
-                                    max_seqlen_k, BLOCK_N)
-                p = tl.where(keep, p, 0.0)
-            acc = mma(p.to(v.dtype), v, acc, PRECISION)
-            m_i = m_new
+        if seg == 1 and OVERLAP:
+            # The interior, software-pipelined by hand: block j + 1's scores are issued
+            # before block j's softmax, so the tensor cores compute them while the warps do
+            # block j's exponentials (in order of issue, the MMAs of Q K^T j+1 and P V j
+            # then overlap the softmax). A non-empty interior starts and ends on block
+            # boundaries (common.key_blocks), and every key in it is inside the sequence.
+            if start < end:
+                k = load_rows(k_ptrs, tl.cast(start, tl.int64), stride_kn, offs_n < BLOCK_N, d_mask, False,
+                              PAD_HEAD)
+                s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)
+                for start_n in range(start, end - BLOCK_N, BLOCK_N):
+                    k = load_rows(k_ptrs, tl.cast(start_n + BLOCK_N, tl.int64), stride_kn, offs_n < BLOCK_N,
+                                  d_mask, False, PAD_HEAD)
+                    s_next = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)
+                    acc, m_i, l_i = _online_softmax(
+                        acc, m_i, l_i, s, start_n, offs_m, offs_n, m_in, seqlen_k, diag, window_left, window_right,
+                        qk_scale, v_ptrs, stride_vn, dv_mask, bias_ptrs, stride_bn, philox_seed, philox_offset,
+                        dropout_threshold, drop_rows, max_seqlen_k,
+                        MASK, False, PAD_HEAD, DROPOUT, BIAS, PRECISION, BLOCK_N)
+                    s = s_next
+                acc, m_i, l_i = _online_softmax(
+                    acc, m_i, l_i, s, end - BLOCK_N, offs_m, offs_n, m_in, seqlen_k, diag, window_left, window_right,
+                    qk_scale, v_ptrs, stride_vn, dv_mask, bias_ptrs, stride_bn, philox_seed, philox_offset,
+                    dropout_threshold, drop_rows, max_seqlen_k,
+                    MASK, False, PAD_HEAD, DROPOUT, BIAS, PRECISION, BLOCK_N)
+        else:
+            for start_n in range(start, end, BLOCK_N):
+                k = load_rows(k_ptrs, tl.cast(start_n, tl.int64), stride_kn, start_n + offs_n < seqlen_k, d_mask,
+                              seg != 1, PAD_HEAD)  # [BLOCK_N, BLOCK_D]
+                s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)  # [BLOCK_M, BLOCK_N]
+                acc, m_i, l_i = _online_softmax(
+                    acc, m_i, l_i, s, start_n, offs_m, offs_n, m_in, seqlen_k, diag, window_left, window_right,
+                    qk_scale, v_ptrs, stride_vn, dv_mask, bias_ptrs, stride_bn, philox_seed, philox_offset,
+                    dropout_threshold, drop_rows, max_seqlen_k,
+                    MASK, seg != 1, PAD_HEAD, DROPOUT, BIAS, PRECISION, BLOCK_N)
 
     # rows that saw no key: l = 0, acc = 0 -> output 0, lse +inf
     empty = l_i == 0.0
@@ -135,3 +144,41 @@ def attn_fwd(
     else:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None])
     tl.store(Lse + off_z * stride_lz + off_h * stride_lh + q_start + offs_m, lse, mask=m_in)
+
+
+@triton.jit
+def _online_softmax(acc, m_i, l_i, s, start_n, offs_m, offs_n, m_in, seqlen_k, diag, window_left, window_right,
+                    qk_scale, v_ptrs, stride_vn, dv_mask, bias_ptrs, stride_bn, philox_seed, philox_offset,
+                    dropout_threshold, drop_rows, max_seqlen_k,
+                    MASK: tl.constexpr, MASKED: tl.constexpr, PAD_HEAD: tl.constexpr, DROPOUT: tl.constexpr,
+                    BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One key block's step of the online softmax: ``s``, the block's raw scores ``q k^T``
+    (keys ``start_n ..``), folded into the running output ``acc``, max ``m_i`` and sum
+    ``l_i`` (log2 domain). ``MASKED``: the block is on the window's edge (or the sequence's
+    end) and its scores and values are masked."""
+    n_off = tl.cast(start_n, tl.int64)
+    cols = start_n + offs_n
+    n_in = cols < seqlen_k
+    s = s * qk_scale
+    if BIAS != BIAS_NONE:
+        bias = tl.load(bias_ptrs + n_off * stride_bn, mask=m_in[:, None] & n_in[None, :], other=0.0)
+        s += bias.to(tl.float32) * LOG2E
+    if MASKED:
+        s = tl.where(visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), s, float("-inf"))
+    m_new = tl.maximum(m_i, row_max(s))
+    if MASKED or BIAS != BIAS_NONE:
+        # a row that has seen no visible key yet keeps m = -inf; shift by 0 instead
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + row_sum(p)
+    acc = acc * alpha[:, None]
+    v = load_rows(v_ptrs, n_off, stride_vn, n_in, dv_mask, MASKED, PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
+    if DROPOUT:
+        keep = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_rows, offs_m, start_n, max_seqlen_k,
+                            BLOCK_N)
+        p = tl.where(keep, p, 0.0)
+    acc = mma(p.to(v.dtype), v, acc, PRECISION)
+    return acc, m_new, l_i
