@@ -65,12 +65,12 @@ def _mutant(name: str, mistake: str, path: str, snippet: str, replacement: str, 
 
 
 MUTANTS = (
-    _mutant(
+    Mutant(
         "prescaled-q-rounded", "Q multiplied by the softmax scale and rounded back to its dtype before Q K^T",
         FORWARD,
-        "s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION) * qk_scale",
-        "s = mma((q * qk_scale).to(q.dtype), tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)",
-        FLOOR.format(case="sharp-fp16-split"),
+        (("0, 0, m_in, d_mask, True, PAD_HEAD)", "0, 0, m_in, d_mask, True, PAD_HEAD)\n    q = (q * qk_scale).to(q.dtype)"),
+         ("s = s * qk_scale", "s = s")),
+        (FLOOR.format(case="sharp-fp16-split"),),
     ),
     _mutant(
         "running-max-nan", "a row that has seen no visible key keeps m = -inf and computes exp2(-inf - -inf) = NaN",
