@@ -105,9 +105,19 @@ def _jit_options(plan: LaunchPlan) -> dict[str, Any]:
             "num_stages": plan.config.num_stages}
 
 
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for a JIT launch (tensor descriptors made on the device): a fresh
+    buffer per launch on the current device, as the image path allocates its own."""
+    return torch.empty(size, dtype=torch.uint8, device="cuda")
+
+
 def _jit_call(fn: Any, grid: tuple[int, ...], args: Sequence[Any], options: dict[str, Any],
               device: torch.device) -> None:
     with _SERIAL, torch.cuda.device(device):
+        from triton.runtime import _allocation  # Triton's per-context allocator (a ContextVar)
+
+        if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:  # the caller's own one is kept
+            _allocation.set_allocator(_scratch)
         fn[grid](*args, **options)
 
 

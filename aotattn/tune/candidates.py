@@ -83,6 +83,8 @@ class Footprint:
         pads: (knob, tuning key): the knob's block tiles that size (``BLOCK_M`` tiles
             ``seqlen_q``), so a block longer than the size computes padding.
         tensor_cores: whether the functional's dots run on tensor cores (fp16/bf16).
+        inert: why a configuration's knobs change nothing for this functional (a knob the
+            kernel ignores there: it would time the same code twice), or None.
     """
 
     resident: tuple[Tile, ...] = ()
@@ -93,6 +95,7 @@ class Footprint:
     pads: tuple[tuple[str, str], ...] = ()
     tensor_cores: Callable[[Mapping[str, Any]], bool] = field(
         default=lambda values: values.get("dtype") in ("fp16", "bf16"), compare=False)
+    inert: Callable[[Mapping[str, Any]], str | None] = field(default=lambda values: None, compare=False)
 
 
 def _values(functional: Functional, config: Config) -> dict[str, Any]:
@@ -126,6 +129,9 @@ def accumulator_registers(footprint: Footprint, functional: Functional, config: 
 def why_pruned(footprint: Footprint, functional: Functional, config: Config, tgt: Arch) -> str | None:
     """The reason this configuration is not worth compiling, or None when it is a candidate."""
     values = _values(functional, config)
+    inert = footprint.inert(values)
+    if inert is not None:
+        return inert
     smem = shared_bytes(footprint, functional, config, tgt)
     if smem > tgt.shared_memory:
         return f"shared memory ~{smem} B > {tgt.shared_memory} B"
@@ -220,12 +226,13 @@ def candidates(spec: Any, functional: Functional, arch: str, footprint: Footprin
 def config_name(config: Config) -> str:
     """A name spelling the values: ``m128_n64_w8_s3``, ``split`` (an operator choice)."""
     values = config.as_dict()
-    short = {"BLOCK_M": "m", "BLOCK_N": "n", "num_warps": "w", "num_stages": "s", "BLOCK": "b", "OVERLAP": "o"}
+    short = {"BLOCK_M": "m", "BLOCK_N": "n", "num_warps": "w", "num_stages": "s", "BLOCK": "b", "OVERLAP": "o",
+             "TMA": "tma"}
     if len(values) == 1 and isinstance(next(iter(values.values())), str):
         return str(next(iter(values.values())))
     return "_".join(f"{short.get(k, k.lower())}{v}" for k, v in _ordered(values))
 
 
 def _ordered(values: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    order = ("BLOCK", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "OVERLAP")
+    order = ("BLOCK", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "OVERLAP", "TMA")
     return sorted(values.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0]))

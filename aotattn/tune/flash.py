@@ -43,10 +43,12 @@ _SCORES = (Tile("BLOCK_M", "BLOCK_N", "fp32"),)
 _PADS = (("BLOCK_M", "seqlen_q"), ("BLOCK_N", "seqlen_k"))
 FOOTPRINTS: dict[str, Footprint] = {
     # OVERLAP: the interior's first K tile is loaded outside the pipelined loop, and the
-    # next block's scores are alive beside the current ones
+    # next block's scores are alive beside the current ones; TMA: padded heads ignore it
     "attn_fwd": Footprint(resident=(_Q, Tile("BLOCK_N", "BLOCK_D", when="OVERLAP")), pipelined=(_K, _V, _BIAS),
                           accumulators=(Tile("BLOCK_M", "BLOCK_DV", "fp32"), *_SCORES,
-                                        Tile("BLOCK_M", "BLOCK_N", "fp32", when="OVERLAP")), pads=_PADS),
+                                        Tile("BLOCK_M", "BLOCK_N", "fp32", when="OVERLAP")), pads=_PADS,
+                          inert=lambda v: "TMA: padded-head variants load without descriptors"
+                          if v.get("TMA") and v.get("PAD_HEAD") else None),
     "attn_bwd_dq": Footprint(resident=(_Q, _DO), pipelined=(_K, _V, _BIAS),
                              accumulators=(Tile("BLOCK_M", "BLOCK_D", "fp32"), *_SCORES, *_SCORES), pads=_PADS),
     "attn_bwd_dkdv": Footprint(resident=(_K, _V), pipelined=(_Q, _DO, *_ROWS, _BIAS),

@@ -1,4 +1,4 @@
-"""``aotattn tuning``: show, diff, lint and squash the tuning database."""
+"""``aotattn tuning``: show, diff, lint, squash the tuning database, and set knobs in a copy of it."""
 
 from __future__ import annotations
 
@@ -126,6 +126,25 @@ def lint(tuning_db: Path = TUNING_DB,
     console.print(f"{len(problems)} problem(s) in {db.root}")
     if problems:
         raise typer.Exit(1)
+
+
+@app.command("set-knobs")
+def set_knobs(settings: list[str] = typer.Argument(..., help="knob=value, e.g. OVERLAP=1 TMA=1"),
+              arch: str = typer.Option("sm_90", help="architecture"),
+              table: str = typer.Option("flash.attn_fwd", help="family.kernel"),
+              tuning_db: Path = typer.Option(..., "--tuning-db", help="the database to rewrite: a copy, for an "
+                                             "experiment (cp -r tuning build/tuning-x)")) -> None:
+    """Give every configuration of a table (and its patches) these knob values, in place:
+    every cell then runs its tiles with them (an A/B of a knob over a whole table)."""
+    knobs = {}
+    for setting in settings:
+        knob, eq, value = setting.partition("=")
+        if not eq or not knob or not value:
+            raise TuningError(f"expected knob=value, got {setting!r}")
+        knobs[knob] = value
+    db = _db(tuning_db)
+    for path in db.set_knobs(arch, table, knobs):
+        console.print(f"rewrote {path}", markup=False)
 
 
 @app.command()

@@ -20,7 +20,8 @@ from typing import Any
 from aotattn.paths import installed_tuning_db
 from aotattn.spec import Config, Functional
 from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, block_for, bucket_index,
-                                   fallback_chain, parse_patch, parse_table, write_table)
+                                   fallback_chain, format_config, parse_config, parse_patch, parse_table,
+                                   write_patch, write_table)
 
 ENV_VAR = "AOTATTN_TUNING_DB"
 MAX_BASE_DEPTH = 16  # `#! base` hops from a table to its root (the project's longest is 1)
@@ -296,6 +297,29 @@ class Database:
         self._lookups.clear()
         return patches
 
+    def set_knobs(self, arch: str, table: str, knobs: Mapping[str, str]) -> list[Path]:
+        """Give every configuration of a table and its patches these knob values (``{knob:
+        value}`` as written in a table); returns the files rewritten. For experiments, on
+        a copy of a database: every cell then runs its tiles with those knobs."""
+        spec = self.spec(table)
+        setting = " ".join(f"{knob}={value}" for knob, value in knobs.items())
+        written = []
+        for path in [self.table_path(arch, table), *self.patch_paths(arch, table)]:
+            if not path.exists():
+                continue
+            text = read_text(path)
+            is_patch = path.suffix != ".txt"
+            parsed = parse_patch(spec, text, str(path)) if is_patch else parse_table(spec, text, str(path), arch=arch)
+            configs = {}
+            for name, config in parsed.configs.items():
+                others = Config.of({k: v for k, v in config.as_dict().items() if k not in knobs})
+                configs[name] = parse_config(spec, f"{format_config(others, spec)} {setting}", f"{path}: {name}")
+            parsed.configs = configs
+            _write_atomically(path, write_patch(spec, parsed) if is_patch else write_table(spec, parsed))
+            written.append(path)
+        self._effective.clear()
+        self._lookups.clear()
+        return written
 
 def diff(spec: Any, a: Table, b: Table) -> list[str]:
     """Cell-by-cell differences of two effective tables, compared by configuration values.

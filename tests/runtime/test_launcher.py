@@ -220,3 +220,36 @@ def test_amd_gpus_run_the_jit_by_default_and_say_so_once(gpu, tmp_path, monkeypa
     said = jit_warnings(record)
     assert len(said) == 1 and "AMD" in said[0] and len(gpu.jit.calls) == 2
     assert "cuModuleLoadData" not in gpu.names()
+
+
+def test_the_jit_path_gives_triton_a_scratch_allocator_and_keeps_the_callers(gpu, monkeypatch):
+    """Kernels that make tensor descriptors on the device (the forward's TMA) need global
+    scratch, which Triton's JIT asks an allocator for; the launcher sets one where the
+    caller set none (Triton's allocator is per context: a fresh context has none) and
+    leaves a caller's own allocator in place."""
+    import contextvars
+
+    from triton.runtime import _allocation
+
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **options: seen.append(_allocation._allocator.get())
+
+    monkeypatch.setattr(launcher, "jit_function", lambda kernel: Recorder())
+    monkeypatch.setenv(launcher.MODE_VAR, "jit")
+
+    def own(size, alignment, stream):
+        raise AssertionError("not called here")
+
+    def run(allocator):
+        _allocation.set_allocator(allocator)  # in a copy of the context: the test's own is untouched
+        launcher.launch(plan())
+
+    contextvars.copy_context().run(run, _allocation._NULL_ALLOCATOR)  # none set
+    assert seen[-1] is launcher._scratch
+    contextvars.copy_context().run(run, own)
+    assert seen[-1] is own
+    buffer = launcher._scratch(256, 128, None) if torch.cuda.is_available() else None
+    assert buffer is None or (buffer.numel() == 256 and buffer.is_cuda)

@@ -137,3 +137,17 @@ def test_a_kernel_over_the_shared_memory_limit_fails_its_compile():
     f = _functional("attn_fwd", d=256)
     with pytest.raises(ResourceError, match=r"needs \d+ bytes of shared memory, sm_90 allows 232448 per block"):
         compile_job(Job("sm_90", "flash.attn_fwd", f, _cfg(128, 128, 8, 4)))
+
+
+def test_tma_is_not_a_candidate_of_padded_heads():
+    """Padded-head variants load without descriptors: a TMA configuration would time the
+    same code as its plain twin, so it is pruned there and kept for aligned heads."""
+    fp, spec = flash.FOOTPRINTS["attn_fwd"], rules.ATTN_FWD
+    tma = Config.of(_cfg(128, 64, 8, 3).as_dict(), TMA=2)
+    padded = _functional("attn_fwd", PAD_HEAD=True)
+    assert "TMA" in cand.why_pruned(fp, padded, tma, SM90)
+    assert cand.why_pruned(fp, _functional("attn_fwd"), tma, SM90) is None
+    kept, pruned = cand.candidates(spec, padded, "sm_90", fp)
+    assert kept and not any(c.as_dict().get("TMA") for c in kept)
+    kept, _ = cand.candidates(spec, _functional("attn_fwd"), "sm_90", fp)
+    assert {c.as_dict().get("TMA", 0) for c in kept} == {0, 1, 2}

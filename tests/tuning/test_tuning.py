@@ -378,3 +378,38 @@ def test_a_knob_with_a_default_may_be_left_out_and_is_written_without_it():
         parse_config(spec, "BLOCK_M=128 BLOCK_N=64 num_warps=8 num_stages=3 OVERLAP=2", "t:5")
     with pytest.raises(TuningError, match="unknown tuning knob 'OVERLAP'"):
         parse_config(rules.ATTN_BWD_DQ, "BLOCK_M=128 BLOCK_N=64 num_warps=8 num_stages=3 OVERLAP=1", "t:6")
+
+
+def test_set_knobs_rewrites_a_copy_and_back_byte_for_byte(tmp_path):
+    """`aotattn tuning set-knobs` gives every configuration of a table and its patches the
+    knob values (an A/B over a whole table); the defaults restore the files exactly; an
+    unknown knob or value is an error naming the file and the configuration."""
+    import shutil
+
+    from aotattn.families.flash import rules
+
+    root = Path(__file__).resolve().parents[2] / "tuning"
+    copy = tmp_path / "tuning"
+    shutil.copytree(root, copy)
+    runner = CliRunner()
+    result = runner.invoke(app, ["tuning", "set-knobs", "OVERLAP=1", "TMA=1", "--tuning-db", str(copy)])
+    assert result.exit_code == 0, result.output
+    db = Database(copy, families.tables())
+    effective = db.effective("sm_90", "flash.attn_fwd")
+    assert effective.configs and all(c.as_dict().get("OVERLAP") == 1 and c.as_dict().get("TMA") == 1
+                                     for c in effective.configs.values())
+    assert not db.lint()
+    functional = next(iter(effective.blocks))
+    sizes = {"seqlen_q": 4096, "seqlen_k": 4096}
+    assert db.lookup("sm_90", rules.ATTN_FWD, functional, sizes).as_dict()["TMA"] == 1
+    # the other tables are untouched
+    for name in ("flash.attn_bwd_dq.txt", "flash.backward.txt"):
+        assert (copy / "nvidia/sm_90" / name).read_text() == (root / "nvidia/sm_90" / name).read_text()
+    result = runner.invoke(app, ["tuning", "set-knobs", "OVERLAP=0", "TMA=0", "--tuning-db", str(copy)])
+    assert result.exit_code == 0, result.output
+    for path in (root / "nvidia/sm_90").glob("flash.attn_fwd*"):
+        assert (copy / "nvidia/sm_90" / path.name).read_text() == path.read_text()
+    for bad, message in (("FOO=1", "unknown tuning knob 'FOO'"), ("TMA=3", "TMA: '3' is not one of 0, 1, 2"),
+                         ("TMA", "expected knob=value")):
+        result = runner.invoke(app, ["tuning", "set-knobs", bad, "--tuning-db", str(copy)])
+        assert result.exit_code != 0 and message in str(result.output) + str(result.exception), (bad, result.output)

@@ -144,10 +144,11 @@ _TUNING = (
     ("num_warps", (1, 2, 4, 8)),
     ("num_stages", (1, 2, 3, 4)),
 )
-# The forward's OVERLAP: 1 issues each interior key block's scores one block ahead of its
-# softmax (kernels/forward.py); 0, the plain loop, is what a configuration without it means.
-_FWD_TUNING = _TUNING + (("OVERLAP", (0, 1)),)
-_FWD_KNOB_DEFAULTS = (("OVERLAP", 0),)
+# The forward's knobs beyond the tiles (kernels/forward.py), each 0 where a configuration
+# leaves it out: OVERLAP=1 issues each interior key block's scores one block ahead of its
+# softmax; TMA=1 loads K, TMA=2 K and V, through tensor descriptors (aligned variants only).
+_FWD_TUNING = _TUNING + (("OVERLAP", (0, 1)), ("TMA", (0, 1, 2)))
+_FWD_KNOB_DEFAULTS = (("OVERLAP", 0), ("TMA", 0))
 
 def _split_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The backward operator's functionals whose split backend runs this dK/dV or dQ kernel."""

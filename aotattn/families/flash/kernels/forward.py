@@ -43,12 +43,14 @@ def attn_fwd(
     MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OVERLAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OVERLAP: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one query head; grid (m blocks, Hq, B).
 
-    OVERLAP (a tuning knob, 0 or 1): the unmasked interior issues each key block's scores
-    one block ahead of its softmax."""
+    Tuning knobs beside the tiles: OVERLAP (0 or 1), the unmasked interior issues each key
+    block's scores one block ahead of its softmax; TMA (0, 1: K, 2: K and V), those tiles
+    come through tensor descriptors (the bulk tensor copy engine on Hopper; padded-head
+    variants ignore it)."""
     off_h = tl.program_id(1)
     off_z = tl.program_id(2)
     q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
@@ -81,6 +83,22 @@ def attn_fwd(
     keys = k_start + offs_n[:, None]
     k_ptrs = K + off_z * stride_kz + off_hk * stride_kh + keys * stride_kn + offs_d[None, :]
     v_ptrs = V + off_z * stride_vz + off_hk * stride_vh + keys * stride_vn + offs_dv[None, :]
+    # K (TMA=1), or K and V (TMA=2), through the bulk tensor copy engine: rows past the
+    # sequence arrive as zeros (the aligned variant has the 16-byte bases and strides a
+    # descriptor needs). Triton 3.6's ptxas crashes on TMA=2 with num_stages=2 (either
+    # descriptor alone compiles): the build reports such a configuration as failed.
+    if TMA and not PAD_HEAD:
+        k_desc = tl.make_tensor_descriptor(K + off_z * stride_kz + off_hk * stride_kh + k_start * stride_kn,
+                                           shape=[tl.maximum(seqlen_k, 1), BLOCK_D], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc = None
+    if TMA == 2 and not PAD_HEAD:
+        v_desc = tl.make_tensor_descriptor(V + off_z * stride_vz + off_hk * stride_vh + k_start * stride_vn,
+                                           shape=[tl.maximum(seqlen_k, 1), BLOCK_DV], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        v_desc = None
     bias_ptrs = (Bias + off_z * stride_bz + off_h * stride_bh + offs_m[:, None].to(tl.int64) * stride_bm
                  + offs_n[None, :] * stride_bn)
 
@@ -101,34 +119,34 @@ def attn_fwd(
             # then overlap the softmax). A non-empty interior starts and ends on block
             # boundaries (common.key_blocks), and every key in it is inside the sequence.
             if start < end:
-                k = load_rows(k_ptrs, tl.cast(start, tl.int64), stride_kn, offs_n < BLOCK_N, d_mask, False,
-                              PAD_HEAD)
+                k = _kv_tile(k_desc, k_ptrs, start, tl.cast(start, tl.int64), stride_kn, offs_n < BLOCK_N, d_mask,
+                             False, PAD_HEAD, TMA >= 1)
                 s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)
                 for start_n in range(start, end - BLOCK_N, BLOCK_N):
-                    k = load_rows(k_ptrs, tl.cast(start_n + BLOCK_N, tl.int64), stride_kn, offs_n < BLOCK_N,
-                                  d_mask, False, PAD_HEAD)
+                    k = _kv_tile(k_desc, k_ptrs, start_n + BLOCK_N, tl.cast(start_n + BLOCK_N, tl.int64), stride_kn,
+                                 offs_n < BLOCK_N, d_mask, False, PAD_HEAD, TMA >= 1)
                     s_next = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)
                     acc, m_i, l_i = _online_softmax(
                         acc, m_i, l_i, s, start_n, offs_m, offs_n, m_in, seqlen_k, diag, window_left, window_right,
-                        qk_scale, v_ptrs, stride_vn, dv_mask, bias_ptrs, stride_bn, philox_seed, philox_offset,
+                        qk_scale, v_desc, v_ptrs, stride_vn, dv_mask, bias_ptrs, stride_bn, philox_seed, philox_offset,
                         dropout_threshold, drop_rows, max_seqlen_k,
-                        MASK, False, PAD_HEAD, DROPOUT, BIAS, PRECISION, BLOCK_N)
+                        MASK, False, PAD_HEAD, DROPOUT, BIAS, PRECISION, TMA, BLOCK_N)
                     s = s_next
                 acc, m_i, l_i = _online_softmax(
                     acc, m_i, l_i, s, end - BLOCK_N, offs_m, offs_n, m_in, seqlen_k, diag, window_left, window_right,
-                    qk_scale, v_ptrs, stride_vn, dv_mask, bias_ptrs, stride_bn, philox_seed, philox_offset,
+                    qk_scale, v_desc, v_ptrs, stride_vn, dv_mask, bias_ptrs, stride_bn, philox_seed, philox_offset,
                     dropout_threshold, drop_rows, max_seqlen_k,
-                    MASK, False, PAD_HEAD, DROPOUT, BIAS, PRECISION, BLOCK_N)
+                    MASK, False, PAD_HEAD, DROPOUT, BIAS, PRECISION, TMA, BLOCK_N)
         else:
             for start_n in range(start, end, BLOCK_N):
-                k = load_rows(k_ptrs, tl.cast(start_n, tl.int64), stride_kn, start_n + offs_n < seqlen_k, d_mask,
-                              seg != 1, PAD_HEAD)  # [BLOCK_N, BLOCK_D]
+                k = _kv_tile(k_desc, k_ptrs, start_n, tl.cast(start_n, tl.int64), stride_kn,  # [BLOCK_N, BLOCK_D]
+                             start_n + offs_n < seqlen_k, d_mask, seg != 1, PAD_HEAD, TMA >= 1)
                 s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)  # [BLOCK_M, BLOCK_N]
                 acc, m_i, l_i = _online_softmax(
                     acc, m_i, l_i, s, start_n, offs_m, offs_n, m_in, seqlen_k, diag, window_left, window_right,
-                    qk_scale, v_ptrs, stride_vn, dv_mask, bias_ptrs, stride_bn, philox_seed, philox_offset,
+                    qk_scale, v_desc, v_ptrs, stride_vn, dv_mask, bias_ptrs, stride_bn, philox_seed, philox_offset,
                     dropout_threshold, drop_rows, max_seqlen_k,
-                    MASK, seg != 1, PAD_HEAD, DROPOUT, BIAS, PRECISION, BLOCK_N)
+                    MASK, seg != 1, PAD_HEAD, DROPOUT, BIAS, PRECISION, TMA, BLOCK_N)
 
     # rows that saw no key: l = 0, acc = 0 -> output 0, lse +inf
     empty = l_i == 0.0
@@ -148,10 +166,10 @@ def attn_fwd(
 
 @triton.jit
 def _online_softmax(acc, m_i, l_i, s, start_n, offs_m, offs_n, m_in, seqlen_k, diag, window_left, window_right,
-                    qk_scale, v_ptrs, stride_vn, dv_mask, bias_ptrs, stride_bn, philox_seed, philox_offset,
+                    qk_scale, v_desc, v_ptrs, stride_vn, dv_mask, bias_ptrs, stride_bn, philox_seed, philox_offset,
                     dropout_threshold, drop_rows, max_seqlen_k,
                     MASK: tl.constexpr, MASKED: tl.constexpr, PAD_HEAD: tl.constexpr, DROPOUT: tl.constexpr,
-                    BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BIAS: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr):
     """One key block's step of the online softmax: ``s``, the block's raw scores ``q k^T``
     (keys ``start_n ..``), folded into the running output ``acc``, max ``m_i`` and sum
     ``l_i`` (log2 domain). ``MASKED``: the block is on the window's edge (or the sequence's
@@ -175,10 +193,23 @@ def _online_softmax(acc, m_i, l_i, s, start_n, offs_m, offs_n, m_in, seqlen_k, d
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + row_sum(p)
     acc = acc * alpha[:, None]
-    v = load_rows(v_ptrs, n_off, stride_vn, n_in, dv_mask, MASKED, PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
+    v = _kv_tile(v_desc, v_ptrs, start_n, n_off, stride_vn, n_in, dv_mask, MASKED, PAD_HEAD,  # [BLOCK_N, BLOCK_DV]
+                 TMA == 2)
     if DROPOUT:
         keep = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_rows, offs_m, start_n, max_seqlen_k,
                             BLOCK_N)
         p = tl.where(keep, p, 0.0)
     acc = mma(p.to(v.dtype), v, acc, PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _kv_tile(desc, ptrs, start_n, n_off, stride, rows_in, cols_in, MASKED: tl.constexpr, PAD_HEAD: tl.constexpr,
+             DESCRIPTOR: tl.constexpr):
+    """The K or V tile of the keys ``start_n ..`` (``n_off``: the same, as int64): through
+    its descriptor when DESCRIPTOR (rows past the sequence are zeros), else
+    :func:`.common.load_rows`."""
+    if DESCRIPTOR and not PAD_HEAD:
+        return desc.load([start_n, 0])
+    else:
+        return load_rows(ptrs, n_off, stride, rows_in, cols_in, MASKED, PAD_HEAD)

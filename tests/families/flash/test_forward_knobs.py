@@ -1,13 +1,14 @@
-"""The forward's OVERLAP knob (kernels/forward.py, a tuning knob of ``flash.attn_fwd``).
+"""The forward's knobs beyond the tiles (kernels/forward.py, tuning knobs of ``flash.attn_fwd``).
 
-OVERLAP=1 issues each interior key block's scores one block ahead of its softmax. It is
-the same arithmetic in the same order, so in the interpreter its output and log-sum-exp
-equal the plain loop's bit for bit, on every path through the kernel: masks on both
-diagonals and windows (interiors that are empty, one block, many), rows that see one
-key or none, GQA, varlen, dropout, a bias, padded head dims, every dtype. On the GPU both
-must match the float64 reference. The configurations come from ``rules.config_for`` with
-OVERLAP set; the plan cache is emptied around each test so no plan of the other setting
-is reused.
+OVERLAP=1 issues each interior key block's scores one block ahead of its softmax; TMA=1
+loads K, TMA=2 K and V, through tensor descriptors. Each is the same arithmetic in the same
+order, so in the interpreter the output and log-sum-exp equal the plain loop's bit for
+bit, on every path through the kernel: masks on both diagonals and windows (interiors
+that are empty, one block, many), rows that see one key or none, GQA, varlen, dropout, a
+bias, padded head dims (which ignore TMA), every dtype. On the GPU they must match the
+float64 reference and the plain loop. The configurations come from ``rules.config_for``
+with the knobs set; the plan cache is emptied around each test so no plan of another
+setting is reused.
 """
 
 from __future__ import annotations
@@ -25,22 +26,33 @@ from tests.helpers import TOLERANCE, rel_err
 from tests.families.flash.helpers import assert_forward_matches, make_qkv, seed_from
 
 
+KNOBS = [{"OVERLAP": 1}, {"TMA": 1}, {"OVERLAP": 1, "TMA": 2}]
+PLAIN = {"OVERLAP": 0, "TMA": 0}
+
+
+def _name(knobs: dict) -> str:
+    return "+".join(f"{k.lower()}" for k in knobs)
+
+
 @pytest.fixture
-def overlap(monkeypatch):
-    """``set(value)``: the forward runs with OVERLAP=value from then on."""
+def forward_knobs(monkeypatch):
+    """``set(knobs)``: the forward runs with these knob values from then on."""
     original = rules.config_for
 
-    def set_overlap(value: int) -> None:
+    def set_knobs(knobs: dict) -> None:
         def config_for(kernel, functional, device, **sizes):
             config = original(kernel, functional, device, **sizes)
             if kernel.name != rules.ATTN_FWD.name:
                 return config
-            return rules.ATTN_FWD.canonical(Config.of(config.as_dict(), OVERLAP=value))
+            values = {**config.as_dict(), **PLAIN, **knobs}
+            if knobs.get("TMA") and values["num_stages"] == 2:  # Triton 3.6's ptxas crashes there (forward.py)
+                values["num_stages"] = 3
+            return rules.ATTN_FWD.canonical(Config.of(values))
 
         monkeypatch.setattr(rules, "config_for", config_for)
         ops._PLANS.entries.clear()
 
-    yield set_overlap
+    yield set_knobs
     ops._PLANS.entries.clear()
 
 
@@ -102,31 +114,33 @@ def _reference(q, k, v, kwargs, device: str, seed: int):
     return reference.attention(q, k, v, **mask)
 
 
-def _both(case: Case, device: str, overlap, name: str):
-    """(plain out, plain lse, overlapped out, overlapped lse, float64 reference out, the
+def _both(case: Case, device: str, set_knobs, knobs: dict, name: str):
+    """(plain out, plain lse, out and lse with ``knobs``, float64 reference out, the
     call's keyword arguments) on fresh inputs."""
     seed_from(name)
     q, k, v = make_qkv(*case.shape(device), case.dtype, device)
-    overlap(0)
+    set_knobs(PLAIN)
     plain, plain_lse, kwargs = _call(case, q, k, v, device, seed=7)
-    overlap(1)
+    set_knobs(knobs)
     out, lse, _ = _call(case, q, k, v, device, seed=7)
     ref, _ = _reference(q, k, v, kwargs, device, seed=7)
     return plain, plain_lse, out, lse, ref, (q, k, v, kwargs)
 
 
+@pytest.mark.parametrize("knobs", KNOBS, ids=_name)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_overlap_matches_the_plain_loop_bit_for_bit_in_the_interpreter(case, overlap, request):
-    plain, plain_lse, out, lse, ref, _ = _both(case, "cpu", overlap, request.node.name)
+def test_knobs_match_the_plain_loop_bit_for_bit_in_the_interpreter(case, knobs, forward_knobs, request):
+    plain, plain_lse, out, lse, ref, _ = _both(case, "cpu", forward_knobs, knobs, request.node.name)
     assert torch.equal(out, plain)
     assert torch.equal(lse, plain_lse)
     assert rel_err(out, ref) < TOLERANCE[case.dtype]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("knobs", KNOBS, ids=_name)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_overlap_matches_the_reference_on_the_gpu(case, overlap, request):
-    plain, plain_lse, out, lse, ref, (q, k, v, kwargs) = _both(case, "cuda", overlap, request.node.name)
+def test_knobs_match_the_reference_on_the_gpu(case, knobs, forward_knobs, request):
+    plain, plain_lse, out, lse, ref, (q, k, v, kwargs) = _both(case, "cuda", forward_knobs, knobs, request.node.name)
     assert rel_err(out, ref) < TOLERANCE[case.dtype]
     if not kwargs.get("dropout_p") and "bias" not in kwargs:
         assert_forward_matches(out, lse, q, k, v, **kwargs)
@@ -136,16 +150,18 @@ def test_overlap_matches_the_reference_on_the_gpu(case, overlap, request):
     torch.testing.assert_close(lse[finite], plain_lse[finite], rtol=1e-5, atol=1e-4)
 
 
-def test_varlen_overlap_matches_the_plain_loop(overlap, request):
-    """Packed sequences of unequal lengths (one empty, one shorter than a block), causal."""
+@pytest.mark.parametrize("knobs", KNOBS, ids=_name)
+def test_varlen_knobs_match_the_plain_loop(knobs, forward_knobs, request):
+    """Packed sequences of unequal lengths (one empty, one shorter than a block), causal:
+    each sequence's descriptors start at its own first row."""
     seed_from(request.node.name)
     lengths, heads, d = [70, 13, 0, 41, 1], 3, 16
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     total = sum(lengths)
     q, k, v = (torch.randn(total, heads, d, dtype=torch.float16) for _ in range(3))
     runs = []
-    for value in (0, 1):
-        overlap(value)
+    for value in (PLAIN, knobs):
+        forward_knobs(value)
         runs.append(aotattn.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
                                                    return_lse=True))
     (plain, plain_lse), (out, lse) = runs
@@ -154,14 +170,16 @@ def test_varlen_overlap_matches_the_plain_loop(overlap, request):
     assert rel_err(out, ref) < TOLERANCE[torch.float16]
 
 
-def test_the_knob_is_in_the_forward_space_and_off_by_default():
-    """A configuration without OVERLAP is the plain loop, and stays spelled without it."""
+def test_the_knobs_are_in_the_forward_space_and_off_by_default():
+    """A configuration without the knobs is the plain loop, and stays spelled without them."""
     spec = rules.ATTN_FWD
-    assert dict(spec.tuning_space)["OVERLAP"] == (0, 1) and dict(spec.knob_defaults) == {"OVERLAP": 0}
+    space = dict(spec.tuning_space)
+    assert space["OVERLAP"] == (0, 1) and space["TMA"] == (0, 1, 2) and dict(spec.knob_defaults) == PLAIN
     plain = Config.of(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    assert spec.canonical(Config.of(plain.as_dict(), OVERLAP=0)) == plain
-    assert spec.canonical(Config.of(plain.as_dict(), OVERLAP=1)) != plain
+    assert spec.canonical(Config.of(plain.as_dict(), **PLAIN)) == plain
+    for knobs in KNOBS:
+        assert spec.canonical(Config.of(plain.as_dict(), **knobs)) != plain
     functional = next(iter(spec.enumerate_functionals()))
-    assert spec.constexprs(functional, plain)["OVERLAP"] == 0
-    assert spec.constexprs(functional, Config.of(plain.as_dict(), OVERLAP=1))["OVERLAP"] == 1
-    assert "OVERLAP" not in dict(rules.ATTN_BWD_DQ.tuning_space)
+    assert {k: spec.constexprs(functional, plain)[k] for k in PLAIN} == PLAIN
+    assert spec.constexprs(functional, Config.of(plain.as_dict(), TMA=1))["TMA"] == 1
+    assert not set(PLAIN) & set(dict(rules.ATTN_BWD_DQ.tuning_space))
