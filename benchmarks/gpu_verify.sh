@@ -33,7 +33,7 @@ fi
 
 if has suite; then
   stamp "GPU suite on GPU 0"
-  ( CUDA_VISIBLE_DEVICES=0 AOTATTN_MODE=jit timeout "${SUITE_S:-420}" python -m pytest -m gpu -q -n 8 \
+  ( CUDA_VISIBLE_DEVICES=0 AOTATTN_MODE=jit timeout "${SUITE_S:-480}" python -m pytest -m gpu -q -n 8 \
       -p no:cacheprovider tests --ignore=tests/runtime --ignore=tests/pgdef --ignore=tests/tune \
       --ignore=tests/perfmon > "$OUT/suite.log" 2>&1
     echo "suite rc=$?" >> "$OUT/suite.log" ) &

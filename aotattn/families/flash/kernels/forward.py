@@ -85,8 +85,8 @@ def attn_fwd(
     v_ptrs = V + off_z * stride_vz + off_hk * stride_vh + keys * stride_vn + offs_dv[None, :]
     # K (TMA=1), or K and V (TMA=2), through the bulk tensor copy engine: rows past the
     # sequence arrive as zeros (the aligned variant has the 16-byte bases and strides a
-    # descriptor needs). Triton 3.6's ptxas crashes on TMA=2 with num_stages=2 (either
-    # descriptor alone compiles): the build reports such a configuration as failed.
+    # descriptor needs). Triton 3.6's ptxas crashes on TMA with num_stages=2 unless it is
+    # TMA=1 without OVERLAP: the build reports such a configuration as failed.
     if TMA and not PAD_HEAD:
         k_desc = tl.make_tensor_descriptor(K + off_z * stride_kz + off_hk * stride_kh + k_start * stride_kn,
                                            shape=[tl.maximum(seqlen_k, 1), BLOCK_D], strides=[stride_kn, 1],
