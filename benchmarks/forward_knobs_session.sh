@@ -26,7 +26,7 @@ for variant in plain "OVERLAP=1" "TMA=1" "TMA=2" "OVERLAP=1 TMA=2"; do
   fi
   aot build --arch sm_90 --kernel attn_fwd --where "$where" --tuning-db "$db" --out "$IMAGES" --jobs "$(nproc)" \
     >> "$OUT/build.log" 2>&1
-  stamp "images, $variant: $(tail -n 1 "$OUT/build.log")"
+  stamp "images, $variant: $(grep -E 'kernel\(s\)' "$OUT/build.log" | tail -n 1)"
 done
 AOTATTN_MODE=jit timeout "${TESTS_S:-150}" python -m pytest -m gpu -q -n 4 -p no:cacheprovider \
   tests/families/flash/test_forward_knobs.py > "$OUT/tests.log" 2>&1
