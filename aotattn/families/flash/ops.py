@@ -184,6 +184,7 @@ class _Entry:
         self.lse_shape = tuple(lse.shape)
         self.heads_major = heads_major
         self.launch_forward = _prepare(forward_plan(c, q, k, v, out, lse), _FORWARD_ROLES)
+        self.pad_head = c.functional()["PAD_HEAD"]
         self.backwards: dict[tuple, tuple] = {}
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,8 +208,8 @@ class _Entry:
         and the gradients are allocated in the caller's layout directly."""
         c = self.call
         flip = caller_layout and self.heads_major  # views of the same memory, heads and rows swapped
-        dout = backward_dout(c, dout.transpose(1, 2) if flip else dout)
-        choice = (dout.stride(), dout.data_ptr() % 16 == 0, backend, deterministic)
+        dout = backward_dout(c, dout.transpose(1, 2) if flip else dout, self.pad_head)
+        choice = (dout.stride(), dout.data_ptr() % 16 == 0, backend, deterministic, flip)
         prepared = self.backwards.get(choice)
         if prepared is None:
             if flip:  # planning reads flash-attn's layout
@@ -217,24 +218,31 @@ class _Entry:
             buffers = backward_buffers(c, q, k, v, chosen, deterministic)[:4]
             plans = backward_plans(c, dout, q, k, v, out, lse, *buffers, None, chosen, deterministic)
             zeroed = (False, dq_accumulates(chosen, deterministic), False, False)  # delta, dq, dk, dv
-            layouts = tuple((tuple(t.shape), t.stride(), t.dtype, zero) for t, zero in zip(buffers, zeroed))
+            layouts = tuple(_layout(t, zero, i > 0 and flip) for i, (t, zero) in enumerate(zip(buffers, zeroed)))
             prepared = [_prepare(plan, _BACKWARD_ROLES) for plan in plans], layouts
             self.backwards[choice] = prepared  # a race stores an equal value twice
         launches, layouts = prepared
-        delta, dq, dk, dv = (_buffer(layout, i > 0 and flip, q.device) for i, layout in enumerate(layouts))
+        device = q.device
+        delta, dq, dk, dv = (_buffer(layout, device) for layout in layouts)
         tensors = (dout, q, k, v, out, lse, delta, dq, dk, dv)
         for launch_one in launches:
             launch_one(tensors)
         return finish_dq(dq, q), dk, dv
 
 
-def _buffer(layout: tuple, flip: bool, device: torch.device) -> torch.Tensor:
-    """A fresh backward buffer of a recorded ``(shape, stride, dtype, zeroed)``, viewed with
-    dims 1 and 2 swapped when ``flip`` (the caller's layout of a heads-major entry)."""
-    shape, stride, dtype, zeroed = layout
+def _layout(t: torch.Tensor, zeroed: bool, flip: bool) -> tuple:
+    """``(shape, stride, dtype, zeroed)`` of a backward buffer like ``t``, with dims 1 and 2
+    swapped when ``flip`` (the caller's layout of a heads-major entry)."""
+    shape, stride = tuple(t.shape), t.stride()
     if flip:
         shape = (shape[0], shape[2], shape[1], *shape[3:])
         stride = (stride[0], stride[2], stride[1], *stride[3:])
+    return shape, stride, t.dtype, zeroed
+
+
+def _buffer(layout: tuple, device: torch.device) -> torch.Tensor:
+    """A fresh backward buffer of a recorded :func:`_layout`."""
+    shape, stride, dtype, zeroed = layout
     t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
     return t.zero_() if zeroed else t
 

@@ -258,10 +258,13 @@ def choose_backend(c: Call, deterministic: bool, device: torch.device) -> str:
     return config["backend"]
 
 
-def backward_dout(c: Call, dout: torch.Tensor) -> torch.Tensor:
+def backward_dout(c: Call, dout: torch.Tensor, pad_head: bool | None = None) -> torch.Tensor:
     """``dout`` as the backward kernels read it: a contiguous copy where its layout would not
-    meet the call's variant (unit last stride; 16-aligned tiles for the aligned variant)."""
-    if dout.stride(-1) != 1 or (c.functional()["PAD_HEAD"] is False and not c.tiles_aligned(dout)):
+    meet the call's variant (unit last stride; 16-aligned tiles for the aligned variant).
+    ``pad_head``: the call's PAD_HEAD, when the caller has it at hand (the plan cache)."""
+    if pad_head is None:
+        pad_head = c.functional()["PAD_HEAD"]
+    if dout.stride(-1) != 1 or (pad_head is False and not c.tiles_aligned(dout)):
         return dout.contiguous()  # a fresh contiguous tensor meets the aligned variant's assumptions
     return dout
 
