@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, MASK_NONE, diagonal, dropout_keep,
-                                                   head_columns, key_blocks, load_rows, mma, row_sum, segment, sequence,
-                                                   visible)
+                                                   head_columns, key_blocks, load_rows, mma, row_sum, run_bounds,
+                                                   sequence, visible)
 
 
 @triton.jit
@@ -93,9 +93,10 @@ def _dkdv_program(
     # group_size at run time), 66 more registers per thread at d64 and a pipeline refill at
     # every head; no time by itself on MHA (RESULTS.md, fifth session).
     rows0 = q_start + offs_m[:, None].to(tl.int64)
-    for seg in tl.static_range(3):
-        # runs 0 and 2 (the window's edges) are masked: `seg != 1`, see common.segment
-        start, end = segment(seg, lo, a, b, hi)
+    for run in tl.static_range(3):
+        # masked kernels loop over the unmasked interior first, then the window's edges
+        # (common.run_bounds); `run != (0 if MASK != MASK_NONE else 1)`: an edge
+        start, end = run_bounds(run, lo, a, b, hi, MASK)
         blocks = (end - start + BLOCK_M - 1) // BLOCK_M
         # the pipeliner computes the first steps' addresses before it tests the trip count:
         # an empty run must not divide by zero there (undefined in LLVM, a fault on the GPU)
@@ -110,11 +111,13 @@ def _dkdv_program(
             m_in = rows < seqlen_q
             q_ptrs = Q + off_z * stride_q[0] + off_h * stride_q[1] + rows0 * stride_q[2] + offs_d[None, :]
             do_ptrs = DO + off_z * stride_do[0] + off_h * stride_do[1] + rows0 * stride_do[2] + offs_dv[None, :]
-            q = load_rows(q_ptrs, m_off, stride_q[2], m_in, d_mask, seg != 1, PAD_HEAD)  # [BLOCK_M, BLOCK_D]
-            do = load_rows(do_ptrs, m_off, stride_do[2], m_in, dv_mask, seg != 1, PAD_HEAD)  # [BLOCK_M, BLOCK_DV]
+            q = load_rows(q_ptrs, m_off, stride_q[2], m_in, d_mask, run != (0 if MASK != MASK_NONE else 1),
+                          PAD_HEAD)  # [BLOCK_M, BLOCK_D]
+            do = load_rows(do_ptrs, m_off, stride_do[2], m_in, dv_mask, run != (0 if MASK != MASK_NONE else 1),
+                           PAD_HEAD)  # [BLOCK_M, BLOCK_DV]
             lse_ptr = Lse + off_z * stride_l[0] + off_h * stride_l[1] + q_start
             delta_ptr = Delta + off_z * stride_l[0] + off_h * stride_l[1] + q_start
-            if seg != 1:
+            if run != (0 if MASK != MASK_NONE else 1):
                 lse = tl.load(lse_ptr + rows, mask=m_in, other=float("inf"))
                 delta = tl.load(delta_ptr + rows, mask=m_in, other=0.0)
             else:
@@ -129,7 +132,7 @@ def _dkdv_program(
                 bias_t = tl.load(bias_ptrs, mask=n_in[:, None] & m_in[None, :], other=0.0)
                 s_t += bias_t.to(tl.float32) * LOG2E
             p_t = tl.exp2(s_t - (lse * LOG2E)[None, :])
-            if seg != 1:
+            if run != (0 if MASK != MASK_NONE else 1):
                 keep = visible(offs_n, rows, seqlen_q, -diag, window_right, window_left, MASK)
                 p_t = tl.where(keep, p_t, 0.0)
             dp_t = mma(v, tl.trans(do), tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32), PRECISION)
@@ -215,21 +218,24 @@ def _dq_program(
     diag = diagonal(seqlen_q, seqlen_k, MASK)
     lo, a, b, hi = key_blocks(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q), seqlen_k, diag,
                               window_left, window_right, MASK, BLOCK_N)
-    for seg in tl.static_range(3):
-        # runs 0 and 2 (the window's edges) are masked: `seg != 1`, see common.segment
-        start, end = segment(seg, lo, a, b, hi)
+    for run in tl.static_range(3):
+        # masked kernels loop over the unmasked interior first, then the window's edges
+        # (common.run_bounds); `run != (0 if MASK != MASK_NONE else 1)`: an edge
+        start, end = run_bounds(run, lo, a, b, hi, MASK)
         for start_n in range(start, end, BLOCK_N):
             n_off = tl.cast(start_n, tl.int64)
             cols = start_n + offs_n
             n_in = cols < seqlen_k
-            k = load_rows(k_ptrs, n_off, stride_k[2], n_in, d_mask, seg != 1, PAD_HEAD)  # [BLOCK_N, BLOCK_D]
-            v = load_rows(v_ptrs, n_off, stride_v[2], n_in, dv_mask, seg != 1, PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
+            k = load_rows(k_ptrs, n_off, stride_k[2], n_in, d_mask, run != (0 if MASK != MASK_NONE else 1),
+                          PAD_HEAD)  # [BLOCK_N, BLOCK_D]
+            v = load_rows(v_ptrs, n_off, stride_v[2], n_in, dv_mask, run != (0 if MASK != MASK_NONE else 1),
+                          PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
             s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION) * qk_scale
             if BIAS != BIAS_NONE:
                 bias = tl.load(bias_ptrs + n_off * stride_b[3], mask=m_in[:, None] & n_in[None, :], other=0.0)
                 s += bias.to(tl.float32) * LOG2E
             p = tl.exp2(s - lse2[:, None])
-            if seg != 1:
+            if run != (0 if MASK != MASK_NONE else 1):
                 p = tl.where(visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), p, 0.0)
             dp = mma(do, tl.trans(v), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)
             if DROPOUT:

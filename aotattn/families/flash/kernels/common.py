@@ -202,6 +202,32 @@ def segment(seg: tl.constexpr, lo, a, b, hi):
 
 
 @triton.jit
+def run_bounds(run: tl.constexpr, lo, a, b, hi, MASK: tl.constexpr):
+    """Bounds of the ``run``-th loop of a backward program over :func:`key_blocks`' runs.
+    Under a mask the unmasked interior comes first, then the masked left and right edges;
+    without one, the runs in order (the left one is empty). So the interior is loop
+    ``0 if MASK != MASK_NONE else 1``: callers pass ``run != (0 if MASK != MASK_NONE else 1)``
+    (masked) at each use, written out (a jit function's constexpr result, or a constexpr
+    bound to a name, reaches a loop body as a runtime value in Triton 3.6).
+
+    The order is a register-allocation matter: compiled for sm_90, a masked kernel's
+    interior loop is shorter when it comes first (dQ causal, instructions per iteration:
+    d256 m128 n64 520 -> 377 with its spill loads 15 -> 1, d128 m128 n128 539 -> 470, d64
+    447 -> 416; dK/dV d256 m64 n64 917 -> 833, spill traffic 93 -> 54, its one-block
+    diagonal loop 1302 -> 1383; d64/d128 dK/dV unchanged); the unmasked kernels keep their
+    code (benchmarks/RESULTS.md, seventh session)."""
+    if MASK != MASK_NONE:
+        if run == 0:
+            return a, b
+        elif run == 1:
+            return lo, a
+        else:
+            return b, hi
+    else:
+        return segment(run, lo, a, b, hi)
+
+
+@triton.jit
 def visible(offs_m, offs_n, seqlen_k, diag, window_left, window_right, MASK: tl.constexpr):
     """[rows, columns] mask of the pairs that attend (columns past seqlen_k never do)."""
     keep = offs_n[None, :] < seqlen_k
