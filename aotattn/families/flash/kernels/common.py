@@ -216,15 +216,7 @@ def run_bounds(run: tl.constexpr, lo, a, b, hi, MASK: tl.constexpr):
     447 -> 416; dK/dV d256 m64 n64 917 -> 833, spill traffic 93 -> 54, its one-block
     diagonal loop 1302 -> 1383; d64/d128 dK/dV unchanged); the unmasked kernels keep their
     code (benchmarks/RESULTS.md, seventh session)."""
-    if MASK != MASK_NONE:
-        if run == 0:
-            return a, b
-        elif run == 1:
-            return lo, a
-        else:
-            return b, hi
-    else:
-        return segment(run, lo, a, b, hi)
+    return segment(run if MASK == MASK_NONE else (1 - run if run < 2 else 2), lo, a, b, hi)
 
 
 @triton.jit
