@@ -321,6 +321,7 @@ class Database:
         self._lookups.clear()
         return written
 
+
 def diff(spec: Any, a: Table, b: Table) -> list[str]:
     """Cell-by-cell differences of two effective tables, compared by configuration values.
 
