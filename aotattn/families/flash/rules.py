@@ -150,6 +150,7 @@ _TUNING = (
 _FWD_TUNING = _TUNING + (("OVERLAP", (0, 1)), ("TMA", (0, 1, 2)))
 _FWD_KNOB_DEFAULTS = (("OVERLAP", 0), ("TMA", 0))
 
+
 def _split_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The backward operator's functionals whose split backend runs this dK/dV or dQ kernel."""
     return [operator_functional(functional, deterministic).as_dict() for deterministic in (False, True)]
