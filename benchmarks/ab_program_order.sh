@@ -8,6 +8,7 @@
 # Each run times SDPA's backends beside aotattn, so each run's ratios are side by side;
 # `aotattn perfdb compare` between runs says what moved beyond the noise.
 #   bash benchmarks/ab_program_order.sh            (logs and perfdb files under $OUT)
+#   VARIANTS="base po" bash benchmarks/ab_program_order.sh   (a subset, in this order)
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -16,7 +17,7 @@ aot() { python -m aotattn.cli "$@"; }
 common=aotattn/families/flash/kernels/common.py
 sel=(-g dense -g gqa -g model -m '*bf16*causal*' -m 'model-*')
 nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,temperature.gpu,memory.used --format=csv,noheader
-for variant in base po nocap; do
+for variant in ${VARIANTS:-base po nocap}; do
   case $variant in
     po) git apply benchmarks/pending/program-order.patch || patch -p1 < benchmarks/pending/program-order.patch ;;
     nocap) sed -i 's/^L2_SHARE: tl.constexpr = tl.constexpr(16 \* 1024 \* 1024)/L2_SHARE: tl.constexpr = tl.constexpr(1 << 60)/' \
@@ -30,6 +31,6 @@ for variant in base po nocap; do
   stamp "perfmon $variant: $(grep -E 'entries in' "$OUT/run-$variant.log" | tail -n 1)"
   aot perfdb summary "$OUT/$variant.txt" 2>&1 | grep -E "sdpa-flash"
 done
-aot perfdb compare "$OUT/base.txt" "$OUT/po.txt" 2>&1 | tail -n 12
-aot perfdb compare "$OUT/po.txt" "$OUT/nocap.txt" 2>&1 | tail -n 6
+[ -f "$OUT/po.txt" ] && aot perfdb compare "$OUT/base.txt" "$OUT/po.txt" 2>&1 | tail -n 12
+[ -f "$OUT/nocap.txt" ] && aot perfdb compare "$OUT/po.txt" "$OUT/nocap.txt" 2>&1 | tail -n 6
 stamp done
