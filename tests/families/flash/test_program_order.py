@@ -2,9 +2,9 @@
 every head is still computed exactly once.
 
 Under a causal mask or a window the forward and dQ programs take their query blocks
-last-first (rank 0 is the costliest block); ``benchmarks/pending/program-order.patch``
-(prepared, measured on no GPU yet) renumbers the forward, dK/dV and dQ grids across
-groups of heads as well, and these tests are its correctness check. The outputs are
+last-first (rank 0 is the costliest block), and ``kernels/common.py`` ``program_order``
+renumbers the forward, dK/dV and dQ grids across groups of heads as well; these tests are
+its correctness check. The outputs are
 allocated while torch fills uninitialized memory with NaN (its deterministic mode), so a
 block that no program wrote fails the comparison with the float64 reference.
 """

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, MASK_NONE, diagonal, dropout_keep,
-                                                   head_columns, key_blocks, load_rows, mma, row_sum, run_bounds,
-                                                   sequence, visible)
+                                                   head_columns, key_blocks, load_rows, mma, program_order, row_sum,
+                                                   run_bounds, sequence, visible)
 
 
 @triton.jit
@@ -177,7 +177,8 @@ def _dq_program(
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """dQ (and dBias) of BLOCK_M query rows of one query head."""
+    """dQ (and dBias) of BLOCK_M query rows of one query head: under a mask, ``pid_m`` is
+    a rank, 0 for the last (costliest) block."""
     q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
                                                     VARLEN)
     num_m_blocks = (seqlen_q + BLOCK_M - 1) // BLOCK_M
@@ -266,7 +267,11 @@ def attn_bwd_dkdv(
 ):
     """Split backend, first kernel: dK and dV; grid (n blocks, Hk, B)."""
     no_stride = (0, 0, 0)
-    _dkdv_program(tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
+    # what a key/value head's programs stream: q and dO of its query heads. Rank 0 is key
+    # block 0, which the most queries see under a causal mask.
+    qdo_bytes = tl.cast(max_seqlen_q, tl.int64) * (head_dim + head_dim_v) * 2 * group_size
+    pid_n, off_hk, off_z = program_order(qdo_bytes, MASK)
+    _dkdv_program(pid_n, off_hk.to(tl.int64), off_z.to(tl.int64),
                   Q, K, V, DO, DK, DV, Lse, Delta, DK, CuSeqlensQ, CuSeqlensK, Bias, DK,
                   (stride_qz, stride_qh, stride_qm), (stride_kz, stride_kh, stride_kn),
                   (stride_vz, stride_vh, stride_vn), (stride_doz, stride_doh, stride_dom),
@@ -291,7 +296,9 @@ def attn_bwd_dq(
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Split backend, second kernel: dQ (and dBias); grid (m blocks, Hq, B)."""
-    _dq_program(tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64),
+    kv_bytes = tl.cast(max_seqlen_k, tl.int64) * (head_dim + head_dim_v) * 2 // group_size  # as the forward
+    rank, off_h, off_z = program_order(kv_bytes, MASK)
+    _dq_program(rank, off_h, off_z.to(tl.int64),
                 Q, K, V, DO, DQ, Lse, Delta, CuSeqlensQ, CuSeqlensK, Bias, DBias,
                 (stride_qz, stride_qh, stride_qm), (stride_kz, stride_kh, stride_kn),
                 (stride_vz, stride_vh, stride_vn), (stride_doz, stride_doh, stride_dom), (stride_lz, stride_lh),

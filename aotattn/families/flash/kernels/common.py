@@ -133,6 +133,46 @@ def _keep_halves(word, threshold):
     return tl.join((word & 0xFFFF).to(tl.int32) >= threshold, (word >> 16).to(tl.int32) >= threshold)
 
 
+# ------------------------------------------------------------------------ program order
+
+# The heads program_order starts together stream at most this much between them (a third
+# of the H200's 50 MB L2), and at most this many heads go together.
+L2_SHARE: tl.constexpr = tl.constexpr(16 * 1024 * 1024)
+MAX_HEADS_TOGETHER: tl.constexpr = tl.constexpr(16)
+
+
+@triton.jit
+def program_order(streamed_bytes, MASK: tl.constexpr):
+    """(rank, head, batch) of this program in a grid (blocks, heads, batch).
+
+    Without a mask, the program ids as launched (rank = program id 0). Under a causal mask
+    or a window, the blocks of a head cost unequal time, and the hardware starts programs
+    in the order of their linear id (x fastest): program ids are then renumbered so that
+    rank 0 of every head of a group starts before rank 1 of any, and so on, the caller
+    giving rank 0 to its costliest block. Per head alone, the last programs of the grid are
+    a head's costliest ones, and SMs wait on them (up to 13% of a d256 causal dQ grid in a
+    list-scheduling model, 1% grouped; benchmarks/RESULTS.md). A group is as many heads as
+    keep their ``streamed_bytes`` (what all of one head's programs read, that L2 shares
+    between them) within ``L2_SHARE``, at most ``MAX_HEADS_TOGETHER``: more would trade the
+    L2's reuse for balance.
+    """
+    if MASK == MASK_NONE:
+        return tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:
+        blocks = tl.num_programs(0)
+        heads = tl.num_programs(1)
+        pairs = heads * tl.num_programs(2)  # (head, batch) pairs
+        linear = tl.program_id(0) + blocks * (tl.program_id(1) + heads * tl.program_id(2))
+        together = tl.cast(tl.minimum(tl.maximum(L2_SHARE // tl.maximum(tl.cast(streamed_bytes, tl.int64), 1), 1),
+                                      MAX_HEADS_TOGETHER), tl.int32)
+        first = linear // (together * blocks) * together  # the group's first pair
+        size = tl.minimum(together, pairs - first)  # the last group may be smaller
+        within = linear - first * blocks
+        rank = within // size
+        pair = first + within - rank * size
+        return rank, pair % heads, pair // heads
+
+
 # ------------------------------------------------------------------ sequences and masks
 
 

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from aotattn.families.flash.kernels.common import (BIAS_NONE, LN2, LOG2E, MASK_NONE, diagonal, dropout_keep,
-                                                   head_columns, key_blocks, load_rows, mma, row_max, row_sum, segment,
-                                                   sequence, visible)
+                                                   head_columns, key_blocks, load_rows, mma, program_order, row_max,
+                                                   row_sum, segment, sequence, visible)
 
 
 @triton.jit
@@ -51,16 +51,16 @@ def attn_fwd(
     block's scores one block ahead of its softmax; TMA (0, 1: K, 2: K and V), those tiles
     come through tensor descriptors (the bulk tensor copy engine on Hopper; padded-head
     variants ignore it)."""
-    off_h = tl.program_id(1)
-    off_z = tl.program_id(2)
+    # what a head's programs stream: K and V, shared by the group's query heads
+    kv_bytes = tl.cast(max_seqlen_k, tl.int64) * (head_dim + head_dim_v) * 2 // group_size
+    pid_m, off_h, off_z = program_order(kv_bytes, MASK)
     q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
                                                     VARLEN)
     num_m_blocks = (seqlen_q + BLOCK_M - 1) // BLOCK_M
-    pid_m = tl.program_id(0)
     if pid_m >= num_m_blocks:  # varlen: this sequence is shorter than the longest
         return
     if MASK != MASK_NONE:
-        # windowed rows further down cost more; start those first
+        # windowed rows further down cost more: rank 0 is the last block
         pid_m = num_m_blocks - 1 - pid_m
     off_hk = (off_h // group_size).to(tl.int64)
     drop_rows = (off_z.to(tl.int64) * num_heads_q + off_h) * max_seqlen_q  # dropout counters: this head's rows
