@@ -382,8 +382,9 @@ def test_a_knob_with_a_default_may_be_left_out_and_is_written_without_it():
 
 def test_set_knobs_rewrites_a_copy_and_back_byte_for_byte(tmp_path):
     """`aotattn tuning set-knobs` gives every configuration of a table and its patches the
-    knob values (an A/B over a whole table); the defaults restore the files exactly; an
-    unknown knob or value is an error naming the file and the configuration."""
+    knob values (an A/B over a whole table); from a table whose knobs are at their defaults,
+    setting the defaults again restores the files exactly; an unknown knob or value is an
+    error naming the file and the configuration."""
     import shutil
 
     from aotattn.families.flash import rules
@@ -392,6 +393,11 @@ def test_set_knobs_rewrites_a_copy_and_back_byte_for_byte(tmp_path):
     copy = tmp_path / "tuning"
     shutil.copytree(root, copy)
     runner = CliRunner()
+    # the tuned tables choose knobs per cell: first every configuration at the defaults
+    result = runner.invoke(app, ["tuning", "set-knobs", "OVERLAP=0", "TMA=0", "--tuning-db", str(copy)])
+    assert result.exit_code == 0, result.output
+    plain = {path.name: path.read_text() for path in (copy / "nvidia/sm_90").glob("flash.attn_fwd*")}
+    assert plain and not any(" TMA=" in text or " OVERLAP=" in text for text in plain.values())
     result = runner.invoke(app, ["tuning", "set-knobs", "OVERLAP=1", "TMA=1", "--tuning-db", str(copy)])
     assert result.exit_code == 0, result.output
     db = Database(copy, families.tables())
@@ -407,8 +413,8 @@ def test_set_knobs_rewrites_a_copy_and_back_byte_for_byte(tmp_path):
         assert (copy / "nvidia/sm_90" / name).read_text() == (root / "nvidia/sm_90" / name).read_text()
     result = runner.invoke(app, ["tuning", "set-knobs", "OVERLAP=0", "TMA=0", "--tuning-db", str(copy)])
     assert result.exit_code == 0, result.output
-    for path in (root / "nvidia/sm_90").glob("flash.attn_fwd*"):
-        assert (copy / "nvidia/sm_90" / path.name).read_text() == path.read_text()
+    for name, text in plain.items():
+        assert (copy / "nvidia/sm_90" / name).read_text() == text
     for bad, message in (("FOO=1", "unknown tuning knob 'FOO'"), ("TMA=3", "TMA: '3' is not one of 0, 1, 2"),
                          ("TMA", "expected knob=value")):
         result = runner.invoke(app, ["tuning", "set-knobs", bad, "--tuning-db", str(copy)])

@@ -36,8 +36,8 @@ SM_90 = candidates.target("sm_90")
 
 def _shared_bytes(functional, values: dict) -> int:
     """The tuner's shared-memory estimate of the forward at these values (aotattn/tune/flash.py)."""
-    return candidates.shared_bytes(tune_flash.footprint(TABLE), Functional.of(dict(functional)), Config.of(values),
-                                   SM_90)
+    functional = functional if isinstance(functional, Functional) else Functional.of(functional)
+    return candidates.shared_bytes(tune_flash.footprint(TABLE), functional, Config.of(values), SM_90)
 
 
 def _name(knobs: dict) -> str:
@@ -55,12 +55,12 @@ def forward_knobs(monkeypatch):
             if kernel.name != rules.ATTN_FWD.name:
                 return config
             values = {**config.as_dict(), **PLAIN, **knobs}
-            if knobs.get("TMA") and values["num_stages"] == 2:  # Triton 3.6's ptxas crashes there (forward.py);
-                values["num_stages"] = 1  # one stage compiles and needs no more shared memory
             # OVERLAP's extra K tile can push a tuned tile past sm_90's shared memory (d128
             # m128 n128 at 3 stages: 256 KB); fewer stages, as the tuner's pruning would
             while values["num_stages"] > 1 and _shared_bytes(functional, values) > SM_90.shared_memory:
                 values["num_stages"] -= 1
+            if knobs.get("TMA") and values["num_stages"] == 2:  # Triton 3.6's ptxas crashes there (forward.py);
+                values["num_stages"] = 1  # one stage compiles and needs no more shared memory
             return rules.ATTN_FWD.canonical(Config.of(values))
 
         monkeypatch.setattr(rules, "config_for", config_for)
