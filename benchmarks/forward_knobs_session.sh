@@ -2,7 +2,7 @@
 # The forward's knobs beyond the tiles (OVERLAP, TMA) on the H200, one device call (< 10
 # min): their GPU tests, then every cell's tuned forward tiles plain, with OVERLAP=1, TMA=1
 # (K), TMA=2 (K and V) and OVERLAP=1 TMA=2, all from images, side by side in one process
-# (benchmarks/bench_forward_knobs.py). Builds that fail (TMA at two stages: a ptxas crash
+# (benchmarks/bench_knobs.py). Builds that fail (TMA at two stages: a ptxas crash
 # in Triton 3.6) are reported in build.log and show as failed variants.
 #
 #   bash benchmarks/forward_knobs_session.sh          (logs and the JSON rows under $OUT)
@@ -35,7 +35,7 @@ if [ "${TESTS_S:-150}" != 0 ]; then  # TESTS_S=0: the knob tests ran in the GPU 
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 10
 fi
 left=$(( 570 - ($(date +%s) - t0) ))
-AOTATTN_MODE=aot AOTATTN_IMAGES=$IMAGES timeout "$left" python benchmarks/bench_forward_knobs.py \
+AOTATTN_MODE=aot AOTATTN_IMAGES=$IMAGES timeout "$left" python benchmarks/bench_knobs.py \
   --dtype "${DTYPES:-bf16,fp16}" --head-dim "${HEAD_DIMS:-64,128,256}" \
   --seqlen "${SEQLENS:-512,1024,2048,4096,8192,16384}" --json "$OUT/forward_knobs.json" 2>&1 \
   | tee "$OUT/bench.log" | grep -v Warning | tail -n 85

@@ -149,6 +149,10 @@ _TUNING = (
 # softmax; TMA=1 loads K, TMA=2 K and V, through tensor descriptors (aligned variants only).
 _FWD_TUNING = _TUNING + (("OVERLAP", (0, 1)), ("TMA", (0, 1, 2)))
 _FWD_KNOB_DEFAULTS = (("OVERLAP", 0), ("TMA", 0))
+# The split backward's: TMA=1 streams its loop's tiles (dQ: K and V; dK/dV: q and dO)
+# through tensor descriptors (kernels/backward.py; aligned variants only).
+_BWD_TUNING = _TUNING + (("TMA", (0, 1)),)
+_BWD_KNOB_DEFAULTS = (("TMA", 0),)
 
 
 def _split_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -220,7 +224,7 @@ ATTN_BWD_DKDV = _attention_kernel(
         *_SEQUENCES, Arg("Bias", "*{dtype}"),
         *_QKV_DO_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_BWD_SCALARS,
     ),
-    _BWD_AXES, chosen_by=_SPLIT,
+    _BWD_AXES, chosen_by=_SPLIT, tuning_space=_BWD_TUNING, knob_defaults=_BWD_KNOB_DEFAULTS,
 )
 
 ATTN_BWD_DQ = _attention_kernel(
@@ -231,7 +235,7 @@ ATTN_BWD_DQ = _attention_kernel(
         Arg("Bias", "*{dtype}"), Arg("DBias", "*fp32"),
         *_QKV_DO_STRIDES, *_DQ_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES, *_BWD_SCALARS,
     ),
-    _BWD_AXES, chosen_by=_SPLIT,
+    _BWD_AXES, chosen_by=_SPLIT, tuning_space=_BWD_TUNING, knob_defaults=_BWD_KNOB_DEFAULTS,
 )
 
 ATTN_BWD_FUSED = _attention_kernel(

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, MASK_NONE, diagonal, dropout_keep,
-                                                   head_columns, key_blocks, load_rows, mma, program_order, row_sum,
-                                                   run_bounds, sequence, visible)
+                                                   head_columns, key_blocks, load_rows, load_tile, mma, program_order,
+                                                   row_sum, run_bounds, sequence, visible)
 
 
 @triton.jit
@@ -59,11 +59,13 @@ def _dkdv_program(
     MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
     PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dK, dV of BLOCK_N keys of one key/value head, summed over its query heads.
 
     With ATOMIC_DQ it also adds each query block's share of dQ into a zeroed fp32 DQ
-    (and writes dBias)."""
+    (and writes dBias). TMA=1: the q and dO tiles come through tensor descriptors over
+    the group's query heads (padded-head variants ignore it)."""
     q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
                                                     VARLEN)
     start_n = pid_n * BLOCK_N
@@ -93,6 +95,19 @@ def _dkdv_program(
     # group_size at run time), 66 more registers per thread at d64 and a pipeline refill at
     # every head; no time by itself on MHA (RESULTS.md, fifth session).
     rows0 = q_start + offs_m[:, None].to(tl.int64)
+    if TMA and not PAD_HEAD:
+        # [query head of the group, row, column]: rows past the sequence arrive as zeros
+        q_desc = tl.make_tensor_descriptor(
+            Q + off_z * stride_q[0] + off_hk * group_size * stride_q[1] + q_start * stride_q[2],
+            shape=[group_size, tl.maximum(seqlen_q, 1), BLOCK_D], strides=[stride_q[1], stride_q[2], 1],
+            block_shape=[1, BLOCK_M, BLOCK_D])
+        do_desc = tl.make_tensor_descriptor(
+            DO + off_z * stride_do[0] + off_hk * group_size * stride_do[1] + q_start * stride_do[2],
+            shape=[group_size, tl.maximum(seqlen_q, 1), BLOCK_DV], strides=[stride_do[1], stride_do[2], 1],
+            block_shape=[1, BLOCK_M, BLOCK_DV])
+    else:
+        q_desc = None
+        do_desc = None
     for run in tl.static_range(3):
         # masked kernels loop over the unmasked interior first, then the window's edges
         # (common.run_bounds); `run != (0 if MASK != MASK_NONE else 1)`: an edge
@@ -111,10 +126,14 @@ def _dkdv_program(
             m_in = rows < seqlen_q
             q_ptrs = Q + off_z * stride_q[0] + off_h * stride_q[1] + rows0 * stride_q[2] + offs_d[None, :]
             do_ptrs = DO + off_z * stride_do[0] + off_h * stride_do[1] + rows0 * stride_do[2] + offs_dv[None, :]
-            q = load_rows(q_ptrs, m_off, stride_q[2], m_in, d_mask, run != (0 if MASK != MASK_NONE else 1),
-                          PAD_HEAD)  # [BLOCK_M, BLOCK_D]
-            do = load_rows(do_ptrs, m_off, stride_do[2], m_in, dv_mask, run != (0 if MASK != MASK_NONE else 1),
-                           PAD_HEAD)  # [BLOCK_M, BLOCK_DV]
+            if TMA and not PAD_HEAD:
+                q = q_desc.load([g, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+                do = do_desc.load([g, start_m, 0]).reshape(BLOCK_M, BLOCK_DV)
+            else:
+                q = load_rows(q_ptrs, m_off, stride_q[2], m_in, d_mask, run != (0 if MASK != MASK_NONE else 1),
+                              PAD_HEAD)  # [BLOCK_M, BLOCK_D]
+                do = load_rows(do_ptrs, m_off, stride_do[2], m_in, dv_mask, run != (0 if MASK != MASK_NONE else 1),
+                               PAD_HEAD)  # [BLOCK_M, BLOCK_DV]
             lse_ptr = Lse + off_z * stride_l[0] + off_h * stride_l[1] + q_start
             delta_ptr = Delta + off_z * stride_l[0] + off_h * stride_l[1] + q_start
             if run != (0 if MASK != MASK_NONE else 1):
@@ -175,10 +194,11 @@ def _dq_program(
     window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
     MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """dQ (and dBias) of BLOCK_M query rows of one query head: under a mask, ``pid_m`` is
-    a rank, 0 for the last (costliest) block."""
+    a rank, 0 for the last (costliest) block. TMA=1: the K and V tiles come through
+    tensor descriptors (padded-head variants ignore it)."""
     q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
                                                     VARLEN)
     num_m_blocks = (seqlen_q + BLOCK_M - 1) // BLOCK_M
@@ -210,6 +230,16 @@ def _dq_program(
     keys = k_start + offs_n[:, None]
     k_ptrs = K + off_z * stride_k[0] + off_hk * stride_k[1] + keys * stride_k[2] + offs_d[None, :]
     v_ptrs = V + off_z * stride_v[0] + off_hk * stride_v[1] + keys * stride_v[2] + offs_dv[None, :]
+    if TMA and not PAD_HEAD:  # rows past the sequence arrive as zeros
+        k_desc = tl.make_tensor_descriptor(K + off_z * stride_k[0] + off_hk * stride_k[1] + k_start * stride_k[2],
+                                           shape=[tl.maximum(seqlen_k, 1), BLOCK_D], strides=[stride_k[2], 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(V + off_z * stride_v[0] + off_hk * stride_v[1] + k_start * stride_v[2],
+                                           shape=[tl.maximum(seqlen_k, 1), BLOCK_DV], strides=[stride_v[2], 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        k_desc = None
+        v_desc = None
     local_rows = offs_m[:, None].to(tl.int64)
     bias_ptrs = (Bias + off_z * stride_b[0] + off_h * stride_b[1] + local_rows * stride_b[2]
                  + offs_n[None, :] * stride_b[3])
@@ -227,10 +257,10 @@ def _dq_program(
             n_off = tl.cast(start_n, tl.int64)
             cols = start_n + offs_n
             n_in = cols < seqlen_k
-            k = load_rows(k_ptrs, n_off, stride_k[2], n_in, d_mask, run != (0 if MASK != MASK_NONE else 1),
-                          PAD_HEAD)  # [BLOCK_N, BLOCK_D]
-            v = load_rows(v_ptrs, n_off, stride_v[2], n_in, dv_mask, run != (0 if MASK != MASK_NONE else 1),
-                          PAD_HEAD)  # [BLOCK_N, BLOCK_DV]
+            k = load_tile(k_desc, k_ptrs, start_n, n_off, stride_k[2], n_in, d_mask,
+                          run != (0 if MASK != MASK_NONE else 1), PAD_HEAD, TMA)  # [BLOCK_N, BLOCK_D]
+            v = load_tile(v_desc, v_ptrs, start_n, n_off, stride_v[2], n_in, dv_mask,
+                          run != (0 if MASK != MASK_NONE else 1), PAD_HEAD, TMA)  # [BLOCK_N, BLOCK_DV]
             s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION) * qk_scale
             if BIAS != BIAS_NONE:
                 bias = tl.load(bias_ptrs + n_off * stride_b[3], mask=m_in[:, None] & n_in[None, :], other=0.0)
@@ -263,9 +293,10 @@ def attn_bwd_dkdv(
     window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
     MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Split backend, first kernel: dK and dV; grid (n blocks, Hk, B)."""
+    """Split backend, first kernel: dK and dV; grid (n blocks, Hk, B). TMA: a tuning knob
+    (q and dO through tensor descriptors)."""
     no_stride = (0, 0, 0)
     # what a key/value head's programs stream: q and dO of its query heads. Rank 0 is key
     # block 0, which the most queries see under a causal mask.
@@ -279,7 +310,7 @@ def attn_bwd_dkdv(
                   no_stride, (stride_bz, stride_bh, stride_bm, stride_bn), no_stride,
                   max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
                   window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
-                  MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, False, BLOCK_M, BLOCK_N)
+                  MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, False, BLOCK_M, BLOCK_N, TMA)
 
 
 @triton.jit
@@ -293,9 +324,10 @@ def attn_bwd_dq(
     window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
     MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Split backend, second kernel: dQ (and dBias); grid (m blocks, Hq, B)."""
+    """Split backend, second kernel: dQ (and dBias); grid (m blocks, Hq, B). TMA: a tuning
+    knob (K and V through tensor descriptors)."""
     kv_bytes = tl.cast(max_seqlen_k, tl.int64) * (head_dim + head_dim_v) * 2 // group_size  # as the forward
     rank, off_h, off_z = program_order(kv_bytes, MASK)
     _dq_program(rank, off_h, off_z.to(tl.int64),
@@ -306,7 +338,7 @@ def attn_bwd_dq(
                 (stride_dbz, stride_dbh, stride_dbm),
                 max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
                 window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
-                MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, BLOCK_M, BLOCK_N)
+                MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, BLOCK_M, BLOCK_N, TMA)
 
 
 @triton.jit
@@ -347,7 +379,7 @@ def attn_bwd_fused(
                       qk_scale, window_left, window_right, dropout_threshold, dropout_scale, philox_seed,
                       philox_offset,
                       MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, ATOMIC_DQ,
-                      BLOCK_M, BLOCK_N)
+                      BLOCK_M, BLOCK_N, 0)
     else:
         num_m_blocks = (max_seqlen_q + BLOCK_M - 1) // BLOCK_M
         rest = pid - num_n_blocks
@@ -357,4 +389,4 @@ def attn_bwd_fused(
                     max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale,
                     qk_scale, window_left, window_right, dropout_threshold, dropout_scale, philox_seed,
                     philox_offset,
-                    MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, BLOCK_M, BLOCK_N)
+                    MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, BLOCK_M, BLOCK_N, 0)

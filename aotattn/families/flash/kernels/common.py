@@ -283,6 +283,18 @@ def head_columns(offs, head_dim, PAD_HEAD: tl.constexpr):
 
 
 @triton.jit
+def load_tile(desc, ptrs, row, row_off, stride, rows_in, cols_in, MASKED: tl.constexpr, PAD_HEAD: tl.constexpr,
+              DESCRIPTOR: tl.constexpr):
+    """The [rows, cols] tile starting at row ``row`` (``row_off``: the same, as int64):
+    through its tensor descriptor when DESCRIPTOR (rows past the tensor are zeros; padded
+    heads never take it), else :func:`load_rows`."""
+    if DESCRIPTOR and not PAD_HEAD:
+        return desc.load([row, 0])
+    else:
+        return load_rows(ptrs, row_off, stride, rows_in, cols_in, MASKED, PAD_HEAD)
+
+
+@triton.jit
 def load_rows(ptrs, row_off, stride, rows_in, cols_in, MASKED: tl.constexpr, PAD_HEAD: tl.constexpr):
     """A [rows, cols] tile at ptrs + row_off * stride, zero outside the tensor."""
     if MASKED:

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from aotattn.families.flash.kernels.common import (BIAS_NONE, LN2, LOG2E, MASK_NONE, diagonal, dropout_keep,
-                                                   head_columns, key_blocks, load_rows, mma, program_order, row_max,
-                                                   row_sum, segment, sequence, visible)
+                                                   head_columns, key_blocks, load_rows, load_tile, mma, program_order,
+                                                   row_max, row_sum, segment, sequence, visible)
 
 
 @triton.jit
@@ -119,11 +119,11 @@ def attn_fwd(
             # then overlap the softmax). A non-empty interior starts and ends on block
             # boundaries (common.key_blocks), and every key in it is inside the sequence.
             if start < end:
-                k = _kv_tile(k_desc, k_ptrs, start, tl.cast(start, tl.int64), stride_kn, offs_n < BLOCK_N, d_mask,
+                k = load_tile(k_desc, k_ptrs, start, tl.cast(start, tl.int64), stride_kn, offs_n < BLOCK_N, d_mask,
                              False, PAD_HEAD, TMA >= 1)
                 s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)
                 for start_n in range(start, end - BLOCK_N, BLOCK_N):
-                    k = _kv_tile(k_desc, k_ptrs, start_n + BLOCK_N, tl.cast(start_n + BLOCK_N, tl.int64), stride_kn,
+                    k = load_tile(k_desc, k_ptrs, start_n + BLOCK_N, tl.cast(start_n + BLOCK_N, tl.int64), stride_kn,
                                  offs_n < BLOCK_N, d_mask, False, PAD_HEAD, TMA >= 1)
                     s_next = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)
                     acc, m_i, l_i = _online_softmax(
@@ -139,7 +139,7 @@ def attn_fwd(
                     MASK, False, PAD_HEAD, DROPOUT, BIAS, PRECISION, TMA, BLOCK_N)
         else:
             for start_n in range(start, end, BLOCK_N):
-                k = _kv_tile(k_desc, k_ptrs, start_n, tl.cast(start_n, tl.int64), stride_kn,  # [BLOCK_N, BLOCK_D]
+                k = load_tile(k_desc, k_ptrs, start_n, tl.cast(start_n, tl.int64), stride_kn,  # [BLOCK_N, BLOCK_D]
                              start_n + offs_n < seqlen_k, d_mask, seg != 1, PAD_HEAD, TMA >= 1)
                 s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)  # [BLOCK_M, BLOCK_N]
                 acc, m_i, l_i = _online_softmax(
@@ -193,7 +193,7 @@ def _online_softmax(acc, m_i, l_i, s, start_n, offs_m, offs_n, m_in, seqlen_k, d
     alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + row_sum(p)
     acc = acc * alpha[:, None]
-    v = _kv_tile(v_desc, v_ptrs, start_n, n_off, stride_vn, n_in, dv_mask, MASKED, PAD_HEAD,  # [BLOCK_N, BLOCK_DV]
+    v = load_tile(v_desc, v_ptrs, start_n, n_off, stride_vn, n_in, dv_mask, MASKED, PAD_HEAD,  # [BLOCK_N, BLOCK_DV]
                  TMA == 2)
     if DROPOUT:
         keep = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_rows, offs_m, start_n, max_seqlen_k,
@@ -201,15 +201,3 @@ def _online_softmax(acc, m_i, l_i, s, start_n, offs_m, offs_n, m_in, seqlen_k, d
         p = tl.where(keep, p, 0.0)
     acc = mma(p.to(v.dtype), v, acc, PRECISION)
     return acc, m_new, l_i
-
-
-@triton.jit
-def _kv_tile(desc, ptrs, start_n, n_off, stride, rows_in, cols_in, MASKED: tl.constexpr, PAD_HEAD: tl.constexpr,
-             DESCRIPTOR: tl.constexpr):
-    """The K or V tile of the keys ``start_n ..`` (``n_off``: the same, as int64): through
-    its descriptor when DESCRIPTOR (rows past the sequence are zeros), else
-    :func:`.common.load_rows`."""
-    if DESCRIPTOR and not PAD_HEAD:
-        return desc.load([start_n, 0])
-    else:
-        return load_rows(ptrs, n_off, stride, rows_in, cols_in, MASKED, PAD_HEAD)

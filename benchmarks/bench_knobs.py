@@ -1,19 +1,21 @@
-"""The forward's knobs beyond the tiles side by side: each cell's tuned configuration against
-the same tiles with OVERLAP=1, TMA=1 (K), TMA=2 (K and V) and OVERLAP=1 TMA=2, in one
-process on the GPU.
+"""A kernel's tuning knobs beyond the tiles side by side: each cell's tuned configuration
+against the same tiles with each knob setting, in one process on the GPU. The forward
+(``flash.attn_fwd``): OVERLAP=1, TMA=1 (K), TMA=2 (K and V) and OVERLAP=1 TMA=2; the split
+backward's dQ and dK/dV (``flash.attn_bwd_dq``, ``flash.attn_bwd_dkdv``): TMA=1.
 
-    AOTATTN_MODE=aot AOTATTN_IMAGES=... python benchmarks/bench_forward_knobs.py [--dtype bf16,fp16]
-        [--head-dim 64,128,256] [--seqlen 512,...,16384] [--mask 0,2] [--json out.json]
+    AOTATTN_MODE=aot AOTATTN_IMAGES=... python benchmarks/bench_knobs.py [--table flash.attn_fwd]
+        [--dtype bf16,fp16] [--head-dim 64,128,256] [--seqlen 512,...,16384] [--mask 0,2] [--json out.json]
 
-(``benchmarks/forward_knobs_session.sh`` builds the images of all five and runs this; a
-variant whose compile failed, as TMA at two stages does in Triton 3.6, shows as failed.)
+(``benchmarks/forward_knobs_session.sh`` builds the forward's images of all five and runs
+this; a variant whose compile failed, as TMA at two stages does in the forward with Triton
+3.6, or that needs more shared memory than the GPU has, shows as failed.)
 Grid: hidden size 2048 (H = 2048 / D), 16k tokens per batch (B = 16384 / S), Sq = Sk.
 Timed by the tuner's clock (:func:`aotattn.tune.timing.measure`: CUDA events, L2 flushed
 before each call), two interleaved rounds per variant, the lower median kept; each
-variant's output is compared with the plain loop's (relative error). The tuner decides
-per cell (``aotattn tune plan -c flash,attn_fwd --limit 48``, docs/tuner.md); this is the
-quick look. ``--device cpu`` runs the same code path in the interpreter on one tiny
-shape per dtype and mask (a check, not a speed).
+variant's outputs are compared with the plain loop's (relative error, the largest over
+what the kernel writes). The tuner decides per cell (``aotattn tune plan -c flash,attn_fwd
+--limit 48``, docs/tuner.md); this is the quick look. ``--device cpu`` runs the same code
+path in the interpreter on one tiny shape per dtype and mask (a check, not a speed).
 """
 
 from __future__ import annotations
@@ -32,9 +34,14 @@ from aotattn.tune.candidates import config_name
 from aotattn.tune.flash import Problem, Shape, current_config, relative_error
 from aotattn.tune.timing import measure
 
-TABLE = "flash.attn_fwd"
-VARIANTS = {"plain": {}, "overlap": {"OVERLAP": 1}, "tma-k": {"TMA": 1}, "tma-kv": {"TMA": 2},
-            "both": {"OVERLAP": 1, "TMA": 2}}
+VARIANTS = {
+    "flash.attn_fwd": {"plain": {}, "overlap": {"OVERLAP": 1}, "tma-k": {"TMA": 1}, "tma-kv": {"TMA": 2},
+                       "both": {"OVERLAP": 1, "TMA": 2}},
+    "flash.attn_bwd_dq": {"plain": {}, "tma": {"TMA": 1}},
+    "flash.attn_bwd_dkdv": {"plain": {}, "tma": {"TMA": 1}},
+}
+# the kernel's matmul FLOPs over the forward's two (dQ: S, dP, dQ; dK/dV: S, dP, dV, dK)
+FLOPS_OVER_FORWARD = {"flash.attn_fwd": 1.0, "flash.attn_bwd_dq": 1.5, "flash.attn_bwd_dkdv": 2.0}
 
 
 def functional(dtype: str, head_dim: int, mask: int) -> Functional:
@@ -42,15 +49,17 @@ def functional(dtype: str, head_dim: int, mask: int) -> Functional:
                               VARLEN=False, DROPOUT=False, BIAS=0))
 
 
-def compare(f: Functional, shape: Shape, device: torch.device, rounds: int = 2) -> dict:
-    """Each variant's time and its output's difference from the plain loop's, for the cell's tiles."""
+def compare(table: str, f: Functional, shape: Shape, device: torch.device, rounds: int = 2) -> dict:
+    """Each variant's time and its outputs' difference from the plain loop's, for the cell's tiles."""
+    spec = rules.KERNELS[table.split(".", 1)[1]]
+    variants = VARIANTS[table]
     cell = (shape.seqlen_q, shape.seqlen_k)
-    tiles = (current_config(tuning.database(), arch_of(device), TABLE, f, cell) if device.type == "cuda"
+    tiles = (current_config(tuning.database(), arch_of(device), table, f, cell) if device.type == "cuda"
              else rules.INTERPRETER_CONFIG).as_dict()
-    tiles = {k: v for k, v in tiles.items() if k not in dict(rules.ATTN_FWD.knob_defaults)}
-    configs = {name: rules.ATTN_FWD.canonical(Config.of(tiles, **knobs)) for name, knobs in VARIANTS.items()}
-    problem = Problem(TABLE, f, shape, device)
-    outputs, times, failed = {}, {name: [] for name in VARIANTS}, {}
+    tiles = {k: v for k, v in tiles.items() if k not in dict(spec.knob_defaults)}
+    configs = {name: spec.canonical(Config.of(tiles, **knobs)) for name, knobs in variants.items()}
+    problem = Problem(table, f, shape, device)
+    outputs, times, failed = {}, {name: [] for name in variants}, {}
     for _ in range(rounds):
         for name, config in configs.items():
             if name in failed:
@@ -64,18 +73,21 @@ def compare(f: Functional, shape: Shape, device: torch.device, rounds: int = 2) 
                     raise
                 failed[name] = f"{type(exc).__name__}: {str(exc)[:120]}"
                 continue
-            outputs[name] = problem.outputs()["out"].to(torch.float64)
+            outputs[name] = {key: t.to(torch.float64) for key, t in problem.outputs().items()}
             times[name].append(measure(lambda _: run(), lambda: None, device=device, warmup=3, repeats=10).median_ms)
-    flops = 4.0 * shape.batch * shape.heads * shape.seqlen_q * shape.seqlen_k * shape.head_dim / (2 if f["MASK"] else 1)
+    flops = (4.0 * FLOPS_OVER_FORWARD[table] * shape.batch * shape.heads * shape.seqlen_q * shape.seqlen_k
+             * shape.head_dim / (2 if f["MASK"] else 1))
     best = {name: min(ms) for name, ms in times.items() if ms}
     return dict(shape=str(shape), dtype=f["dtype"], mask=f["MASK"], tiles=config_name(configs["plain"]),
                 ms=best, tflops={name: flops / ms / 1e9 for name, ms in best.items()},
                 speedup={name: best["plain"] / ms for name, ms in best.items()},
-                rel_diff={name: relative_error(out, outputs["plain"]) for name, out in outputs.items()}, failed=failed)
+                rel_diff={name: max(relative_error(t, outputs["plain"][key]) for key, t in outs.items())
+                          for name, outs in outputs.items()}, failed=failed)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--table", default="flash.attn_fwd", choices=sorted(VARIANTS))
     ap.add_argument("--dtype", default="bf16,fp16")
     ap.add_argument("--head-dim", default="64,128,256")
     ap.add_argument("--seqlen", default="512,1024,2048,4096,8192,16384")
@@ -90,14 +102,14 @@ def main() -> None:
                 for s in args.seqlen.split(",") for m in masks]
     else:  # one tiny problem per dtype and mask: the code path, in the interpreter
         grid = [(dtype, 16, 64, m) for dtype in dtypes for m in masks]
-    others = [name for name in VARIANTS if name != "plain"]
+    others = [name for name in VARIANTS[args.table] if name != "plain"]
     print(f"{'shape':30} {'dtype':5} {'mask':4} {'tiles':16} {'plain ms':>9} {'TFLOP/s':>7} "
           + " ".join(f"{name:>8}" for name in others) + "  (speedup over plain)  largest diff")
     rows = []
     for dtype, d, s, m in grid:
         shape = Shape(max(1, 16384 // s), max(1, 2048 // d), s, s, d) if device.type == "cuda" else Shape(1, 2, s, s, d)
         try:
-            row = compare(functional(dtype, d, m), shape, device)
+            row = compare(args.table, functional(dtype, d, m), shape, device)
         except Exception as exc:  # a variant without an image, a failed compile: say so, go on
             print(f"{str(shape):30} {dtype:5} {m:4} skipped: {type(exc).__name__}: {str(exc)[:150]}", flush=True)
             continue
