@@ -196,4 +196,6 @@ def test_the_knobs_are_in_the_forward_space_and_off_by_default():
     functional = next(iter(spec.enumerate_functionals()))
     assert {k: spec.constexprs(functional, plain)[k] for k in PLAIN} == PLAIN
     assert spec.constexprs(functional, Config.of(plain.as_dict(), TMA=1))["TMA"] == 1
-    assert not set(PLAIN) & set(dict(rules.ATTN_BWD_DQ.tuning_space))
+    # the backward has its own TMA (test_backward_knobs.py) and no OVERLAP
+    assert "OVERLAP" not in dict(rules.ATTN_BWD_DQ.tuning_space)
+    assert not set(PLAIN) & set(dict(rules.ATTN_BWD_FUSED.tuning_space))
