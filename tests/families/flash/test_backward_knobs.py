@@ -164,3 +164,58 @@ def test_tma_is_a_knob_of_the_split_kernels_only():
         assert why is not None and "TMA" in why
         assert candidates.why_pruned(footprint, padded, Config.of(tiles), candidates.target("sm_90")) is None
     assert "TMA" not in dict(rules.ATTN_BWD_FUSED.tuning_space)
+
+
+def _split_grads(call, leaves, dout, value: int, monkeypatch):
+    """dq, dk, dv of ``call(*leaves)`` through the split backend with TMA=value."""
+    original = rules.config_for
+
+    def config_for(kernel, functional, device, **sizes):
+        config = original(kernel, functional, device, **sizes)
+        if kernel.name not in KERNELS:
+            return config
+        return rules.KERNELS[kernel.name].canonical(Config.of({**config.as_dict(), "TMA": value}))
+
+    monkeypatch.setattr(rules, "config_for", config_for)
+    ops._PLANS.entries.clear()
+    try:
+        inputs = [t.detach().clone().requires_grad_() for t in leaves]
+        out = call(*inputs)
+        return out, torch.autograd.grad(out, inputs, dout)
+    finally:
+        monkeypatch.setattr(rules, "config_for", original)
+        ops._PLANS.entries.clear()
+
+
+@pytest.mark.parametrize("layout", ["sdpa-gqa", "packed-qkv", "sliced-heads"])
+def test_tma_follows_the_callers_strides(layout, monkeypatch):
+    """The descriptors take the caller's strides: SDPA's (B, H, S, D) with GQA (the dK/dV
+    descriptor's head stride is S * D), q, k, v viewed out of one packed (B, S, 3, H, D)
+    tensor (row stride 3 * H * D), and every other head of a wider tensor."""
+    torch.manual_seed(hash(layout) % 2**31)
+    b, s, d = 2, 75, 32
+    if layout == "sdpa-gqa":
+        q = torch.randn(b, 6, s, d, dtype=torch.float16)
+        k, v = (torch.randn(b, 2, s, d, dtype=torch.float16) for _ in range(2))
+
+        def call(q, k, v):
+            return aotattn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, backend="split")
+    elif layout == "packed-qkv":
+        qkv = torch.randn(b, s, 3, 4, d, dtype=torch.float16)
+        q, k, v = qkv.unbind(2)
+
+        def call(q, k, v):
+            return aotattn.flash_attn_func(q, k, v, causal=True, backend="split")
+    else:
+        wide = [torch.randn(b, s, 8, d, dtype=torch.float16) for _ in range(3)]
+        q, k, v = (t[:, :, ::2] for t in wide)
+
+        def call(q, k, v):
+            return aotattn.flash_attn_func(q, k, v, window_size=(20, 3), backend="split")
+    dout = torch.randn(q.shape, dtype=q.dtype)
+    out0, plain = _split_grads(call, (q, k, v), dout, 0, monkeypatch)
+    out1, knobbed = _split_grads(call, (q, k, v), dout, 1, monkeypatch)
+    assert torch.equal(out0, out1)
+    for a, b_ in zip(plain, knobbed):
+        assert torch.isfinite(b_).all()
+        assert torch.equal(a, b_)
