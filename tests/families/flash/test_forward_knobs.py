@@ -199,3 +199,33 @@ def test_the_knobs_are_in_the_forward_space_and_off_by_default():
     # the backward has its own TMA (test_backward_knobs.py) and no OVERLAP
     assert "OVERLAP" not in dict(rules.ATTN_BWD_DQ.tuning_space)
     assert not set(PLAIN) & set(dict(rules.ATTN_BWD_FUSED.tuning_space))
+
+
+@pytest.mark.parametrize("knobs", KNOBS, ids=_name)
+@pytest.mark.parametrize("layout", ["sdpa-gqa", "packed-qkv", "sliced-heads"])
+def test_knobs_follow_the_callers_strides(layout, knobs, forward_knobs):
+    """The descriptors take the caller's strides: SDPA's (B, H, S, D) with GQA, q, k, v
+    viewed out of one packed (B, S, 3, H, D) tensor, and every other head of a wider one
+    (the tuned sm_90 forward runs TMA on such calls)."""
+    torch.manual_seed(len(layout) * 7 + len(knobs))
+    b, s, d = 2, 75, 32
+    if layout == "sdpa-gqa":
+        q = torch.randn(b, 6, s, d, dtype=torch.float16)
+        k, v = (torch.randn(b, 2, s, d, dtype=torch.float16) for _ in range(2))
+
+        def call():
+            return aotattn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    elif layout == "packed-qkv":
+        q, k, v = torch.randn(b, s, 3, 4, d, dtype=torch.float16).unbind(2)
+
+        def call():
+            return aotattn.flash_attn_func(q, k, v, causal=True)
+    else:
+        q, k, v = (torch.randn(b, s, 8, d, dtype=torch.float16)[:, :, ::2] for _ in range(3))
+
+        def call():
+            return aotattn.flash_attn_func(q, k, v, window_size=(20, 3))
+    forward_knobs(PLAIN)
+    plain = call()
+    forward_knobs(knobs)
+    assert torch.equal(call(), plain)
