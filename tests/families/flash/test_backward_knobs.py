@@ -87,6 +87,14 @@ def _reference_grads(case: Case, q, k, v, kwargs: dict, dout, device: str, seed:
     return torch.autograd.grad(ref, inputs, dout.double())
 
 
+def _split_grads(call, leaves, dout, value: int, set_tma):
+    """(out, (dq, dk, dv)) of ``call(*leaves)`` with the split backward at TMA=value."""
+    set_tma(value)
+    inputs = [t.detach().clone().requires_grad_() for t in leaves]
+    out = call(*inputs)
+    return out, torch.autograd.grad(out, inputs, dout)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_tma_matches_the_plain_loop_bit_for_bit_in_the_interpreter(case, backward_tma, request):
     (out0, plain, dout, kwargs), (out1, knobbed, _, _), (q, k, v) = _both(case, "cpu", backward_tma, request.node.name)
@@ -109,7 +117,7 @@ def test_tma_matches_the_reference_on_the_gpu(case, backward_tma, request):
         assert rel_err(got, base.to(torch.float64)) < TOLERANCE[case.dtype]
 
 
-def test_varlen_tma_matches_the_plain_loop():
+def test_varlen_tma_matches_the_plain_loop(backward_tma):
     """Packed sequences of unequal lengths (one empty, one shorter than a block), GQA,
     causal: each sequence's descriptors start at its own first row, and the dK/dV
     descriptor spans the group's query heads."""
@@ -120,29 +128,16 @@ def test_varlen_tma_matches_the_plain_loop():
     q = torch.randn(total, heads_q, d, dtype=torch.float16)
     k, v = (torch.randn(total, heads_k, d, dtype=torch.float16) for _ in range(2))
     dout = torch.randn(total, heads_q, d, dtype=torch.float16)
-    results = []
-    for value in (0, 1):
-        rules_config_for = rules.config_for
 
-        def config_for(kernel, functional, device, _value=value, **sizes):
-            config = rules_config_for(kernel, functional, device, **sizes)
-            if kernel.name not in KERNELS:
-                return config
-            return rules.KERNELS[kernel.name].canonical(Config.of({**config.as_dict(), "TMA": _value}))
+    def call(q, k, v):
+        return aotattn.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
+                                              backend="split")
 
-        rules.config_for = config_for
-        ops._PLANS.entries.clear()
-        try:
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = aotattn.flash_attn_varlen_func(*leaves, cu, cu, max(lengths), max(lengths), causal=True,
-                                                 backend="split")
-            results.append(torch.autograd.grad(out, leaves, dout))
-        finally:
-            rules.config_for = rules_config_for
-            ops._PLANS.entries.clear()
-    for a, b in zip(*results):
+    _, plain = _split_grads(call, (q, k, v), dout, 0, backward_tma)
+    _, knobbed = _split_grads(call, (q, k, v), dout, 1, backward_tma)
+    for a, b in zip(plain, knobbed):
         assert torch.equal(a, b)
-    assert all(torch.isfinite(g).all() for g in results[1])
+    assert all(torch.isfinite(g).all() for g in knobbed)
 
 
 def test_tma_is_a_knob_of_the_split_kernels_only():
@@ -166,29 +161,8 @@ def test_tma_is_a_knob_of_the_split_kernels_only():
     assert "TMA" not in dict(rules.ATTN_BWD_FUSED.tuning_space)
 
 
-def _split_grads(call, leaves, dout, value: int, monkeypatch):
-    """dq, dk, dv of ``call(*leaves)`` through the split backend with TMA=value."""
-    original = rules.config_for
-
-    def config_for(kernel, functional, device, **sizes):
-        config = original(kernel, functional, device, **sizes)
-        if kernel.name not in KERNELS:
-            return config
-        return rules.KERNELS[kernel.name].canonical(Config.of({**config.as_dict(), "TMA": value}))
-
-    monkeypatch.setattr(rules, "config_for", config_for)
-    ops._PLANS.entries.clear()
-    try:
-        inputs = [t.detach().clone().requires_grad_() for t in leaves]
-        out = call(*inputs)
-        return out, torch.autograd.grad(out, inputs, dout)
-    finally:
-        monkeypatch.setattr(rules, "config_for", original)
-        ops._PLANS.entries.clear()
-
-
 @pytest.mark.parametrize("layout", ["sdpa-gqa", "packed-qkv", "sliced-heads"])
-def test_tma_follows_the_callers_strides(layout, monkeypatch):
+def test_tma_follows_the_callers_strides(layout, backward_tma):
     """The descriptors take the caller's strides: SDPA's (B, H, S, D) with GQA (the dK/dV
     descriptor's head stride is S * D), q, k, v viewed out of one packed (B, S, 3, H, D)
     tensor (row stride 3 * H * D), and every other head of a wider tensor."""
@@ -213,8 +187,8 @@ def test_tma_follows_the_callers_strides(layout, monkeypatch):
         def call(q, k, v):
             return aotattn.flash_attn_func(q, k, v, window_size=(20, 3), backend="split")
     dout = torch.randn(q.shape, dtype=q.dtype)
-    out0, plain = _split_grads(call, (q, k, v), dout, 0, monkeypatch)
-    out1, knobbed = _split_grads(call, (q, k, v), dout, 1, monkeypatch)
+    out0, plain = _split_grads(call, (q, k, v), dout, 0, backward_tma)
+    out1, knobbed = _split_grads(call, (q, k, v), dout, 1, backward_tma)
     assert torch.equal(out0, out1)
     for a, b_ in zip(plain, knobbed):
         assert torch.isfinite(b_).all()
