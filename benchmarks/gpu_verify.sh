@@ -33,8 +33,10 @@ fi
 
 if has suite; then
   stamp "GPU suite on GPU 0"
-  ( CUDA_VISIBLE_DEVICES=0 AOTATTN_MODE=jit timeout "${SUITE_S:-480}" python -m pytest -m gpu -q -n 8 \
-      -p no:cacheprovider tests --ignore=tests/runtime --ignore=tests/pgdef --ignore=tests/tune \
+  # -v names every result as it lands and SIGINT at the deadline still prints the summary,
+  # so a suite cut short says which tests failed
+  ( CUDA_VISIBLE_DEVICES=0 AOTATTN_MODE=jit timeout -s INT -k 20 "${SUITE_S:-480}" python -m pytest -m gpu -v -rfE \
+      -n "${SUITE_JOBS:-8}" -p no:cacheprovider tests --ignore=tests/runtime --ignore=tests/pgdef --ignore=tests/tune \
       --ignore=tests/perfmon > "$OUT/suite.log" 2>&1
     echo "suite rc=$?" >> "$OUT/suite.log" ) &
 fi
