@@ -141,8 +141,8 @@ MUTANTS = (
     _mutant(
         "dropout-offset-bwd", "the backward draws its dropout mask at another Philox offset than the forward",
         BACKWARD,
-        "z_t = tl.trans(dropout_keep(philox_seed, philox_offset, ",
-        "z_t = tl.trans(dropout_keep(philox_seed, philox_offset + 1, ",
+        "draws_t = tl.trans(dropout_draws(philox_seed, philox_offset, ",
+        "draws_t = tl.trans(dropout_draws(philox_seed, philox_offset + 1, ",
         MISTAKES + "::test_dropout_counter_is_64_bit", "tests/families/flash/test_dropout.py",
     ),
     Mutant(

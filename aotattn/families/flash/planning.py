@@ -125,7 +125,7 @@ class Call:
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """Keep an element when its 16-bit draw is >= this (:func:`.kernels.common.dropout_keep`):
+    """Keep an element when its 16-bit draw is >= this (:func:`.kernels.common.dropout_draws`):
     ``dropout_p * 2**16`` rounded, so the kept fraction is within 2**-17 of ``1 - dropout_p``."""
     return min(round(dropout_p * 2.0**16), 2**16)
 

@@ -144,3 +144,31 @@ def test_dropout_changes_with_the_generator():
     b = aotattn.flash_attn_func(q, k, v, dropout_p=0.5)
     c = aotattn.flash_attn_func(q, k, v, dropout_p=0.5)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_philox_compiles_for_each_target(arch):
+    """The Philox multiplies take the inline-PTX widening multiply only when the compile
+    target is NVIDIA (the target's backend, not this machine's driver): sm_90 machine code
+    has IMAD.WIDE.U32 and no IMAD.HI (the high and low halves from one instruction), and an
+    AMD target, which cannot take PTX, compiles the portable path."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    from aotattn.compiler.jobs import Job, compile_job
+
+    config = Config.of(BLOCK=128, num_warps=4, num_stages=1)
+    entry, binary = compile_job(Job(arch, rules.PHILOX_WORDS.qualname, Functional.of({}), config))
+    assert binary and entry.binary == ("cubin" if arch == "sm_90" else "hsaco")
+    if arch != "sm_90":
+        return
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "philox.cubin"
+        path.write_bytes(binary)
+        sass = subprocess.run([str(cuobjdump), "--dump-sass", str(path)], check=True, capture_output=True,
+                              text=True).stdout
+    assert sass.count("IMAD.WIDE.U32") >= 18 and "IMAD.HI" not in sass

@@ -19,7 +19,7 @@ Stride arguments travel between the functions here as tuples, one per tensor:
 import triton
 import triton.language as tl
 
-from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, MASK_NONE, diagonal, dropout_keep,
+from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, MASK_NONE, diagonal, drop, dropout_draws,
                                                    head_columns, key_blocks, load_rows, load_tile, mma, program_order,
                                                    row_sum, run_bounds, sequence, visible)
 
@@ -156,10 +156,10 @@ def _dkdv_program(
                 p_t = tl.where(keep, p_t, 0.0)
             dp_t = mma(v, tl.trans(do), tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32), PRECISION)
             if DROPOUT:
-                z_t = tl.trans(dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_rows, rows,
-                                            start_n, max_seqlen_k, BLOCK_N))
-                dv = mma((tl.where(z_t, p_t, 0.0) * dropout_scale).to(do.dtype), do, dv, PRECISION)
-                dp_t = tl.where(z_t, dp_t * dropout_scale, 0.0)
+                draws_t = tl.trans(dropout_draws(philox_seed, philox_offset, drop_rows, rows, start_n, max_seqlen_k,
+                                                 BLOCK_N))
+                dv = mma((drop(p_t, draws_t, dropout_threshold) * dropout_scale).to(do.dtype), do, dv, PRECISION)
+                dp_t = drop(dp_t * dropout_scale, draws_t, dropout_threshold)
             else:
                 dv = mma(p_t.to(do.dtype), do, dv, PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
@@ -270,9 +270,8 @@ def _dq_program(
                 p = tl.where(visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), p, 0.0)
             dp = mma(do, tl.trans(v), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)
             if DROPOUT:
-                z = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_rows, offs_m, start_n,
-                                 max_seqlen_k, BLOCK_N)
-                dp = tl.where(z, dp * dropout_scale, 0.0)
+                draws = dropout_draws(philox_seed, philox_offset, drop_rows, offs_m, start_n, max_seqlen_k, BLOCK_N)
+                dp = drop(dp * dropout_scale, draws, dropout_threshold)
             ds = p * (dp - delta[:, None])
             if BIAS == BIAS_GRAD:
                 tl.store(dbias_ptrs + n_off, ds, mask=m_in[:, None] & n_in[None, :])

@@ -13,9 +13,18 @@ exact.
 
 import triton
 import triton.language as tl
+from triton.language.core import builtin
 from triton.language.standard import _elementwise_max, _sum_combine
 
 _INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
+@builtin
+def _nvidia(_semantic=None):
+    """Whether this compilation targets an NVIDIA GPU: the target's, not the machine's, so
+    cross-compiling sm_90 images on a CPU machine says yes and gfx942 on a GPU host no
+    (``triton.language.target_info.is_cuda`` asks the local driver)."""
+    return tl.constexpr(_semantic.builder.options.backend_name == "cuda")
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -65,15 +74,11 @@ def philox(seed, offset, idx):
     c3 = c0 * 0 + tl.cast(offset >> 32, tl.uint32)
     k0 = tl.cast(seed, tl.uint32)
     k1 = tl.cast(seed >> 32, tl.uint32)
-    m0 = tl.cast(0xD2511F53, tl.uint32)
-    m1 = tl.cast(0xCD9E8D57, tl.uint32)
     w0 = tl.cast(0x9E3779B9, tl.uint32)
     w1 = tl.cast(0xBB67AE85, tl.uint32)
     for _ in tl.static_range(10):
-        hi0 = tl.umulhi(c0, m0)
-        lo0 = c0 * m0
-        hi1 = tl.umulhi(c2, m1)
-        lo1 = c2 * m1
+        hi0, lo0 = _mulhilo(c0, 0xD2511F53)
+        hi1, lo1 = _mulhilo(c2, 0xCD9E8D57)
         c0 = hi1 ^ c1 ^ k0
         c1 = lo1
         c2 = hi0 ^ c3 ^ k1
@@ -81,6 +86,29 @@ def philox(seed, offset, idx):
         k0 = k0 + w0
         k1 = k1 + w1
     return c0, c1, c2, c3
+
+
+@triton.jit
+def _mulhilo(a, M: tl.constexpr):
+    """The high and the low 32-bit halves of ``a * M`` (Philox's two multipliers)."""
+    if _INTERPRETED:
+        return tl.umulhi(a, tl.cast(M, tl.uint32)), a * tl.cast(M, tl.uint32)
+    elif _nvidia():
+        # One mul.wide (sm_90: IMAD.WIDE.U32) for both halves, where umulhi and the low
+        # product are two instructions. In Triton the 64-bit product (a.to(tl.uint64) * M)
+        # would do it too, but its 64-bit ops stop Triton giving the whole Philox chain the
+        # accumulator's layout, and the keep-mask then goes through shared memory.
+        if M == 0xD2511F53:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }",
+                "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+        else:
+            tl.static_assert(M == 0xCD9E8D57)
+            return tl.inline_asm_elementwise(
+                "{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }",
+                "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        return tl.umulhi(a, tl.cast(M, tl.uint32)), a * tl.cast(M, tl.uint32)
 
 
 @triton.jit
@@ -92,7 +120,15 @@ def philox_word(seed, offset, idx):
 
 @triton.jit
 def dropout_keep(seed, offset, threshold, row_base, rows, start_n, max_seqlen_k, BLOCK_N: tl.constexpr):
-    """Keep-mask ``[len(rows), BLOCK_N]`` of the columns ``start_n .. start_n + BLOCK_N``.
+    """Keep-mask ``[len(rows), BLOCK_N]`` of the columns ``start_n .. start_n + BLOCK_N``:
+    the draws of :func:`dropout_draws` that are >= ``threshold``."""
+    draws = dropout_draws(seed, offset, row_base, rows, start_n, max_seqlen_k, BLOCK_N)
+    return draws >= tl.cast(threshold, tl.int32)  # the JIT passes a threshold of 1 as a constexpr int
+
+
+@triton.jit
+def dropout_draws(seed, offset, row_base, rows, start_n, max_seqlen_k, BLOCK_N: tl.constexpr):
+    """The 16-bit draws ``[len(rows), BLOCK_N]`` (as int32) of the columns ``start_n .. start_n + BLOCK_N``.
 
     Each 32-bit Philox word holds two 16-bit draws, and a column is kept when its draw is
     >= ``threshold`` (``dropout_p * 2**16``, rounded): column ``j = 32 g + 8 h + 2 p + a``
@@ -103,34 +139,49 @@ def dropout_keep(seed, offset, threshold, row_base, rows, start_n, max_seqlen_k,
     stays in registers. ``start_n`` is a multiple of ``BLOCK_N`` >= 16.
     """
     if BLOCK_N >= 32:
-        return _dropout_span(seed, offset, threshold, row_base, rows, start_n, max_seqlen_k, BLOCK_N)
+        return _draw_span(seed, offset, row_base, rows, start_n, max_seqlen_k, BLOCK_N)
     else:
         tl.static_assert(BLOCK_N == 16)
         # half of the 32 columns one set of calls covers
-        span = _dropout_span(seed, offset, threshold, row_base, rows, start_n - start_n % 32, max_seqlen_k, 32)
+        span = _draw_span(seed, offset, row_base, rows, start_n - start_n % 32, max_seqlen_k, 32)
         first, second = tl.split(tl.permute(tl.reshape(span, (rows.shape[0], 2, 16)), (0, 2, 1)))
         return tl.where(start_n % 32 == 0, first, second)
 
 
 @triton.jit
-def _dropout_span(seed, offset, threshold, row_base, rows, start_n, max_seqlen_k, BLOCK_N: tl.constexpr):
-    """:func:`dropout_keep` for ``start_n`` and ``BLOCK_N`` multiples of 32."""
+def _draw_span(seed, offset, row_base, rows, start_n, max_seqlen_k, BLOCK_N: tl.constexpr):
+    """:func:`dropout_draws` for ``start_n`` and ``BLOCK_N`` multiples of 32."""
     calls = start_n // 8 + tl.arange(0, BLOCK_N // 8)  # 4 g + p
     idx = (row_base + rows.to(tl.int64))[:, None] * (((max_seqlen_k + 31) // 32) * 4) + calls[None, :]
     c0, c1, c2, c3 = philox(seed, offset, idx)
-    t = tl.cast(threshold, tl.int32)  # the JIT passes a threshold of 1 as a constexpr int
     # per word h: [rows, 4 g + p, a]; joined: [rows, 4 g + p, a, h % 2, h // 2]
-    keep = tl.join(tl.join(_keep_halves(c0, t), _keep_halves(c1, t)),
-                   tl.join(_keep_halves(c2, t), _keep_halves(c3, t)))
-    keep = tl.reshape(keep, (rows.shape[0], BLOCK_N // 32, 4, 2, 2, 2))
-    keep = tl.permute(keep, (0, 1, 5, 4, 2, 3))  # [rows, g, h // 2, h % 2, p, a]: column 32 g + 8 h + 2 p + a
-    return tl.reshape(keep, (rows.shape[0], BLOCK_N))
+    draws = tl.join(tl.join(_halves(c0), _halves(c1)), tl.join(_halves(c2), _halves(c3)))
+    draws = tl.reshape(draws, (rows.shape[0], BLOCK_N // 32, 4, 2, 2, 2))
+    draws = tl.permute(draws, (0, 1, 5, 4, 2, 3))  # [rows, g, h // 2, h % 2, p, a]: column 32 g + 8 h + 2 p + a
+    return tl.reshape(draws, (rows.shape[0], BLOCK_N))
 
 
 @triton.jit
-def _keep_halves(word, threshold):
-    """[..., 2]: whether the low and the high 16 bits of ``word`` are >= ``threshold``."""
-    return tl.join((word & 0xFFFF).to(tl.int32) >= threshold, (word >> 16).to(tl.int32) >= threshold)
+def _halves(word):
+    """[..., 2]: the low and the high 16 bits of ``word``, as int32."""
+    return tl.join((word & 0xFFFF).to(tl.int32), (word >> 16).to(tl.int32))
+
+
+@triton.jit
+def drop(x, draws, threshold):
+    """fp32 ``x`` where its draw (:func:`dropout_draws`) is >= ``threshold``, else 0."""
+    t = tl.cast(threshold, tl.int32)
+    if _INTERPRETED:
+        return tl.where(draws >= t, x, 0.0)
+    elif _nvidia():
+        # One compare and one select per element on the fp32 value. LLVM moves a select
+        # past the bf16 rounding that follows it, onto the packed halves, where each
+        # element then costs two byte permutes more (sm_90).
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred k; setp.ge.s32 k, $1, $2; selp.f32 $0, $3, 0f00000000, k; }",
+            "=f,r,r,f", [draws, t, x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.where(draws >= t, x, 0.0)
 
 
 # ------------------------------------------------------------------------ program order

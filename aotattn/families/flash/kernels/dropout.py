@@ -6,9 +6,9 @@ Philox4x32-10 (Salmon et al., SC'11) keyed by the call's seed, at counter (idx_l
 offset_lo, offset_hi) with the 64-bit
 ``idx = ((b * Hq + h) * max_seqlen_q + i) * 4 * ceil(max_seqlen_k / 32) + 4 g + p``; an
 element is kept when that 16-bit draw is >= ``round(dropout_p * 2**16)``. One call serves
-the eight columns one thread of the wgmma accumulator holds (:func:`.common.dropout_keep`). The forward, the backward and
-``dropout_mask_kernel`` evaluate the same function (:func:`.common.dropout_keep`), so
-the mask is bit-identical between them.
+the eight columns one thread of the wgmma accumulator holds (:func:`.common.dropout_draws`). The forward, the backward and
+``dropout_mask_kernel`` evaluate the same draws (:func:`.common.dropout_draws`) against the
+same threshold, so the mask is bit-identical between them.
 """
 
 import triton

@@ -23,7 +23,7 @@ causal and windowed attention cheaper than full attention.
 import triton
 import triton.language as tl
 
-from aotattn.families.flash.kernels.common import (BIAS_NONE, LN2, LOG2E, MASK_NONE, diagonal, dropout_keep,
+from aotattn.families.flash.kernels.common import (BIAS_NONE, LN2, LOG2E, MASK_NONE, diagonal, drop, dropout_draws,
                                                    head_columns, key_blocks, load_rows, load_tile, mma, program_order,
                                                    row_max, row_sum, segment, sequence, visible)
 
@@ -196,8 +196,7 @@ def _online_softmax(acc, m_i, l_i, s, start_n, offs_m, offs_n, m_in, seqlen_k, d
     v = load_tile(v_desc, v_ptrs, start_n, n_off, stride_vn, n_in, dv_mask, MASKED, PAD_HEAD,  # [BLOCK_N, BLOCK_DV]
                  TMA == 2)
     if DROPOUT:
-        keep = dropout_keep(philox_seed, philox_offset, dropout_threshold, drop_rows, offs_m, start_n, max_seqlen_k,
-                            BLOCK_N)
-        p = tl.where(keep, p, 0.0)
+        draws = dropout_draws(philox_seed, philox_offset, drop_rows, offs_m, start_n, max_seqlen_k, BLOCK_N)
+        p = drop(p, draws, dropout_threshold)
     acc = mma(p.to(v.dtype), v, acc, PRECISION)
     return acc, m_new, l_i
