@@ -125,6 +125,33 @@ def test_dropout_forward_and_backward(request, device, variant, mask):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", [("split", False), ("fused", False), ("fused", True)],
+                         ids=["split", "fused-atomic", "fused-deterministic"])
+def test_dropout_with_a_bias_gradient(request, device, variant):
+    """dBias is ds = p (z dp / (1 - p) - delta): the kernels sum ds (1 - p) in their loops and
+    scale once at the end, so the bias gradient, written inside the loop, is scaled there."""
+    seed_from(request.node.nodeid)
+    dropout_p = 0.25
+    b, h, sq, sk = (2, 3, 29, 41) if device == "cpu" else (2, 8, 500, 900)
+    q, k, v = make_qkv(b, sq, sk, h, h, 32, 32, torch.float32, device, requires_grad=True)
+    bias = torch.randn(1, h, sq, sk, device=device, requires_grad=True)
+    state = torch.get_rng_state()
+    out = aotattn.flash_attn_func(q, k, v, bias=bias, dropout_p=dropout_p, causal=True, backend=variant[0],
+                                  deterministic=variant[1])
+    torch.set_rng_state(state)
+    keep = aotattn.dropout_mask(b, h, sq, sk, dropout_p, device=device)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    ref_out, _ = reference.attention(*ref_in[:3], bias=ref_in[3], causal=True, dropout_mask=keep,
+                                     dropout_p=dropout_p)
+    assert rel_err(out, ref_out) < TOLERANCE[torch.float32]
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, bias), dout)
+    ref_grads = torch.autograd.grad(ref_out, ref_in, dout.double())
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
+        assert rel_err(g, r) < TOLERANCE[torch.float32], name
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_dropout_varlen(request, device):
     seed_from(request.node.nodeid)
     q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(device, torch.float32)

@@ -85,6 +85,13 @@ def _dkdv_program(
                   0, 0, n_in, dv_mask, True, PAD_HEAD)
     dk = tl.full((BLOCK_N, BLOCK_D), 0.0, tl.float32)
     dv = tl.full((BLOCK_N, BLOCK_DV), 0.0, tl.float32)
+    dq_scale = sm_scale
+    if DROPOUT:
+        # Dropout's 1 / (1 - p) leaves the loop: dV sums the kept p's, ds = p (z dp - delta)
+        # / (1 - p) is summed as p (z dp - delta (1 - p)), and dK, dV (and each dQ share)
+        # are scaled once at the end (two multiplies per element fewer in the loop).
+        keep_fraction = 1.0 / dropout_scale
+        dq_scale = sm_scale * dropout_scale
 
     diag = diagonal(seqlen_q, seqlen_k, MASK)
     # the queries that see these keys: the window transposed
@@ -158,11 +165,11 @@ def _dkdv_program(
             if DROPOUT:
                 draws_t = tl.trans(dropout_draws(philox_seed, philox_offset, drop_rows, rows, start_n, max_seqlen_k,
                                                  BLOCK_N))
-                dv = mma((drop(p_t, draws_t, dropout_threshold) * dropout_scale).to(do.dtype), do, dv, PRECISION)
-                dp_t = drop(dp_t * dropout_scale, draws_t, dropout_threshold)
+                dv = mma(drop(p_t, draws_t, dropout_threshold).to(do.dtype), do, dv, PRECISION)
+                ds_t = p_t * (drop(dp_t, draws_t, dropout_threshold) - (delta * keep_fraction)[None, :])
             else:
                 dv = mma(p_t.to(do.dtype), do, dv, PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :])
+                ds_t = p_t * (dp_t - delta[None, :])
             dk = mma(ds_t.to(q.dtype), q, dk, PRECISION)
             if ATOMIC_DQ:
                 # Keys past seqlen_k (the last key block's tail) load as zero, so their scores are 0
@@ -172,13 +179,19 @@ def _dkdv_program(
                 ds_t = tl.where(n_in[:, None], ds_t, 0.0)
                 dq = mma(tl.trans(ds_t.to(k.dtype)), k, tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32), PRECISION)
                 dq_ptrs = DQ + off_z * stride_dq[0] + off_h * stride_dq[1] + rows0 * stride_dq[2] + offs_d[None, :]
-                tl.atomic_add(dq_ptrs + m_off * stride_dq[2], dq * sm_scale,
+                tl.atomic_add(dq_ptrs + m_off * stride_dq[2], dq * dq_scale,
                               mask=m_in[:, None] & d_mask[None, :], sem="relaxed")
                 if BIAS == BIAS_GRAD:
                     dbias_ptrs = (DBias + off_z * stride_db[0] + off_h * stride_db[1]
                                   + rows[None, :].to(tl.int64) * stride_db[2] + offs_n[:, None].to(tl.int64))
+                    if DROPOUT:
+                        ds_t = ds_t * dropout_scale
                     tl.store(dbias_ptrs, ds_t, mask=n_in[:, None] & m_in[None, :])
-    dk = dk * sm_scale
+    if DROPOUT:
+        dk = dk * dq_scale
+        dv = dv * dropout_scale
+    else:
+        dk = dk * sm_scale
     tl.store(DK + off_z * stride_dk[0] + off_hk * stride_dk[1] + keys * stride_dk[2] + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=n_in[:, None] & d_mask[None, :])
     tl.store(DV + off_z * stride_dv[0] + off_hk * stride_dv[1] + keys * stride_dv[2] + offs_dv[None, :],
@@ -227,6 +240,8 @@ def _dq_program(
     lse_ptr = Lse + off_z * stride_l[0] + off_h * stride_l[1] + q_start + offs_m
     lse2 = tl.load(lse_ptr, mask=m_in, other=float("inf")) * LOG2E
     delta = tl.load(Delta + off_z * stride_l[0] + off_h * stride_l[1] + q_start + offs_m, mask=m_in, other=0.0)
+    if DROPOUT:  # ds = p (z dp - delta) / (1 - p), summed as p (z dp - delta (1 - p)): dQ is scaled at the end
+        delta = delta / dropout_scale
     keys = k_start + offs_n[:, None]
     k_ptrs = K + off_z * stride_k[0] + off_hk * stride_k[1] + keys * stride_k[2] + offs_d[None, :]
     v_ptrs = V + off_z * stride_v[0] + off_hk * stride_v[1] + keys * stride_v[2] + offs_dv[None, :]
@@ -271,12 +286,18 @@ def _dq_program(
             dp = mma(do, tl.trans(v), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION)
             if DROPOUT:
                 draws = dropout_draws(philox_seed, philox_offset, drop_rows, offs_m, start_n, max_seqlen_k, BLOCK_N)
-                dp = drop(dp * dropout_scale, draws, dropout_threshold)
+                dp = drop(dp, draws, dropout_threshold)
             ds = p * (dp - delta[:, None])
             if BIAS == BIAS_GRAD:
-                tl.store(dbias_ptrs + n_off, ds, mask=m_in[:, None] & n_in[None, :])
+                if DROPOUT:
+                    tl.store(dbias_ptrs + n_off, ds * dropout_scale, mask=m_in[:, None] & n_in[None, :])
+                else:
+                    tl.store(dbias_ptrs + n_off, ds, mask=m_in[:, None] & n_in[None, :])
             dq = mma(ds.to(k.dtype), k, dq, PRECISION)
-    dq = dq * sm_scale
+    if DROPOUT:
+        dq = dq * (sm_scale * dropout_scale)
+    else:
+        dq = dq * sm_scale
     tl.store(DQ + off_z * stride_dq[0] + off_h * stride_dq[1] + rows * stride_dq[2] + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=m_in[:, None] & d_mask[None, :])
 
