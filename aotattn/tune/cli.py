@@ -57,7 +57,7 @@ def _select(category: list[str], where: str | None, dtype: str, head_dim: str | 
     found = list(tasks.enumerate_tasks(arch, tables, filters, lengths, cells, all_functionals))
     chosen = [t for t in found if harnesses.supported(t.table, t.functional, t.cell)]
     if not chosen:
-        raise tasks.SelectionError("the selection holds no task the tuner can run (dropout, bias and varlen "
+        raise tasks.SelectionError("the selection holds no task the tuner can run (bias and varlen "
                                    "functionals are not tuned yet)")
     return chosen, len(found)
 
@@ -125,7 +125,7 @@ def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DT
             report = client.dispatch(category_of(table), arch, specs, app="aotattn.tune.app")
             console.print(f"{category_of(table)} on {arch}: {report.inserted} queued, {report.existing} already there")
     if total > len(chosen):
-        console.print(f"{total - len(chosen)} selected tasks left out (dropout, bias, varlen: not tuned yet)")
+        console.print(f"{total - len(chosen)} selected tasks left out (bias, varlen: not tuned yet)")
 
 
 @app.command()

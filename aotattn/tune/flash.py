@@ -7,8 +7,10 @@ and compare the outputs with the float64 reference (:mod:`aotattn.families.flash
 
 Tables: the forward kernel, the three backward kernels (dK/dV, dQ, fused) and the
 backward operator (``flash.backward``: the backend, timed as the whole backward pass).
-Functionals with dropout, an additive bias or varlen are not tuned yet (their tables
-keep their hand-picked blocks); ``supports`` says which are.
+Dropout functionals are timed and checked at ``dropout_p`` = :data:`DROPOUT_P` (the kernels
+draw every element's random bits whatever p is), against the reference applied with the
+exact keep-mask the kernels use. Functionals with an additive bias or varlen are not tuned
+yet (their tables keep their hand-picked blocks); ``supports`` says which are.
 
 This module is the family-specific part of the tuner; everything else in
 :mod:`aotattn.tune` knows no family by name.
@@ -30,6 +32,7 @@ from aotattn.runtime.images import entry_key
 from aotattn.spec import Config, Functional
 from aotattn.tune.candidates import Footprint, Tile
 
+DROPOUT_P = 0.1  # the rate dropout cells are timed and checked at (flash-attn's usual training value)
 MASK_KWARGS = {rules.MASK_NONE: {}, rules.MASK_TOP_LEFT: {"causal": True, "diagonal": "top_left"},
                rules.MASK_BOTTOM_RIGHT: {"causal": True}}
 
@@ -108,14 +111,14 @@ def default_tokens(table: str) -> int:
 
 
 def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = None) -> bool:
-    """Whether this harness can build problems for the functional (dense, no dropout, no bias)
-    at the cell: none where a call of the cell's lengths runs another MASK variant
-    (rules.kernel_mask: top-left on the diagonal runs bottom-right)."""
+    """Whether this harness can build problems for the functional (dense or dropout, no bias,
+    not varlen) at the cell: none where a call of the cell's lengths runs another MASK
+    variant (rules.kernel_mask: top-left on the diagonal runs bottom-right)."""
     f = functional.as_dict()
     if cell is not None and len(cell) == 2 and "MASK" in f \
             and rules.kernel_mask(f["MASK"], f.get("VARLEN", False), *cell) != f["MASK"]:
         return False
-    return table in TABLES and not f.get("VARLEN") and not f.get("DROPOUT") and not f.get("BIAS")
+    return table in TABLES and not f.get("VARLEN") and not f.get("BIAS")
 
 
 def footprint(table: str) -> Footprint | None:
@@ -196,7 +199,7 @@ class Problem:
     def __init__(self, table: str, functional: Functional, shape: Shape, device: torch.device,
                  generator: torch.Generator | None = None):
         if not supports(table, functional):
-            raise ValueError(f"the flash harness cannot build {table} [{functional}] (dropout, bias and varlen "
+            raise ValueError(f"the flash harness cannot build {table} [{functional}] (bias and varlen "
                              "functionals are not tuned yet)")
         self.table, self.kernel = table, table.split(".", 1)[1]
         self.functional, self.shape, self.device = functional, shape, torch.device(device)
@@ -208,9 +211,13 @@ class Problem:
         self.k = torch.empty(b, sk, h, d, dtype=dtype, device=self.device)
         self.v = torch.empty(b, sk, h, d, dtype=dtype, device=self.device)
         self.dout = torch.empty(b, sq, h, d, dtype=dtype, device=self.device)
-        p = check_flash(self.q, self.k, self.v, dropout_p=0.0, softmax_scale=None, window_size=(-1, -1),
+        self.dropout_p = DROPOUT_P if f.get("DROPOUT") else 0.0
+        p = check_flash(self.q, self.k, self.v, dropout_p=self.dropout_p, softmax_scale=None, window_size=(-1, -1),
                         **{"causal": False, "diagonal": "bottom_right", **MASK_KWARGS[f["MASK"]]})
-        self.call = planning.Call(p)
+        seed, offset = (torch.randint(0, 2**62, (2,), dtype=torch.int64, device=self.device,
+                                      generator=generator).tolist()
+                        if self.dropout_p else (0, 0))  # one mask per problem, for every candidate
+        self.call = planning.Call(p, seed=seed, offset=offset)
         self._check_functional()
         self.out = torch.empty_like(self.dout)
         self.lse = torch.empty(b, h, sq, dtype=torch.float32, device=self.device)
@@ -303,6 +310,11 @@ class Problem:
         """The float64 outputs, one (batch, head) at a time (the score matrix of one head
         at the longest lengths is 2 GiB in float64)."""
         mask = MASK_KWARGS[self.functional["MASK"]]
+        if self.dropout_p:
+            keep = torch.empty((self.shape.batch, self.shape.heads, self.shape.seqlen_q, self.shape.seqlen_k),
+                               dtype=torch.int8, device=self.device)
+            launch(planning.dropout_mask_plan(keep, self.shape.seqlen_q, self.shape.seqlen_k, self.shape.heads,
+                                              self.dropout_p, self.call.seed, self.call.offset))
         names = tuple(self.outputs())
         result = {name: torch.empty(t.shape, dtype=torch.float64, device=t.device)
                   for name, t in self.outputs().items()}
@@ -311,7 +323,11 @@ class Problem:
                 part = (slice(b, b + 1), slice(None), slice(h, h + 1))
                 q, k, v = (t[part].to(torch.float64).requires_grad_(self.kernel != "attn_fwd")
                            for t in (self.q, self.k, self.v))
-                out, _ = reference.attention(q, k, v, **mask)
+                if self.dropout_p:
+                    dropped = {"dropout_mask": keep[b:b + 1, h:h + 1].bool(), "dropout_p": self.dropout_p}
+                else:
+                    dropped = {}
+                out, _ = reference.attention(q, k, v, **mask, **dropped)
                 if self.kernel == "attn_fwd":
                     result["out"][part] = out.detach()
                     continue
@@ -360,9 +376,14 @@ def auxiliary(table: str, functional: Functional) -> list[tuple[str, Functional]
            "VARLEN": attention["VARLEN"]}
     pairs: list[tuple[str, dict]] = []
     if kernel == "attn_fwd":
-        return []
+        return _mask_kernel(f)
     pairs += [("flash.attn_fwd", forward), ("flash.attn_bwd_preprocess", pre)]
     if kernel == "backward":
         pairs += [("flash.attn_bwd_dkdv", attention), ("flash.attn_bwd_dq", attention),
                   ("flash.attn_bwd_fused", {**attention, "ATOMIC_DQ": not f["DETERMINISTIC"]})]
-    return [(t, Functional.of(v)) for t, v in pairs]
+    return [(t, Functional.of(v)) for t, v in pairs] + _mask_kernel(f)
+
+
+def _mask_kernel(f: Mapping[str, Any]) -> list[tuple[str, Functional]]:
+    """The keep-mask kernel a dropout problem's reference launches."""
+    return [(rules.DROPOUT_MASK.qualname, Functional.of({}))] if f.get("DROPOUT") else []

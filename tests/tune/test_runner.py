@@ -103,8 +103,8 @@ def test_fused_atomic_backward_candidates_each_start_from_zero():
 
 def test_bad_task_refused():
     f = Functional.of(dict(dtype="bf16", BLOCK_D=16, BLOCK_DV=16, PAD_HEAD=False, MASK=0, VARLEN=False,
-                           DROPOUT=True, BIAS=0))
-    with pytest.raises(ValueError, match="dropout"):
+                           DROPOUT=False, BIAS=1))
+    with pytest.raises(ValueError, match="bias"):
         runner.run_task(Task("sm_90", "flash.attn_fwd", f, (16, 16)), TINY, device="cpu", journal=None)
     assert Config.of(BLOCK_M=16)  # spec types import cleanly beside the runner
 
@@ -123,3 +123,36 @@ def test_padded_operator_task_times_both_backends_on_odd_head_dims():
     assert any(not d.endswith("D32") for d in dims), dims  # an odd head dim was checked
     for c in by_name.values():
         assert c["eligible"] and max(c["errors"].values()) < 5e-3, c
+
+
+@pytest.mark.parametrize("table, extra", [("flash.attn_fwd", {}), ("flash.attn_bwd_dkdv", {}),
+                                          ("flash.attn_bwd_fused", {"ATOMIC_DQ": True}),
+                                          ("flash.backward", {"DETERMINISTIC": False})],
+                         ids=["fwd", "dkdv", "fused", "operator"])
+def test_dropout_task_is_checked_under_the_kernels_mask(table, extra):
+    """A dropout cell's candidates run at dropout_p 0.1 and match the float64 reference applied
+    with the keep-mask the kernels draw (without it, dropout's errors are of order one)."""
+    f = dict(dtype="fp16", BLOCK_D=16, BLOCK_DV=16, PAD_HEAD=False, MASK=2, VARLEN=False, DROPOUT=True, BIAS=0,
+             **extra)
+    if table == "flash.backward":
+        del f["BLOCK_DV"]
+    task = Task("sm_90", table, Functional.of(f), (32, 32))
+    settings = dataclasses.replace(TINY, finalists=1, repeats=(1, 1))
+    result = runner.run_task(task, settings, device="cpu", db=Database(PROJECT_TUNING), journal=None)
+    checked = [c for c in result["candidates"] if c.get("errors")]
+    assert checked and result["winner"] in {c["name"] for c in checked}
+    for c in checked:
+        assert c["eligible"] and 0 < max(c["errors"].values()) < 5e-3, c
+
+
+def test_dropout_problem_draws_one_mask_and_needs_the_mask_kernel():
+    from aotattn.tune import flash
+
+    f = Functional.of(dict(dtype="fp16", BLOCK_D=16, BLOCK_DV=16, PAD_HEAD=False, MASK=0, VARLEN=False,
+                           DROPOUT=True, BIAS=0))
+    a, b = (flash.Problem("flash.attn_fwd", f, flash.Shape(1, 2, 32, 32, 16), "cpu") for _ in range(2))
+    assert a.call.p.dropout_p == flash.DROPOUT_P and (a.call.seed, a.call.offset) != (b.call.seed, b.call.offset)
+    assert a.call.functional()["DROPOUT"]
+    assert ("flash.dropout_mask", Functional.of({})) in flash.auxiliary("flash.attn_fwd", f)
+    plain = Functional.of({**f.as_dict(), "DROPOUT": False})
+    assert flash.auxiliary("flash.attn_fwd", plain) == []
