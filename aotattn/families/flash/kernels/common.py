@@ -177,6 +177,7 @@ def drop(x, draws, threshold):
         # One compare and one select per element on the fp32 value. LLVM moves a select
         # past the bf16 rounding that follows it, onto the packed halves, where each
         # element then costs two byte permutes more (sm_90).
+        tl.static_assert(x.dtype == tl.float32, "drop: fp32 values")
         return tl.inline_asm_elementwise(
             "{ .reg .pred k; setp.ge.s32 k, $1, $2; selp.f32 $0, $3, 0f00000000, k; }",
             "=f,r,r,f", [draws, t, x], dtype=tl.float32, is_pure=True, pack=1)
