@@ -11,13 +11,17 @@ run-to-run noise). The fault points at the ``flash.backward`` cell the choice ca
 
 A *regression*: an entry that got slower by more than ``threshold`` and by more than the
 two runs' spreads together; an *improvement* likewise the other way.
+
+A *feature cost*: within one run, an entry with dropout, a bias or the deterministic
+backward against its *plain twin*, the entry of the same call without that feature: the
+time ratio per pass, for aotattn and for each peer that timed both.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aotattn.perfmon.entries import BACKWARD_PASSES
 from aotattn.perfmon.perfdb import Perfdb, Record
@@ -151,3 +155,47 @@ def compare(a: Perfdb, b: Perfdb, providers: tuple[str, ...] = (AOTATTN,), thres
             verdict = "same"
         changes.append(Change(name, entry.group, pass_, provider, a_ms, b_ms, noise, verdict))
     return Comparison(changes)
+
+
+# The features a cost is measured for, and the entry fields that switch them off.
+FEATURES = {"dropout": {"dropout_p": 0.0}, "bias": {"bias": "none"}, "deterministic": {"deterministic": False}}
+
+
+@dataclass(frozen=True)
+class Cost:
+    entry: str  # the entry with the feature
+    plain: str  # its plain twin
+    feature: str
+    pass_: str
+    provider: str
+    ms: float
+    plain_ms: float
+
+    @property
+    def ratio(self) -> float:
+        """The feature's time over the plain call's (1.3: the feature costs 30%)."""
+        return self.ms / self.plain_ms
+
+
+def _call(entry) -> tuple:
+    """What makes two entries the same call: every field but the name, the group and the
+    run's own choices (Flex, which passes)."""
+    return replace(entry, name="", group="", flex=False, passes=())
+
+
+def feature_costs(db: Perfdb) -> list[Cost]:
+    """Every entry of a feature against its plain twin in the same run (entries without a
+    twin are left out), for each pass and provider both timed."""
+    twins = {_call(e): name for name, e in db.entries.items()}
+    records = db.by_key()
+    costs = []
+    for (name, pass_, provider), r in records.items():
+        entry = db.entries[name]
+        for feature, off in FEATURES.items():
+            if all(getattr(entry, field) == value for field, value in off.items()):
+                continue  # the entry does not use this feature
+            plain = twins.get(_call(replace(entry, **off)))
+            twin = records.get((plain, pass_, provider))
+            if r.ok and twin is not None and twin.ok:
+                costs.append(Cost(name, plain, feature, pass_, provider, r.ms, twin.ms))
+    return costs

@@ -479,3 +479,35 @@ def summary(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch:
             table.add_row(group, pass_, provider, str(len(values)), f"{math.exp(sum(values) / len(values)):.2f}")
     console.print(escape(" ".join(f"{k}: {v};" for k, v in db.header.items() if k in ("gpu", "tuning", "date"))))
     console.print(table)
+
+
+@perfdb_app.command()
+def costs(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: str = ARCH, root: Path = ROOT,
+          provider: list[str] = typer.Option(["aotattn", "sdpa-flash"], "--provider", "-p",
+                                             help="providers to show (repeatable)")) -> None:
+    """What dropout, a bias and the deterministic backward cost: each such entry's time over its
+    plain twin's (the same call without the feature) in the same run, per pass and provider."""
+    from aotattn.perfmon.analysis import feature_costs
+
+    db, path = _read(tag, arch, root)
+    found = [c for c in feature_costs(db) if c.provider in provider]
+    if not found:
+        raise _fail(f"{path}: no entry with dropout, a bias or the deterministic backward has its plain twin "
+                    "(the same call without the feature) in this run")
+    by_entry: dict[tuple[str, str], dict[str, float]] = {}
+    for c in found:
+        by_entry.setdefault((c.entry, c.pass_), {})[c.provider] = c.ratio
+    shown = [p for p in provider if any(p in v for v in by_entry.values())]
+    table = Table("entry", "pass", *shown, title=f"{path.stem}: each entry's time over its plain twin's (1.30: the "
+                  "feature costs 30%)")
+    for (entry, pass_), ratios in sorted(by_entry.items()):
+        table.add_row(entry, pass_, *(f"{ratios[p]:.2f}" if p in ratios else "-" for p in shown))
+    console.print(table)
+    for feature in sorted({c.feature for c in found}):
+        for pass_ in ("fwd", "bwd"):
+            for p in shown:
+                ratios = [c.ratio for c in found if (c.feature, c.pass_, c.provider) == (feature, pass_, p)]
+                if ratios:
+                    mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+                    console.print(f"{feature} {pass_} {p}: geometric mean {mean:.2f}, "
+                                  f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} entries")

@@ -205,19 +205,20 @@ def write_archive(path: Path, arch: str, table: str, triton_version: str, source
                   kernels: Iterable[tuple[Entry, bytes | Packed]]) -> Header:
     """Write atomically (temporary file, then rename); blobs deduplicated by content.
 
-    ``kernels``: each entry with its binary, as bytes or already :class:`Packed`."""
+    ``kernels``: each entry with its binary, as bytes or already :class:`Packed`. Entries
+    and blobs go in key order, so the same kernels give the same bytes whatever order they
+    come in (a parallel build hands them over as they finish compiling)."""
+    entries = sorted(((entry, binary if isinstance(binary, Packed) else Packed.of(binary))
+                      for entry, binary in kernels), key=lambda x: x[0].key)
     blobs: dict[str, bytes] = {}
-    entries = []
-    for entry, binary in kernels:
-        packed = binary if isinstance(binary, Packed) else Packed.of(binary)
+    for _, packed in entries:
         blobs.setdefault(packed.blob, packed.data)
-        entries.append((entry, packed.blob, packed.size))
     offsets, position = {}, 0
     for digest, data in blobs.items():
         offsets[digest] = position
         position += len(data)
-    final = tuple(Entry(**{**asdict(e), "blob": d, "offset": offsets[d], "length": len(blobs[d]), "size": n})
-                  for e, d, n in sorted(entries, key=lambda x: x[0].key))
+    final = tuple(Entry(**{**asdict(e), "blob": p.blob, "offset": offsets[p.blob], "length": len(blobs[p.blob]),
+                           "size": p.size}) for e, p in entries)
     header = Header(arch, table, triton_version, source_hash, final)
     index = _canonical(asdict(header))
     _header_from_json(json.loads(index), str(path), position)  # never write what the reader refuses

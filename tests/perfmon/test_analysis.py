@@ -248,3 +248,46 @@ def test_a_fault_on_a_refinement_patches_the_refinement_not_its_fallback(tuning_
     assert fixed.lookup("sm_90", rules.BACKWARD, dropout, sizes)["backend"] == "fused"
     assert fixed.lookup("sm_90", rules.BACKWARD, dense, sizes)["backend"] == "split"
     assert fixed.lookup("sm_90", rules.BACKWARD, dropout, {"seqlen_q": 4000, "seqlen_k": 4000})["backend"] == "split"
+
+
+def test_feature_costs_pair_each_entry_with_its_plain_twin(tmp_path):
+    """A dropout, bias or deterministic entry is divided by the entry of the same call without
+    the feature (same run), per pass and provider; entries without a twin are left out."""
+    chosen = select(declared(), ["dropout-bf16-d64-s1024-*", "dense-bf16-d64-s1024-*", "bias-*",
+                                 "dropout-bf16-d128-s512-full-*"])
+    by = {e.name: e for e in chosen}
+    assert "dense-bf16-d128-s512-full" not in by  # the d128 dropout entry's twin is missing from this run
+    rng = random.Random(5)
+    run = Perfdb(header={"tag": "costs", "arch": "sm_90"})
+    plain_ms = {}
+    for entry in chosen:
+        feature = 1.0 + (0.5 if entry.dropout_p else 0.0) + (2.0 if entry.bias != "none" else 0.0)
+        records = []
+        for pass_ in entry.passes:
+            base = rng.uniform(1.0, 2.0)
+            plain_ms[(entry.name, pass_)] = base
+            for provider, scale in (("aotattn", feature), ("sdpa-flash", 1.1)):
+                records.append(Record(entry.name, pass_, provider, base * scale, 0.0, 1.0, 1.0))
+        run.add(entry, records)
+    costs = analysis.feature_costs(run)
+    dropout = [c for c in costs if c.feature == "dropout"]
+    assert {c.entry for c in dropout} == {"dropout-bf16-d64-s1024-full-p0.1", "dropout-bf16-d64-s1024-causal-p0.1"}
+    for c in dropout:
+        twin = by[c.plain]
+        assert (twin.dropout_p, twin.causal, twin.seqlen_q) == (0.0, by[c.entry].causal, by[c.entry].seqlen_q)
+        want = 1.5 if c.provider == "aotattn" else 1.0
+        base = plain_ms[(c.entry, c.pass_)] / plain_ms[(c.plain, c.pass_)]
+        assert c.ratio == pytest.approx(want * base)
+    assert len(dropout) == 2 * 2 * 2  # two entries, two passes, two providers
+    # the CLI prints the same pairs and the geometric means
+    path = tmp_path / "costs.txt"
+    run.write(path)
+    result = CliRunner().invoke(cli, ["perfdb", "costs", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "dropout-bf16-d64-s1024-causal-p0.1" in result.output and "dropout fwd aotattn" in result.output
+    lonely = Perfdb(header={"tag": "lonely", "arch": "sm_90"})
+    lonely.add(by["dropout-bf16-d128-s512-full-p0.1"], [Record("dropout-bf16-d128-s512-full-p0.1", "fwd", "aotattn",
+                                                               1.0, 0.0, 1.0, 1.0)])
+    lonely.write(tmp_path / "lonely.txt")
+    result = CliRunner().invoke(cli, ["perfdb", "costs", str(tmp_path / "lonely.txt")])
+    assert result.exit_code != 0 and "plain twin" in result.output

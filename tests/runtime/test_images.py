@@ -491,3 +491,22 @@ def test_source_hash_covers_the_sibling_modules_a_kernel_imports(tmp_path, monke
     (package / "common.py").write_text("X = 2\n")
     images._kernel_sources.cache_clear()
     assert images.source_hash("kpkg.forward") != before
+
+
+def test_the_same_kernels_in_any_order_give_the_same_bytes(tmp_path):
+    """A parallel build hands kernels over as they finish: the archive must not depend on it
+    (a repack then keeps every byte, and two builds of one tree are identical)."""
+    spec = families.kernels()[TABLE]
+    kernels = [(kernel_entry(name), b"\x7fELF" + os.urandom(200 + 37 * i)) for i, name in enumerate("dcaeb")]
+    kernels.append((kernel_entry("f"), kernels[0][1]))  # a blob two entries share
+    paths = []
+    for n, order in enumerate([kernels, kernels[::-1], kernels[2:] + kernels[:2]]):
+        paths.append(tmp_path / f"{n}.aotimg")
+        write_archive(paths[-1], "sm_90", TABLE, "3.6.0", images.source_hash(spec.module), order)
+    assert paths[0].read_bytes() == paths[1].read_bytes() == paths[2].read_bytes()
+    archive = Archive(paths[0])
+    assert not archive.verify()
+    by_key = {entry.key: binary for entry, binary in kernels}
+    assert [archive.binary(e) for e in archive.header.entries] == [by_key[e.key] for e in archive.header.entries]
+    offsets = [e.offset for e in archive.header.entries]
+    assert len(set(offsets)) == 5 and sorted(set(offsets)) == sorted(set(offsets), key=offsets.index)  # key order
