@@ -31,3 +31,5 @@ AOTATTN_IMAGES=$PWD/build/img-dropout timeout 300 python -m aotattn.cli perfmon 
 grep -E "entries in" "$OUT/run.log"
 { aot perfdb compare "$base" "$OUT/$tag.txt"; aot perfdb faults "$OUT/$tag.txt"; } > "$OUT/compare.log" 2>&1
 grep -E "regression|improvement\(s\)" "$OUT/compare.log" | tail -n 3
+aot perfdb costs "$OUT/$tag.txt" > "$OUT/costs.log" 2>&1  # dropout's time over the plain call's
+grep -E "geometric mean" "$OUT/costs.log"
