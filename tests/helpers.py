@@ -105,7 +105,8 @@ def _by_key_head(x: torch.Tensor, heads_k: int) -> torch.Tensor:
 
 def floor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None = None, *,
                     softmax_scale: float | None = None, causal: bool = False,
-                    window_size: tuple[int, int] = (-1, -1), diagonal: str = "bottom_right") -> Results:
+                    window_size: tuple[int, int] = (-1, -1), diagonal: str = "bottom_right",
+                    dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0) -> Results:
     """Attention in float64 with only the roundings a flash kernel must make.
 
     The inputs are taken as given (already in their dtype). The products a kernel
@@ -119,6 +120,11 @@ def floor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     this floor's (its own accumulation order, ``exp2`` in the log2 domain and the online
     softmax's rescaling add the rest); a kernel with one more rounding, or a biased one,
     is not.
+
+    With ``dropout_mask`` (the keep-mask, broadcastable to ``(B, Hq, Sq, Sk)``) the kept
+    ``P`` is what is rounded before ``P V`` and ``dV``, and ``dP`` is masked and scaled by
+    ``1 / (1 - dropout_p)``; the scale itself is taken as exact (the kernels apply it in
+    fp32, on the sums).
     """
     dtype, fp32 = q.dtype, torch.float32
     q64, k64, v64 = (t.detach().to(torch.float64) for t in (q, k, v))
@@ -136,7 +142,11 @@ def floor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     safe = scores.masked_fill(empty, 0.0)
     lse = torch.logsumexp(safe, dim=-1, keepdim=True)
     p = torch.exp(safe - lse).masked_fill(empty, 0.0)
-    out_unrounded = torch.einsum("bhqk,bkhd->bqhd", rounded(p, dtype), vv)
+    if dropout_mask is None:
+        z, keep_scale = 1.0, 1.0
+    else:
+        z, keep_scale = dropout_mask.to(torch.float64), 1.0 / (1.0 - dropout_p)
+    out_unrounded = torch.einsum("bhqk,bkhd->bqhd", rounded(p * z, dtype), vv) * keep_scale
     out = rounded(out_unrounded, dtype)
     lse = rounded(torch.where(empty, float("inf"), lse), fp32)
 
@@ -153,15 +163,15 @@ def floor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     # the backward, of |lse log2(e)|) is an error of P that no rounding to the dtype shows
     finite = torch.where(keep, scores, 0.0)
     exponent = _rounding_variance(finite * LOG2E, fp32) * LN2**2
-    p_var = variance(p) + p.square() * exponent
+    p_var = (variance(p * z) + (p * z).square() * exponent) * keep_scale**2
     noises = {"out": noise(torch.einsum("bhqk,bkhd->bqhd", p_var, vv.square()), out_unrounded)}
     if dout is None:
         return Results(out, lse.squeeze(-1), noise=noises)
     do = dout.detach().to(torch.float64)
     p = torch.exp(safe - lse.masked_fill(empty, 0.0)).masked_fill(empty, 0.0)  # from the stored lse
-    dv = _by_key_head(torch.einsum("bhqk,bqhd->bkhd", rounded(p, dtype), do), heads_k)
+    dv = _by_key_head(torch.einsum("bhqk,bqhd->bkhd", rounded(p * z, dtype), do), heads_k) * keep_scale
     do32 = dout.detach().to(fp32)
-    dp = torch.einsum("bqhd,bkhd->bhqk", do32, v32).to(torch.float64)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do32, v32).to(torch.float64) * z * keep_scale
     delta = (do32 * out.to(fp32)).sum(-1).transpose(1, 2).to(torch.float64)  # (B, Hq, Sq)
     ds_unrounded = p * (dp - delta[..., None])
     ds = rounded(ds_unrounded, dtype)
@@ -173,8 +183,9 @@ def floor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     u32 = torch.finfo(fp32).eps / 2
     dp_sum = torch.einsum("bqhd,bkhd->bhqk", do.abs(), vv.abs()) * u32
     delta_sum = (do.abs() * out.abs()).sum(-1).transpose(1, 2)[..., None] * u32
-    p2 = variance(p) + p.square() * exponent
-    ds2 = (variance(ds_unrounded) + ds_unrounded.square() * exponent + p.square() * dp_sum.square() / 3) * scale**2
+    p2 = (variance(p * z) + (p * z).square() * exponent) * keep_scale**2
+    ds2 = (variance(ds_unrounded) + ds_unrounded.square() * exponent
+           + (p * z * keep_scale).square() * dp_sum.square() / 3) * scale**2
     delta2 = ((do.square() * variance(out_unrounded)).sum(-1).transpose(1, 2)[..., None]
               + delta_sum.square() / 3) * scale**2
     noises.update(dv=noise(torch.einsum("bhqk,bqhd->bkhd", p2, do.square()), dv),

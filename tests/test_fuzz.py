@@ -23,6 +23,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import aotattn
 from tests.helpers import DEVICES, assert_within_floor, exact_attention, floor_attention, kernel_attention
 
 # the largest lengths and head dims drawn, per device (the interpreter is slow)
@@ -77,4 +78,34 @@ def test_any_problem_is_within_the_floor(device, data):
     kernel = kernel_attention(q, k, v, dout, backend=backend, deterministic=deterministic, **problem["mask"])
     floor = floor_attention(q, k, v, dout, **problem["mask"])
     exact = exact_attention(q, k, v, dout, **problem["mask"])
+    assert_within_floor(kernel, floor, exact, dtype, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(data=st.data())
+def test_any_dropout_problem_is_within_the_floor(device, data):
+    """The same property with dropout: the floor and the float64 reference applied with the
+    keep-mask the call reports (``aotattn.dropout_mask`` under the generator state the call
+    saw), at rates from one in 2^16 to 0.9."""
+    problem = data.draw(problems(device), label="problem")
+    dropout_p = data.draw(st.sampled_from([2.0**-16, 0.1, 0.5, 0.9]), label="dropout_p")
+    s, dtype = problem["shape"], problem["dtype"]
+    gen = torch.Generator(device).manual_seed(problem["seed"])
+
+    def randn(*shape, scale=problem["magnitude"]):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    q = randn(s["batch"], s["seqlen_q"], s["heads_q"], s["head_dim"])
+    k = randn(s["batch"], s["seqlen_k"], s["heads_k"], s["head_dim"])
+    v = randn(s["batch"], s["seqlen_k"], s["heads_k"], s["head_dim_v"])
+    dout = randn(s["batch"], s["seqlen_q"], s["heads_q"], s["head_dim_v"], scale=1.0)
+    backend, deterministic = problem["backend"]
+    state = torch.get_rng_state()
+    kernel = kernel_attention(q, k, v, dout, backend=backend, deterministic=deterministic, dropout_p=dropout_p,
+                              **problem["mask"])
+    torch.set_rng_state(state)
+    keep = aotattn.dropout_mask(s["batch"], s["heads_q"], s["seqlen_q"], s["seqlen_k"], dropout_p, device=device)
+    dropped = dict(dropout_mask=keep, dropout_p=dropout_p)
+    floor = floor_attention(q, k, v, dout, **problem["mask"], **dropped)
+    exact = exact_attention(q, k, v, dout, **problem["mask"], **dropped)
     assert_within_floor(kernel, floor, exact, dtype, device)
