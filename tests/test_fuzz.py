@@ -5,7 +5,8 @@ that differ between Q/K and V), the mask (causal, windows with -1 or bounded sid
 either diagonal), the scale (default, zero, negative, large), the dtype, the input
 magnitude and the backward backend, and checks forward and backward as
 tests/test_common_mistakes.py does: no NaN, rows that see no key exactly 0 with lse
-+inf, every quantity within a small multiple of the floor's error.
++inf, every quantity within a small multiple of the floor's error. A second property
+adds dropout (the floor and the reference under the keep-mask the call reports).
 
 Budgets (profiles registered in tests/conftest.py): CI runs the "ci" profile, a fixed
 set of 12 examples per device. The long run explores::
@@ -60,25 +61,30 @@ def problems(draw, device: str) -> dict:
                 seed=draw(st.integers(0, 2**31 - 1)))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@given(data=st.data())
-def test_any_problem_is_within_the_floor(device, data):
-    problem = data.draw(problems(device), label="problem")
+def inputs(problem: dict, device: str) -> tuple[torch.Tensor, ...]:
+    """q, k, v (at the drawn magnitude) and dO from the problem's seed."""
     s, dtype = problem["shape"], problem["dtype"]
     gen = torch.Generator(device).manual_seed(problem["seed"])
 
     def randn(*shape, scale=problem["magnitude"]):
         return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
 
-    q = randn(s["batch"], s["seqlen_q"], s["heads_q"], s["head_dim"])
-    k = randn(s["batch"], s["seqlen_k"], s["heads_k"], s["head_dim"])
-    v = randn(s["batch"], s["seqlen_k"], s["heads_k"], s["head_dim_v"])
-    dout = randn(s["batch"], s["seqlen_q"], s["heads_q"], s["head_dim_v"], scale=1.0)
+    return (randn(s["batch"], s["seqlen_q"], s["heads_q"], s["head_dim"]),
+            randn(s["batch"], s["seqlen_k"], s["heads_k"], s["head_dim"]),
+            randn(s["batch"], s["seqlen_k"], s["heads_k"], s["head_dim_v"]),
+            randn(s["batch"], s["seqlen_q"], s["heads_q"], s["head_dim_v"], scale=1.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@given(data=st.data())
+def test_any_problem_is_within_the_floor(device, data):
+    problem = data.draw(problems(device), label="problem")
+    q, k, v, dout = inputs(problem, device)
     backend, deterministic = problem["backend"]
     kernel = kernel_attention(q, k, v, dout, backend=backend, deterministic=deterministic, **problem["mask"])
     floor = floor_attention(q, k, v, dout, **problem["mask"])
     exact = exact_attention(q, k, v, dout, **problem["mask"])
-    assert_within_floor(kernel, floor, exact, dtype, device)
+    assert_within_floor(kernel, floor, exact, problem["dtype"], device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -89,16 +95,8 @@ def test_any_dropout_problem_is_within_the_floor(device, data):
     saw), at rates from one in 2^16 to 0.9."""
     problem = data.draw(problems(device), label="problem")
     dropout_p = data.draw(st.sampled_from([2.0**-16, 0.1, 0.5, 0.9]), label="dropout_p")
-    s, dtype = problem["shape"], problem["dtype"]
-    gen = torch.Generator(device).manual_seed(problem["seed"])
-
-    def randn(*shape, scale=problem["magnitude"]):
-        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
-
-    q = randn(s["batch"], s["seqlen_q"], s["heads_q"], s["head_dim"])
-    k = randn(s["batch"], s["seqlen_k"], s["heads_k"], s["head_dim"])
-    v = randn(s["batch"], s["seqlen_k"], s["heads_k"], s["head_dim_v"])
-    dout = randn(s["batch"], s["seqlen_q"], s["heads_q"], s["head_dim_v"], scale=1.0)
+    s = problem["shape"]
+    q, k, v, dout = inputs(problem, device)
     backend, deterministic = problem["backend"]
     state = torch.get_rng_state()
     kernel = kernel_attention(q, k, v, dout, backend=backend, deterministic=deterministic, dropout_p=dropout_p,
@@ -108,4 +106,4 @@ def test_any_dropout_problem_is_within_the_floor(device, data):
     dropped = dict(dropout_mask=keep, dropout_p=dropout_p)
     floor = floor_attention(q, k, v, dout, **problem["mask"], **dropped)
     exact = exact_attention(q, k, v, dout, **problem["mask"], **dropped)
-    assert_within_floor(kernel, floor, exact, dtype, device)
+    assert_within_floor(kernel, floor, exact, problem["dtype"], device)
