@@ -3,11 +3,29 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import torch
 
 from aotattn import reference
+from aotattn.families.flash import ops, rules
 from tests.helpers import TOLERANCE, rel_err
+
+
+def config_override(monkeypatch) -> Callable[[Callable], None]:
+    """``use(change)``: from then on every tuned configuration the operators look up is
+    ``change(kernel, functional, config)`` of the database's (plans cached before are
+    dropped; the plan cache is emptied again by the caller's teardown)."""
+    original = rules.config_for
+
+    def use(change: Callable) -> None:
+        def config_for(kernel, functional, device, **sizes):
+            return change(kernel, functional, original(kernel, functional, device, **sizes))
+
+        monkeypatch.setattr(rules, "config_for", config_for)
+        ops._PLANS.entries.clear()
+
+    return use
 
 
 def seed_from(name: str) -> None:

@@ -18,7 +18,7 @@ import torch
 import aotattn
 from aotattn.families.flash import ops, rules
 from aotattn.spec import Config
-from tests.families.flash.helpers import make_qkv, seed_from
+from tests.families.flash.helpers import config_override, make_qkv, seed_from
 from tests.families.flash.test_forward_knobs import CASES, Case, _call, _reference
 from tests.helpers import TOLERANCE, rel_err
 
@@ -28,18 +28,15 @@ KERNELS = (rules.ATTN_BWD_DQ.name, rules.ATTN_BWD_DKDV.name)
 @pytest.fixture
 def backward_tma(monkeypatch):
     """``set(value)``: the split backward's kernels run with TMA=value from then on."""
-    original = rules.config_for
+    use = config_override(monkeypatch)
 
     def set_tma(value: int) -> None:
-        def config_for(kernel, functional, device, **sizes):
-            config = original(kernel, functional, device, **sizes)
+        def with_tma(kernel, functional, config):
             if kernel.name not in KERNELS:
                 return config
-            spec = rules.KERNELS[kernel.name]
-            return spec.canonical(Config.of({**config.as_dict(), "TMA": value}))
+            return rules.KERNELS[kernel.name].canonical(Config.of({**config.as_dict(), "TMA": value}))
 
-        monkeypatch.setattr(rules, "config_for", config_for)
-        ops._PLANS.entries.clear()
+        use(with_tma)
 
     yield set_tma
     ops._PLANS.entries.clear()

@@ -25,7 +25,7 @@ from aotattn.spec import Config, Functional
 from aotattn.tune import candidates
 from aotattn.tune import flash as tune_flash
 from tests.helpers import TOLERANCE, rel_err
-from tests.families.flash.helpers import assert_forward_matches, make_qkv, seed_from
+from tests.families.flash.helpers import assert_forward_matches, config_override, make_qkv, seed_from
 
 
 KNOBS = [{"OVERLAP": 1}, {"TMA": 1}, {"OVERLAP": 1, "TMA": 2}]
@@ -47,11 +47,10 @@ def _name(knobs: dict) -> str:
 @pytest.fixture
 def forward_knobs(monkeypatch):
     """``set(knobs)``: the forward runs with these knob values from then on."""
-    original = rules.config_for
+    use = config_override(monkeypatch)
 
     def set_knobs(knobs: dict) -> None:
-        def config_for(kernel, functional, device, **sizes):
-            config = original(kernel, functional, device, **sizes)
+        def with_knobs(kernel, functional, config):
             if kernel.name != rules.ATTN_FWD.name:
                 return config
             values = {**config.as_dict(), **PLAIN, **knobs}
@@ -63,8 +62,7 @@ def forward_knobs(monkeypatch):
                 values["num_stages"] = 1  # one stage compiles and needs no more shared memory
             return rules.ATTN_FWD.canonical(Config.of(values))
 
-        monkeypatch.setattr(rules, "config_for", config_for)
-        ops._PLANS.entries.clear()
+        use(with_knobs)
 
     yield set_knobs
     ops._PLANS.entries.clear()
