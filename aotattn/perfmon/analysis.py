@@ -186,15 +186,18 @@ def _call(entry) -> tuple:
 def feature_costs(db: Perfdb) -> list[Cost]:
     """Every entry of a feature against its plain twin in the same run (entries without a
     twin are left out), for each pass and provider both timed."""
-    twins = {_call(e): name for name, e in db.entries.items()}
+    calls = {_call(e): name for name, e in db.entries.items()}
+    twins = {}  # entry -> [(feature, its plain twin)]
+    for name, entry in db.entries.items():
+        for feature, off in FEATURES.items():
+            if any(getattr(entry, field) != value for field, value in off.items()):  # it uses the feature
+                plain = calls.get(_call(replace(entry, **off)))
+                if plain is not None:
+                    twins.setdefault(name, []).append((feature, plain))
     records = db.by_key()
     costs = []
     for (name, pass_, provider), r in records.items():
-        entry = db.entries[name]
-        for feature, off in FEATURES.items():
-            if all(getattr(entry, field) == value for field, value in off.items()):
-                continue  # the entry does not use this feature
-            plain = twins.get(_call(replace(entry, **off)))
+        for feature, plain in twins.get(name, ()):
             twin = records.get((plain, pass_, provider))
             if r.ok and twin is not None and twin.ok:
                 costs.append(Cost(name, plain, feature, pass_, provider, r.ms, twin.ms))
