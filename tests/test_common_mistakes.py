@@ -119,23 +119,28 @@ def test_rounding_is_unbiased(request, device, dtype):
     assert abs(bias) < eps / 16, f"mean relative error {bias:.2e}: P or the output is not rounded to nearest"
 
 
-def _preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """delta = rowsum(dO * O) as the backward's first kernel computes it: (B, H, S) fp32."""
+def _preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The backward's first kernel launched directly: its stats, (2, B, H, S padded) fp32
+    (plane 0 delta = rowsum(dO * O), plane 1 lse in base 2)."""
     batch, seqlen, heads, head_dim_v = out.shape
     bucket = rules.head_dim_bucket(head_dim_v)
     functional = Functional.of({"dtype": rules.DTYPES[out.dtype], "BLOCK_DV": bucket,
                                 "PAD_HEAD": head_dim_v != bucket, "VARLEN": False})
     kernel = rules.ATTN_BWD_PREPROCESS
     config = rules.config_for(kernel, functional, out.device, seqlen_q=seqlen)
-    delta = torch.empty(batch, heads, seqlen, dtype=torch.float32, device=out.device)
+    rows = math.ceil(seqlen / 128) * 128
+    stats = torch.full((2, batch, heads, rows), math.nan, dtype=torch.float32, device=out.device)
     unused = torch.zeros(1, dtype=torch.int32, device=out.device)
-    # (batch, head, row) strides of the (B, S, H, Dv) tensors, (batch, head) of delta
-    args = kernel.bind(Out=out, DO=dout, Delta=delta, CuSeqlensQ=unused, max_seqlen_q=seqlen, head_dim_v=head_dim_v,
+    # (batch, head, row) strides of the (B, S, H, Dv) tensors, (batch, head) of lse,
+    # (batch, head, plane) of the stats
+    args = kernel.bind(Out=out, DO=dout, Lse=lse, Stats=stats, CuSeqlensQ=unused, max_seqlen_q=seqlen,
+                       head_dim_v=head_dim_v,
                        **kernel.strides("o", (out.stride(0), out.stride(2), out.stride(1))),
                        **kernel.strides("do", (dout.stride(0), dout.stride(2), dout.stride(1))),
-                       **kernel.strides("l", delta.stride()[:2]))
-    launch(LaunchPlan(kernel, functional, config, (math.ceil(seqlen / config["BLOCK_M"]), heads, batch), args))
-    return delta
+                       **kernel.strides("l", lse.stride()[:2]),
+                       **kernel.strides("s", (stats.stride(1), stats.stride(2), stats.stride(0))))
+    launch(LaunchPlan(kernel, functional, config, (rows // config["BLOCK_M"], heads, batch), args))
+    return stats
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -144,16 +149,23 @@ def _preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
 def test_delta_is_fp32_accurate(request, device, dtype, head_dim_v):
     """delta = rowsum(dO * O) straight from the preprocess kernel against float64, to
     fp32 accuracy (1e-5 of sum |dO * O|). A delta reduced in fp16/bf16 is 100x worse, yet
-    hides under the gradients' fp16 tolerance: only a direct check sees it."""
+    hides under the gradients' fp16 tolerance: only a direct check sees it. The same
+    launch's second plane is lse * log2(e), and the padding rows past the sequence hold
+    delta 0 and lse +inf (the backward loops read them without a mask)."""
     seed_from(request.node.name)
     batch, seqlen, heads = _gpu_or_cpu(device, (2, 37, 3), (4, 3001, 16))
     out = torch.randn(batch, seqlen, heads, head_dim_v, device=device).to(dtype)
     dout = torch.randn(batch, seqlen, heads, head_dim_v, device=device).to(dtype)
-    delta = _preprocess(out, dout).double()
+    lse = torch.randn(batch, heads, seqlen, device=device) * 10
+    lse[0, 0, 0] = math.inf  # a row that saw no key
+    stats = _preprocess(out, dout, lse)
+    delta = stats[0, ..., :seqlen].double()
     products = (out.double() * dout.double()).transpose(1, 2)  # (B, H, S, Dv)
     exact = products.sum(-1)
     err = ((delta - exact).abs() / products.abs().sum(-1)).max().item()
     assert err < 1e-5, f"delta: max error {err:.2e} of sum |dO * O| (fp32 accumulation gives ~1e-7)"
+    torch.testing.assert_close(stats[1, ..., :seqlen], lse * math.log2(math.e), rtol=1e-6, atol=0)
+    assert (stats[0, ..., seqlen:] == 0).all() and (stats[1, ..., seqlen:] == math.inf).all(), "padding rows"
 
 
 @pytest.mark.parametrize("window", [(-2, 0), (0, -2), (-2, -2), (-1, -2), (-2, -1), (-7, 3), (3, -9)])

@@ -41,7 +41,7 @@ MASK_KWARGS = {rules.MASK_NONE: {}, rules.MASK_TOP_LEFT: {"causal": True, "diago
 _Q, _K, _V = Tile("BLOCK_M", "BLOCK_D"), Tile("BLOCK_N", "BLOCK_D"), Tile("BLOCK_N", "BLOCK_DV")
 _DO = Tile("BLOCK_M", "BLOCK_DV")
 _BIAS = Tile("BLOCK_M", "BLOCK_N", when="BIAS")
-_ROWS = (Tile("BLOCK_M", 1, "fp32"), Tile("BLOCK_M", 1, "fp32"))  # lse and delta of the query rows
+_ROWS = (Tile("BLOCK_M", 1, "fp32"), Tile("BLOCK_M", 1, "fp32"))  # the query rows' stats (lse, delta)
 _SCORES = (Tile("BLOCK_M", "BLOCK_N", "fp32"),)
 _PADS = (("BLOCK_M", "seqlen_q"), ("BLOCK_N", "seqlen_k"))
 
@@ -221,7 +221,7 @@ class Problem:
         self._check_functional()
         self.out = torch.empty_like(self.dout)
         self.lse = torch.empty(b, h, sq, dtype=torch.float32, device=self.device)
-        self.delta = torch.empty_like(self.lse)
+        self.stats = planning.row_stats(p, self.q)
         self.dq = torch.empty(self.q.shape, dtype=self._dq_dtype(), device=self.device)
         self.dk, self.dv = torch.empty_like(self.k), torch.empty_like(self.v)
         self.refill()
@@ -254,14 +254,14 @@ class Problem:
     # ------------------------------------------------------------------ inputs
     def refill(self) -> None:
         """Fresh random q, k, v, dO; then the forward's out and lse and the preprocess's
-        delta the backward kernels read (with the database's configurations)."""
+        stats (delta, lse in base 2) the backward kernels read (with the database's configurations)."""
         for t in (self.q, self.k, self.v, self.dout):
             t.normal_(generator=self.generator)
         if self.kernel != "attn_fwd":
             # into the same lse: the launch plans made by runner() keep its pointer
             launch(planning.forward_plan(self.call, self.q, self.k, self.v, self.out, self.lse))
             if self.kernel != "backward":
-                launch(self._plans(None)[0])  # delta
+                launch(self._plans(None)[0])  # the stats
         if self._dq_dtype() == torch.float32 and self.q.dtype != torch.float32:
             self.dq.zero_()  # the atomic fused backward accumulates into it
 
@@ -276,7 +276,7 @@ class Problem:
     def _plans(self, config: Config | None) -> list:
         backend, deterministic = self._backward_choice()
         configs = {} if config is None else {self.kernel: config}
-        return planning.backward_plans(self.call, self.dout, self.q, self.k, self.v, self.out, self.lse, self.delta,
+        return planning.backward_plans(self.call, self.dout, self.q, self.k, self.v, self.out, self.lse, self.stats,
                                   self.dq, self.dk, self.dv, None, backend, deterministic, configs)
 
     # ------------------------------------------------------------------ runs

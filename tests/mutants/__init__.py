@@ -113,8 +113,8 @@ MUTANTS = (
     _mutant(
         "delta-low-precision", "delta = rowsum(dO * O) reduced in the input dtype instead of fp32",
         BACKWARD,
-        "row_sum(o * do), mask=m_in)",
-        "row_sum((o * do).to(DO.dtype.element_ty)), mask=m_in)",
+        "row_sum(o * do), mask=store_mask)",
+        "row_sum((o * do).to(DO.dtype.element_ty)), mask=store_mask)",
         MISTAKES + "::test_delta_is_fp32_accurate",
     ),
     _mutant(

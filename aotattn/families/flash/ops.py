@@ -157,10 +157,10 @@ _BUCKET_SHAPES = {torch.Size([b]) for b in rules.HEAD_DIM_BUCKETS}
 
 
 # Which call tensor each kernel argument stands for, by the declarations' argument names:
-# forward (q, k, v, out, lse), backward (dout, q, k, v, out, lse, delta, dq, dk, dv). Without
-# a bias the kernels' Bias (and DBias) pointers are placeholders bound to q (and delta).
+# forward (q, k, v, out, lse), backward (dout, q, k, v, out, lse, stats, dq, dk, dv). Without
+# a bias the kernels' Bias (and DBias) pointers are placeholders bound to q (and the stats).
 _FORWARD_ROLES = {"Q": 0, "K": 1, "V": 2, "Out": 3, "Lse": 4, "Bias": 0}
-_BACKWARD_ROLES = {"DO": 0, "Q": 1, "K": 2, "V": 3, "Out": 4, "Lse": 5, "Delta": 6, "DQ": 7, "DK": 8, "DV": 9,
+_BACKWARD_ROLES = {"DO": 0, "Q": 1, "K": 2, "V": 3, "Out": 4, "Lse": 5, "Stats": 6, "DQ": 7, "DK": 8, "DV": 9,
                    "Bias": 1, "DBias": 6}
 
 
@@ -217,14 +217,14 @@ class _Entry:
             chosen = backend or choose_backend(c, deterministic, q.device)
             buffers = backward_buffers(c, q, k, v, chosen, deterministic)[:4]
             plans = backward_plans(c, dout, q, k, v, out, lse, *buffers, None, chosen, deterministic)
-            zeroed = (False, dq_accumulates(chosen, deterministic), False, False)  # delta, dq, dk, dv
+            zeroed = (False, dq_accumulates(chosen, deterministic), False, False)  # stats, dq, dk, dv
             layouts = tuple(_layout(t, zero, i > 0 and flip) for i, (t, zero) in enumerate(zip(buffers, zeroed)))
             prepared = [_prepare(plan, _BACKWARD_ROLES) for plan in plans], layouts
             self.backwards[choice] = prepared  # a race stores an equal value twice
         launches, layouts = prepared
         device = q.device
-        delta, dq, dk, dv = (_buffer(layout, device) for layout in layouts)
-        tensors = (dout, q, k, v, out, lse, delta, dq, dk, dv)
+        stats, dq, dk, dv = (_buffer(layout, device) for layout in layouts)
+        tensors = (dout, q, k, v, out, lse, stats, dq, dk, dv)
         for launch_one in launches:
             launch_one(tensors)
         return finish_dq(dq, q), dk, dv

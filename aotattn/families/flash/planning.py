@@ -93,8 +93,14 @@ class Call:
         return bound
 
     def lse_strides(self, kernel: KernelSpec, lse: torch.Tensor) -> dict[str, int]:
-        """``lse`` (and delta, laid out alike) is ``(B, Hq, Sq)``, or ``(Hq, total_q)`` under varlen."""
+        """``lse`` is ``(B, Hq, Sq)``, or ``(Hq, total_q)`` under varlen."""
         return kernel.strides("l", (0, lse.stride(0)) if self.p.varlen else (lse.stride(0), lse.stride(1)))
+
+    def stats_strides(self, kernel: KernelSpec, stats: torch.Tensor) -> dict[str, int]:
+        """(batch, head, plane) strides of the backward's :func:`row_stats`."""
+        if self.p.varlen:
+            return kernel.strides("s", (0, stats.stride(1), stats.stride(0)))
+        return kernel.strides("s", (stats.stride(1), stats.stride(2), stats.stride(0)))
 
     def sequences(self, device: torch.device) -> dict[str, torch.Tensor]:
         if self.p.varlen:
@@ -160,6 +166,22 @@ def lse_shape(p: Problem, q: torch.Tensor) -> tuple[int, ...]:
     return (p.heads_q, q.shape[0]) if p.varlen else (p.batch, p.heads_q, p.seqlen_q)
 
 
+STATS_ROWS = 128  # every backward BLOCK_M divides it: a block of rows never runs past the stats
+
+
+def row_stats(p: Problem, q: torch.Tensor) -> torch.Tensor:
+    """The backward's per-row scratch (kernels/backward.py): ``(2, B, Hq, Sq rounded up to
+    128)``, or ``(2, Hq, total_q rounded up to 16)`` under varlen; plane 0 delta, plane 1
+    lse in base 2, written by the preprocess. Rounded so that every row, head and plane
+    starts 16-aligned (vectorized loads) and, without varlen, a block of query rows never
+    reads past it (loads without a mask; the preprocess fills the padding)."""
+    if p.varlen:
+        shape = (2, p.heads_q, _cdiv(q.shape[0], 16) * 16)
+    else:
+        shape = (2, p.batch, p.heads_q, _cdiv(p.seqlen_q, STATS_ROWS) * STATS_ROWS)
+    return torch.empty(shape, dtype=torch.float32, device=q.device)
+
+
 def new_output(p: Problem, q: torch.Tensor, heads_major: bool) -> torch.Tensor:
     """The output, laid out like q: ``(B, Sq, Hq, Dv)`` (stored ``(B, Hq, Sq, Dv)`` when
     ``heads_major``), or ``(total_q, Hq, Dv)`` under varlen."""
@@ -190,7 +212,7 @@ def run_forward(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
 
 
 def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor, dq: torch.Tensor,
                    dk: torch.Tensor, dv: torch.Tensor, dbias: torch.Tensor | None, backend: str,
                    deterministic: bool, configs: Mapping[str, Config] | None = None) -> list[LaunchPlan]:
     """The launches of one backward pass, in order: preprocess, then the backend's kernels.
@@ -207,20 +229,22 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     # the preprocess is aligned exactly when the attention kernels are (dout was checked for it)
     pre = rules.ATTN_BWD_PREPROCESS
     pre_f = {"dtype": f["dtype"], "BLOCK_DV": f["BLOCK_DV"], "PAD_HEAD": f["PAD_HEAD"], "VARLEN": p.varlen}
+    # without varlen the preprocess fills every row of the stats, their padding too
+    stats_rows = p.seqlen_q if p.varlen else stats.shape[-1]
     plans = [_plan(pre, pre_f, p, dev, configs.get(pre.name),
-                   lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch),
-                   dict(Out=out, DO=dout, Delta=delta, CuSeqlensQ=c.sequences(dev)["CuSeqlensQ"],
+                   lambda cfg: (_cdiv(stats_rows, cfg["BLOCK_M"]), p.heads_q, p.batch),
+                   dict(Out=out, DO=dout, Lse=lse, Stats=stats, CuSeqlensQ=c.sequences(dev)["CuSeqlensQ"],
                         **c.tile_strides(pre, o=out, do=dout), **c.lse_strides(pre, lse),
-                        max_seqlen_q=p.seqlen_q, head_dim_v=p.head_dim_v))]
+                        **c.stats_strides(pre, stats), max_seqlen_q=p.seqlen_q, head_dim_v=p.head_dim_v))]
 
     def args(kernel: KernelSpec, **outputs: torch.Tensor) -> dict:
         """What every backward kernel reads, plus the gradients it writes (and their strides)."""
-        bound = dict(Q=q, K=k, V=v, DO=dout, Lse=lse, Delta=delta, **c.sequences(dev), **c.bias_args(kernel, q),
-                     **c.tile_strides(kernel, q=q, k=k, v=v, do=dout), **c.lse_strides(kernel, lse),
+        bound = dict(Q=q, K=k, V=v, DO=dout, Stats=stats, **c.sequences(dev), **c.bias_args(kernel, q),
+                     **c.tile_strides(kernel, q=q, k=k, v=v, do=dout), **c.stats_strides(kernel, stats),
                      **c.scalars(backward=True))
         for name, t in outputs.items():
             if name == "DBias":  # (B, Hq, Sq, Sk) fp32, unit stride along keys; absent: never written
-                bound[name] = delta if t is None else t
+                bound[name] = stats if t is None else t
                 bound.update(kernel.strides("db", (0, 0, 0) if t is None else t.stride()[:3]))
             else:
                 bound[name] = t
@@ -277,14 +301,15 @@ def dq_accumulates(backend: str, deterministic: bool) -> bool:
 
 def backward_buffers(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
                      deterministic: bool) -> tuple[torch.Tensor, ...]:
-    """(delta, dq, dk, dv, dbias or None), fresh: the backward kernels' outputs.
+    """(stats, dq, dk, dv, dbias or None), fresh: the backward kernels' outputs (the stats:
+    :func:`row_stats`).
 
     The fused backend without ``deterministic`` accumulates dQ with atomics into a
     zeroed fp32 buffer (:func:`finish_dq` converts it)."""
     p, dev = c.p, q.device
     dk = torch.empty(tuple(k.shape), dtype=k.dtype, device=dev)
     dv = torch.empty(tuple(v.shape), dtype=v.dtype, device=dev)
-    delta = torch.empty(lse_shape(p, q), dtype=torch.float32, device=dev)
+    stats = row_stats(p, q)
     if dq_accumulates(backend, deterministic):
         dq = torch.zeros(tuple(q.shape), dtype=torch.float32, device=dev)
     else:
@@ -293,7 +318,7 @@ def backward_buffers(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if c.bias_grad:
         # tiles outside the mask are skipped, never written: their gradient is exactly 0
         dbias = torch.zeros((p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), dtype=torch.float32, device=dev)
-    return delta, dq, dk, dv, dbias
+    return stats, dq, dk, dv, dbias
 
 
 def finish_dq(dq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -307,8 +332,8 @@ def run_backward(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     """dQ, dK, dV (contiguous, shaped like q, k, v) and dBias (``(B, Hq, Sq, Sk)`` or None)."""
     dout = backward_dout(c, dout)
     backend = backend or choose_backend(c, deterministic, q.device)
-    delta, dq, dk, dv, dbias = backward_buffers(c, q, k, v, backend, deterministic)
-    for plan in backward_plans(c, dout, q, k, v, out, lse, delta, dq, dk, dv, dbias, backend, deterministic,
+    stats, dq, dk, dv, dbias = backward_buffers(c, q, k, v, backend, deterministic)
+    for plan in backward_plans(c, dout, q, k, v, out, lse, stats, dq, dk, dv, dbias, backend, deterministic,
                                configs):
         launch(plan)
     return finish_dq(dq, q), dk, dv, dbias

@@ -119,6 +119,10 @@ _QKV_DO_STRIDES = _tile_strides("stride_qz", "stride_qh", "stride_qm", "stride_k
 _DKDV_STRIDES = _tile_strides("stride_dkz", "stride_dkh", "stride_dkn", "stride_dvz", "stride_dvh", "stride_dvn")
 _DQ_STRIDES = _tile_strides("stride_dqz", "stride_dqh", "stride_dqm")
 _LSE_STRIDES = _strides("stride_lz", "stride_lh")
+# the backward's per-row scratch (planning.row_stats): 16-aligned by construction, so its
+# hints hold in every call of the aligned variant; (batch, head, plane) strides
+_STATS = Arg("Stats", "*fp32", aligned=True)
+_STATS_STRIDES = _tile_strides("stride_sz", "stride_sh", "stride_sp")
 _BIAS_STRIDES = _strides("stride_bz", "stride_bh", "stride_bm", "stride_bn")
 _DBIAS_STRIDES = _strides("stride_dbz", "stride_dbh", "stride_dbm")
 _SIZES = (Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("num_heads_q", _I32),
@@ -200,9 +204,9 @@ ATTN_BWD_PREPROCESS = KernelSpec(
     module=BACKWARD_MODULE,
     function="attn_bwd_preprocess",
     arguments=(
-        _tile("Out"), _tile("DO"), Arg("Delta", "*fp32"), Arg("CuSeqlensQ", "*i32"),
+        _tile("Out"), _tile("DO"), Arg("Lse", "*fp32"), _STATS, Arg("CuSeqlensQ", "*i32"),
         *_tile_strides("stride_oz", "stride_oh", "stride_om", "stride_doz", "stride_doh", "stride_dom"),
-        *_LSE_STRIDES, Arg("max_seqlen_q", _I32), Arg("head_dim_v", _I32),
+        *_LSE_STRIDES, *_STATS_STRIDES, Arg("max_seqlen_q", _I32), Arg("head_dim_v", _I32),
     ),
     functionals=(
         ("dtype", ("fp16", "bf16", "fp32")),
@@ -220,9 +224,9 @@ ATTN_BWD_DKDV = _attention_kernel(
     "attn_bwd_dkdv", BACKWARD_MODULE,
     (
         _tile("Q"), _tile("K"), _tile("V"), _tile("DO"),
-        _tile("DK"), _tile("DV"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"),
+        _tile("DK"), _tile("DV"), _STATS,
         *_SEQUENCES, Arg("Bias", "*{dtype}"),
-        *_QKV_DO_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_BWD_SCALARS,
+        *_QKV_DO_STRIDES, *_DKDV_STRIDES, *_STATS_STRIDES, *_BIAS_STRIDES, *_BWD_SCALARS,
     ),
     _BWD_AXES, chosen_by=_SPLIT, tuning_space=_BWD_TUNING, knob_defaults=_BWD_KNOB_DEFAULTS,
 )
@@ -231,9 +235,9 @@ ATTN_BWD_DQ = _attention_kernel(
     "attn_bwd_dq", BACKWARD_MODULE,
     (
         _tile("Q"), _tile("K"), _tile("V"), _tile("DO"),
-        _tile("DQ"), Arg("Lse", "*fp32"), Arg("Delta", "*fp32"), *_SEQUENCES,
+        _tile("DQ"), _STATS, *_SEQUENCES,
         Arg("Bias", "*{dtype}"), Arg("DBias", "*fp32"),
-        *_QKV_DO_STRIDES, *_DQ_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES, *_BWD_SCALARS,
+        *_QKV_DO_STRIDES, *_DQ_STRIDES, *_STATS_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES, *_BWD_SCALARS,
     ),
     _BWD_AXES, chosen_by=_SPLIT, tuning_space=_BWD_TUNING, knob_defaults=_BWD_KNOB_DEFAULTS,
 )
@@ -243,8 +247,8 @@ ATTN_BWD_FUSED = _attention_kernel(
     (
         _tile("Q"), _tile("K"), _tile("V"), _tile("DO"),
         _tile("DQ", "*{dq_type}"), _tile("DK"), _tile("DV"),
-        Arg("Lse", "*fp32"), Arg("Delta", "*fp32"), *_SEQUENCES, Arg("Bias", "*{dtype}"), Arg("DBias", "*fp32"),
-        *_QKV_DO_STRIDES, *_DQ_STRIDES, *_DKDV_STRIDES, *_LSE_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES,
+        _STATS, *_SEQUENCES, Arg("Bias", "*{dtype}"), Arg("DBias", "*fp32"),
+        *_QKV_DO_STRIDES, *_DQ_STRIDES, *_DKDV_STRIDES, *_STATS_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES,
         *_BWD_SCALARS,
     ),
     _BWD_AXES + (("ATOMIC_DQ", (False, True)),), derive=_derive_fused, chosen_by=_FUSED,

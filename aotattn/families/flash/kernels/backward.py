@@ -11,8 +11,15 @@ block and loop over its keys. Both split the loop into the three runs of
 :func:`.common.key_blocks` (masked edges, unmasked interior). Fully masked rows have
 lse = +inf, so p = 0 and every gradient they touch is exactly 0.
 
+The preprocess also writes what the loops read per query row into one fp32 scratch,
+``Stats`` ``(2, B, Hq, Sq rounded up to 128)`` (``(2, Hq, total_q rounded up to 16)``
+under varlen): plane 0 delta, plane 1 the log-sum-exp in base 2 (``lse * log2(e)``, one
+multiply fewer per row and step), rows past a sequence holding delta 0 and lse +inf.
+Its planes, rows and heads are 16-aligned by construction, so the loops' per-row loads
+are vectorized in the aligned variant and, without varlen, need no mask at all.
+
 Stride arguments travel between the functions here as tuples, one per tensor:
-``(batch, head, row)`` for q/k/v-like tensors, ``(batch, head)`` for lse/delta,
+``(batch, head, row)`` for q/k/v-like tensors, ``(batch, head)`` for lse and the stats,
 ``(batch, head, row, column)`` for the bias and ``(batch, head, row)`` for its gradient.
 """
 
@@ -26,14 +33,16 @@ from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, 
 
 @triton.jit
 def attn_bwd_preprocess(
-    Out, DO, Delta, CuSeqlensQ,
+    Out, DO, Lse, Stats, CuSeqlensQ,
     stride_oz, stride_oh, stride_om,
     stride_doz, stride_doh, stride_dom,
-    stride_lz, stride_lh,
+    stride_lz, stride_lh, stride_sz, stride_sh, stride_sp,
     max_seqlen_q, head_dim_v,
     BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """delta = rowsum(dO * O) in fp32; grid (m blocks, Hq, B)."""
+    """The stats of each query row: delta = rowsum(dO * O) in fp32 (plane 0) and
+    lse * log2(e) (plane 1); grid (m blocks of the stats' rows, Hq, B). Without varlen
+    the grid covers every row of the stats, the padding too (delta 0, lse +inf)."""
     off_h = tl.program_id(1).to(tl.int64)
     off_z = tl.program_id(2)
     q_start, seqlen_q, _, _ = sequence(CuSeqlensQ, CuSeqlensQ, off_z, max_seqlen_q, max_seqlen_q, VARLEN)
@@ -46,13 +55,19 @@ def attn_bwd_preprocess(
                   0, 0, m_in, offs_dv < head_dim_v, True, PAD_HEAD).to(tl.float32)
     do = load_rows(DO + off_z * stride_doz + off_h * stride_doh + rows * stride_dom + offs_dv[None, :],
                    0, 0, m_in, offs_dv < head_dim_v, True, PAD_HEAD).to(tl.float32)
-    tl.store(Delta + off_z * stride_lz + off_h * stride_lh + q_start + offs_m, row_sum(o * do), mask=m_in)
+    lse2 = tl.load(Lse + off_z * stride_lz + off_h * stride_lh + q_start + offs_m, mask=m_in,
+                   other=float("inf")) * LOG2E
+    stats = Stats + off_z * stride_sz + off_h * stride_sh + q_start + offs_m
+    # without varlen the stats' rows are padded to a multiple of every BLOCK_M, the grid covers them
+    store_mask = m_in if VARLEN else None
+    tl.store(stats, row_sum(o * do), mask=store_mask)
+    tl.store(stats + stride_sp, lse2, mask=store_mask)
 
 
 @triton.jit
 def _dkdv_program(
     pid_n, off_hk, off_z,
-    Q, K, V, DO, DK, DV, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+    Q, K, V, DO, DK, DV, Lse2, Delta, DQ, CuSeqlensQ, CuSeqlensK, Bias, DBias,
     stride_q, stride_k, stride_v, stride_do, stride_dk, stride_dv, stride_l, stride_dq, stride_b, stride_db,
     max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
     window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
@@ -78,6 +93,7 @@ def _dkdv_program(
     d_mask = head_columns(offs_d, head_dim, PAD_HEAD)
     dv_mask = head_columns(offs_dv, head_dim_v, PAD_HEAD)
     n_in = offs_n < seqlen_k
+    tail = start_n + BLOCK_N > seqlen_k  # the last key block runs past the keys
     keys = k_start + offs_n[:, None].to(tl.int64)
     k = load_rows(K + off_z * stride_k[0] + off_hk * stride_k[1] + keys * stride_k[2] + offs_d[None, :],
                   0, 0, n_in, d_mask, True, PAD_HEAD)
@@ -129,7 +145,9 @@ def _dkdv_program(
             off_h = off_hk * group_size + g
             drop_rows = (off_z * num_heads_q + off_h) * max_seqlen_q  # dropout counters: this head's rows
             m_off = tl.cast(start_m, tl.int64)
-            rows = start_m + offs_m
+            # a multiple of BLOCK_M (every non-empty run starts at one): with the stats'
+            # alignment, the per-row loads below are vectorized
+            rows = tl.max_contiguous(tl.multiple_of(start_m + offs_m, BLOCK_M), BLOCK_M)
             m_in = rows < seqlen_q
             q_ptrs = Q + off_z * stride_q[0] + off_h * stride_q[1] + rows0 * stride_q[2] + offs_d[None, :]
             do_ptrs = DO + off_z * stride_do[0] + off_h * stride_do[1] + rows0 * stride_do[2] + offs_dv[None, :]
@@ -141,13 +159,13 @@ def _dkdv_program(
                               PAD_HEAD)  # [BLOCK_M, BLOCK_D]
                 do = load_rows(do_ptrs, m_off, stride_do[2], m_in, dv_mask, run != (0 if MASK != MASK_NONE else 1),
                                PAD_HEAD)  # [BLOCK_M, BLOCK_DV]
-            lse_ptr = Lse + off_z * stride_l[0] + off_h * stride_l[1] + q_start
+            lse_ptr = Lse2 + off_z * stride_l[0] + off_h * stride_l[1] + q_start
             delta_ptr = Delta + off_z * stride_l[0] + off_h * stride_l[1] + q_start
-            if run != (0 if MASK != MASK_NONE else 1):
-                lse = tl.load(lse_ptr + rows, mask=m_in, other=float("inf"))
+            if VARLEN and run != (0 if MASK != MASK_NONE else 1):
+                lse2 = tl.load(lse_ptr + rows, mask=m_in, other=float("inf"))
                 delta = tl.load(delta_ptr + rows, mask=m_in, other=0.0)
-            else:
-                lse = tl.load(lse_ptr + rows)
+            else:  # the stats' padding rows hold lse +inf (p = 0) and delta 0
+                lse2 = tl.load(lse_ptr + rows)
                 delta = tl.load(delta_ptr + rows)
             # [BLOCK_N, BLOCK_M]: keys down, queries across
             s_t = mma(k, tl.trans(q), tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32), PRECISION) * qk_scale
@@ -157,7 +175,7 @@ def _dkdv_program(
                              + offs_n[:, None].to(tl.int64) * stride_b[3])
                 bias_t = tl.load(bias_ptrs, mask=n_in[:, None] & m_in[None, :], other=0.0)
                 s_t += bias_t.to(tl.float32) * LOG2E
-            p_t = tl.exp2(s_t - (lse * LOG2E)[None, :])
+            p_t = tl.exp2(s_t - lse2[None, :])
             if run != (0 if MASK != MASK_NONE else 1):
                 keep = visible(offs_n, rows, seqlen_q, -diag, window_right, window_left, MASK)
                 p_t = tl.where(keep, p_t, 0.0)
@@ -176,7 +194,8 @@ def _dkdv_program(
                 # and p = exp2(-lse2), unmasked: a row whose lse is very negative (it sees one key
                 # with a large negative score) overflows fp16 there, and inf * (k = 0) is NaN in dQ.
                 # dK/dV drop those rows at the store; dQ sums over them, so they are zeroed here.
-                ds_t = tl.where(n_in[:, None], ds_t, 0.0)
+                if tail:
+                    ds_t = tl.where(n_in[:, None], ds_t, 0.0)
                 dq = mma(tl.trans(ds_t.to(k.dtype)), k, tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32), PRECISION)
                 dq_ptrs = DQ + off_z * stride_dq[0] + off_h * stride_dq[1] + rows0 * stride_dq[2] + offs_d[None, :]
                 tl.atomic_add(dq_ptrs + m_off * stride_dq[2], dq * dq_scale,
@@ -201,7 +220,7 @@ def _dkdv_program(
 @triton.jit
 def _dq_program(
     pid_m, off_h, off_z,
-    Q, K, V, DO, DQ, Lse, Delta, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+    Q, K, V, DO, DQ, Lse2, Delta, CuSeqlensQ, CuSeqlensK, Bias, DBias,
     stride_q, stride_k, stride_v, stride_do, stride_l, stride_dq, stride_b, stride_db,
     max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
     window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
@@ -237,8 +256,7 @@ def _dq_program(
                   0, 0, m_in, d_mask, True, PAD_HEAD)
     do = load_rows(DO + off_z * stride_do[0] + off_h * stride_do[1] + rows * stride_do[2] + offs_dv[None, :],
                    0, 0, m_in, dv_mask, True, PAD_HEAD)
-    lse_ptr = Lse + off_z * stride_l[0] + off_h * stride_l[1] + q_start + offs_m
-    lse2 = tl.load(lse_ptr, mask=m_in, other=float("inf")) * LOG2E
+    lse2 = tl.load(Lse2 + off_z * stride_l[0] + off_h * stride_l[1] + q_start + offs_m, mask=m_in, other=float("inf"))
     delta = tl.load(Delta + off_z * stride_l[0] + off_h * stride_l[1] + q_start + offs_m, mask=m_in, other=0.0)
     if DROPOUT:  # ds = p (z dp - delta) / (1 - p), summed as p (z dp - delta (1 - p)): dQ is scaled at the end
         delta = delta / dropout_scale
@@ -304,11 +322,11 @@ def _dq_program(
 
 @triton.jit
 def attn_bwd_dkdv(
-    Q, K, V, DO, DK, DV, Lse, Delta, CuSeqlensQ, CuSeqlensK, Bias,
+    Q, K, V, DO, DK, DV, Stats, CuSeqlensQ, CuSeqlensK, Bias,
     stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
     stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
-    stride_lz, stride_lh, stride_bz, stride_bh, stride_bm, stride_bn,
+    stride_sz, stride_sh, stride_sp, stride_bz, stride_bh, stride_bm, stride_bn,
     max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
     window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
     MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
@@ -323,10 +341,10 @@ def attn_bwd_dkdv(
     qdo_bytes = tl.cast(max_seqlen_q, tl.int64) * (head_dim + head_dim_v) * 2 * group_size
     pid_n, off_hk, off_z = program_order(qdo_bytes, MASK)
     _dkdv_program(pid_n, off_hk.to(tl.int64), off_z.to(tl.int64),
-                  Q, K, V, DO, DK, DV, Lse, Delta, DK, CuSeqlensQ, CuSeqlensK, Bias, DK,
+                  Q, K, V, DO, DK, DV, Stats + stride_sp, Stats, DK, CuSeqlensQ, CuSeqlensK, Bias, DK,
                   (stride_qz, stride_qh, stride_qm), (stride_kz, stride_kh, stride_kn),
                   (stride_vz, stride_vh, stride_vn), (stride_doz, stride_doh, stride_dom),
-                  (stride_dkz, stride_dkh, stride_dkn), (stride_dvz, stride_dvh, stride_dvn), (stride_lz, stride_lh),
+                  (stride_dkz, stride_dkh, stride_dkn), (stride_dvz, stride_dvh, stride_dvn), (stride_sz, stride_sh),
                   no_stride, (stride_bz, stride_bh, stride_bm, stride_bn), no_stride,
                   max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
                   window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
@@ -335,10 +353,10 @@ def attn_bwd_dkdv(
 
 @triton.jit
 def attn_bwd_dq(
-    Q, K, V, DO, DQ, Lse, Delta, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+    Q, K, V, DO, DQ, Stats, CuSeqlensQ, CuSeqlensK, Bias, DBias,
     stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
-    stride_dqz, stride_dqh, stride_dqm, stride_lz, stride_lh,
+    stride_dqz, stride_dqh, stride_dqm, stride_sz, stride_sh, stride_sp,
     stride_bz, stride_bh, stride_bm, stride_bn, stride_dbz, stride_dbh, stride_dbm,
     max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
     window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
@@ -351,9 +369,9 @@ def attn_bwd_dq(
     kv_bytes = tl.cast(max_seqlen_k, tl.int64) * (head_dim + head_dim_v) * 2 // group_size  # as the forward
     rank, off_h, off_z = program_order(kv_bytes, MASK)
     _dq_program(rank, off_h, off_z.to(tl.int64),
-                Q, K, V, DO, DQ, Lse, Delta, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+                Q, K, V, DO, DQ, Stats + stride_sp, Stats, CuSeqlensQ, CuSeqlensK, Bias, DBias,
                 (stride_qz, stride_qh, stride_qm), (stride_kz, stride_kh, stride_kn),
-                (stride_vz, stride_vh, stride_vn), (stride_doz, stride_doh, stride_dom), (stride_lz, stride_lh),
+                (stride_vz, stride_vh, stride_vn), (stride_doz, stride_doh, stride_dom), (stride_sz, stride_sh),
                 (stride_dqz, stride_dqh, stride_dqm), (stride_bz, stride_bh, stride_bm, stride_bn),
                 (stride_dbz, stride_dbh, stride_dbm),
                 max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
@@ -363,12 +381,12 @@ def attn_bwd_dq(
 
 @triton.jit
 def attn_bwd_fused(
-    Q, K, V, DO, DQ, DK, DV, Lse, Delta, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+    Q, K, V, DO, DQ, DK, DV, Stats, CuSeqlensQ, CuSeqlensK, Bias, DBias,
     stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
     stride_dqz, stride_dqh, stride_dqm,
     stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
-    stride_lz, stride_lh, stride_bz, stride_bh, stride_bm, stride_bn, stride_dbz, stride_dbh, stride_dbm,
+    stride_sz, stride_sh, stride_sp, stride_bz, stride_bh, stride_bm, stride_bn, stride_dbz, stride_dbh, stride_dbm,
     max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
     window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
     MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
@@ -387,12 +405,13 @@ def attn_bwd_fused(
     off_z = tl.program_id(2).to(tl.int64)
     stride_q, stride_k = (stride_qz, stride_qh, stride_qm), (stride_kz, stride_kh, stride_kn)
     stride_v, stride_do = (stride_vz, stride_vh, stride_vn), (stride_doz, stride_doh, stride_dom)
-    stride_dq, stride_l = (stride_dqz, stride_dqh, stride_dqm), (stride_lz, stride_lh)
+    stride_dq, stride_l = (stride_dqz, stride_dqh, stride_dqm), (stride_sz, stride_sh)
+    Lse2, Delta = Stats + stride_sp, Stats
     stride_b, stride_db = (stride_bz, stride_bh, stride_bm, stride_bn), (stride_dbz, stride_dbh, stride_dbm)
     num_n_blocks = (max_seqlen_k + BLOCK_N - 1) // BLOCK_N
     if ATOMIC_DQ or pid < num_n_blocks:
         _dkdv_program(pid, off_hk, off_z,
-                      Q, K, V, DO, DK, DV, Lse, Delta, DQ, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+                      Q, K, V, DO, DK, DV, Lse2, Delta, DQ, CuSeqlensQ, CuSeqlensK, Bias, DBias,
                       stride_q, stride_k, stride_v, stride_do, (stride_dkz, stride_dkh, stride_dkn),
                       (stride_dvz, stride_dvh, stride_dvn), stride_l, stride_dq, stride_b, stride_db,
                       max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale,
@@ -404,7 +423,7 @@ def attn_bwd_fused(
         num_m_blocks = (max_seqlen_q + BLOCK_M - 1) // BLOCK_M
         rest = pid - num_n_blocks
         _dq_program(rest % num_m_blocks, off_hk * group_size + rest // num_m_blocks, off_z,
-                    Q, K, V, DO, DQ, Lse, Delta, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+                    Q, K, V, DO, DQ, Lse2, Delta, CuSeqlensQ, CuSeqlensK, Bias, DBias,
                     stride_q, stride_k, stride_v, stride_do, stride_l, stride_dq, stride_b, stride_db,
                     max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale,
                     qk_scale, window_left, window_right, dropout_threshold, dropout_scale, philox_seed,

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# A/B of a kernel change on the H200 in one device call: perfmon from images for the working
+# tree ("new", every provider timed beside it), then for the tree with PATCH reversed ("base",
+# aotattn only unless BASE_PEERS=1), then `perfdb compare base new`. PATCH is the change as
+# `git diff` writes it (make it with `git diff HEAD > ab.patch`; an untracked file travels to
+# the device). The tree is left with the patch reversed: run this last in a device call.
+#
+#   bash benchmarks/ab_patch.sh ab.patch -g dense -g gqa -m '*bf16*'
+#
+# Environment: NEW_S (300) and BASE_S (150): each run's --deadline; NEW_TAG, BASE_TAG.
+# What comes back under $OUT: both perfdb files, the comparison, the logs (one archive).
+set -uo pipefail
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+patch_file=$1; shift
+select=("$@")
+day=$(date -u +%Y%m%d)
+new_tag=${NEW_TAG:-h200-$day-new}; base_tag=${BASE_TAG:-h200-$day-base}
+t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+aot() { python -m aotattn.cli "$@"; }
+nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+patch -p1 --dry-run -R < "$patch_file" > /dev/null || { echo "ab_patch: $patch_file does not reverse on this tree"; exit 2; }
+
+run_variant() {  # name tag deadline peers...
+  local name=$1 tag=$2 deadline=$3; shift 3
+  aot perfmon images --arch sm_90 --out "build/img-$name" --cache build/cache --jobs "$(nproc)" "${select[@]}" \
+    > "$OUT/images-$name.log" 2>&1
+  stamp "images $name: $(tail -n 1 "$OUT/images-$name.log")"
+  AOTATTN_IMAGES=$PWD/build/img-$name timeout $(( deadline + 120 )) python -m aotattn.cli perfmon run --tag "$tag" \
+    --out "$OUT/$tag.txt" --deadline "$deadline" "$@" "${select[@]}" > "$OUT/run-$name.log" 2>&1
+  stamp "perfmon $name: $(grep -E 'entries in' "$OUT/run-$name.log" | tail -n 1)"
+}
+
+run_variant new "$new_tag" "${NEW_S:-300}"
+patch -p1 -R < "$patch_file" > "$OUT/patch.log" 2>&1 || { stamp "patch -R failed"; cat "$OUT/patch.log"; }
+if [ "${BASE_PEERS:-0}" = 1 ]; then run_variant base "$base_tag" "${BASE_S:-150}"
+else run_variant base "$base_tag" "${BASE_S:-150}" --no-peers; fi
+{ aot perfdb compare "$OUT/$base_tag.txt" "$OUT/$new_tag.txt"; aot perfdb summary "$OUT/$new_tag.txt"
+  aot perfdb faults "$OUT/$new_tag.txt"; } > "$OUT/compare.log" 2>&1
+grep -E "regression|improvement\(s\)" "$OUT/compare.log" | tail -n 3
+(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log)
+ls "$OUT"
