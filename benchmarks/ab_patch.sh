@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# A/B of a kernel change on the H200 in one device call: perfmon from images for the working
-# tree ("new", every provider timed beside it), then for the tree with PATCH reversed ("base",
-# aotattn only unless BASE_PEERS=1), then `perfdb compare base new`. PATCH is the change as
-# `git diff` writes it (make it with `git diff HEAD > ab.patch`; an untracked file travels to
-# the device). The tree is left with the patch reversed: run this last in a device call.
+# A/B of a kernel change on the H200 in one device call: perfmon from images for the tree
+# with PATCH reversed ("base"), then for the working tree ("new"), then `perfdb compare base
+# new`. Both runs time the same providers: aotattn alone, or every peer with PEERS=1 (twice
+# the time). The tenth session's run of new with peers against base without read the long
+# d256 forward entries 4-7% apart with unchanged code (RESULTS.md): compare like with like.
+# PATCH is the change as `git diff` writes it (`git diff HEAD~1 > ab.patch`; an untracked
+# file travels to the device); the tree ends as it started.
 #
 #   bash benchmarks/ab_patch.sh ab.patch -g dense -g gqa -m '*bf16*'
 #
-# Environment: NEW_S (300) and BASE_S (150): each run's --deadline; NEW_TAG, BASE_TAG.
+# Environment: PEERS (0), BASE_S and NEW_S (150 each): each run's --deadline; BASE_TAG, NEW_TAG.
 # What comes back under $OUT: both perfdb files, the comparison, the logs (one archive).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -31,10 +33,11 @@ run_variant() {  # name tag deadline peers...
   stamp "perfmon $name: $(grep -E 'entries in' "$OUT/run-$name.log" | tail -n 1)"
 }
 
-run_variant new "$new_tag" "${NEW_S:-300}"
-patch -p1 -R < "$patch_file" > "$OUT/patch.log" 2>&1 || { stamp "patch -R failed"; cat "$OUT/patch.log"; }
-if [ "${BASE_PEERS:-0}" = 1 ]; then run_variant base "$base_tag" "${BASE_S:-150}"
-else run_variant base "$base_tag" "${BASE_S:-150}" --no-peers; fi
+patch -p1 -R < "$patch_file" > "$OUT/patch.log" 2>&1 || { stamp "patch -R failed"; cat "$OUT/patch.log"; exit 2; }
+peers=(--no-peers); [ "${PEERS:-0}" = 1 ] && peers=()
+run_variant base "$base_tag" "${BASE_S:-150}" "${peers[@]}"
+patch -p1 < "$patch_file" >> "$OUT/patch.log" 2>&1 || { stamp "patch failed"; cat "$OUT/patch.log"; exit 2; }
+run_variant new "$new_tag" "${NEW_S:-150}" "${peers[@]}"
 { aot perfdb compare "$OUT/$base_tag.txt" "$OUT/$new_tag.txt"; aot perfdb summary "$OUT/$new_tag.txt"
   aot perfdb faults "$OUT/$new_tag.txt"; } > "$OUT/compare.log" 2>&1
 grep -E "regression|improvement\(s\)" "$OUT/compare.log" | tail -n 3
