@@ -160,9 +160,17 @@ def floor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
         return math.sqrt((products.sum() + variance(unrounded).sum()).item())
 
     # P's exponent is an fp32 number in the log2 domain: half an ulp of |s log2(e)| (and, in
-    # the backward, of |lse log2(e)|) is an error of P that no rounding to the dtype shows
+    # the backward, of |lse log2(e)|) is an error of P that no rounding to the dtype shows;
+    # so are the fp32 constant scale * log2(e) the scores are multiplied by, off by up to
+    # u32 of itself (one error for the whole call, sized here as if drawn per element),
+    # and the scores' own fp32 sums, which the kernel adds in another order than the fp32
+    # product above (about u32 times the sum of |terms|, as for dP below). Only fp32
+    # inputs see these: 16-bit ones round P itself 2^13 times more coarsely.
+    u32 = torch.finfo(fp32).eps / 2
     finite = torch.where(keep, scores, 0.0)
-    exponent = _rounding_variance(finite * LOG2E, fp32) * LN2**2
+    score_sums = torch.where(keep, torch.einsum("bqhd,bkhd->bhqk", q64.abs(), kk.abs()) * abs(scale), 0.0)
+    exponent = (_rounding_variance(finite * LOG2E, fp32)
+                + ((finite.square() + score_sums.square()) * (LOG2E * u32) ** 2) / 3) * LN2**2
     p_var = (variance(p * z) + (p * z).square() * exponent) * keep_scale**2
     noises = {"out": noise(torch.einsum("bhqk,bkhd->bqhd", p_var, vv.square()), out_unrounded)}
     if dout is None:
@@ -179,8 +187,9 @@ def floor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     dk = scale * _by_key_head(torch.einsum("bhqk,bqhd->bkhd", ds, q64), heads_k)
     # dS_ij = P_ij (dP_ij - delta_i): P's exponent, dP's and delta's fp32 sums (about u32 times
     # the sum of |terms| each) and the output's rounding, through delta, all reach it
-    exponent = exponent + _rounding_variance(lse.masked_fill(empty, 0.0) * LOG2E, fp32) * LN2**2
-    u32 = torch.finfo(fp32).eps / 2
+    # the saved lse is the forward's base-2 value times ln 2 and the backward's times log2(e):
+    # two roundings at |lse log2(e)| (the fp32 store itself is in ``lse`` above)
+    exponent = exponent + 2 * _rounding_variance(lse.masked_fill(empty, 0.0) * LOG2E, fp32) * LN2**2
     dp_sum = torch.einsum("bqhd,bkhd->bhqk", do.abs(), vv.abs()) * u32
     delta_sum = (do.abs() * out.abs()).sum(-1).transpose(1, 2)[..., None] * u32
     p2 = (variance(p * z) + (p * z).square() * exponent) * keep_scale**2
@@ -228,7 +237,11 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: to
 # at most 1.3 in fp16, 1.8 in fp32 and 1.7 in bf16 on the CPU, where Triton's interpreter
 # converts fp32 to bf16 by truncation (the floor's expected error models that; the GPU
 # rounds to nearest). fp32 keeps a wider margin for the GPU's approximate exp2 (~2 ulp),
-# which the floor does not model. SLACK covers quantities whose floor is 0.
+# which the floor does not model. SLACK covers quantities whose floor is 0. The fp32
+# figure predates the floor's exponent terms for fp32 (the scores' sums and the
+# scale * log2(e) constant, 2026-12-01): without them an fp32 problem at magnitude 4 with
+# dropout 0.9 read dV at 3.6x the floor (median over 20 masks, up to 8.9); with them 1.1
+# (up to 1.6). fp16 and bf16 floors are unchanged by those terms.
 SLACK = 1e-6
 
 
