@@ -91,9 +91,7 @@ def philox(seed, offset, idx):
 @triton.jit
 def _mulhilo(a, M: tl.constexpr):
     """The high and the low 32-bit halves of ``a * M`` (Philox's two multipliers)."""
-    if _INTERPRETED:
-        return tl.umulhi(a, tl.cast(M, tl.uint32)), a * tl.cast(M, tl.uint32)
-    elif _nvidia():
+    if not _INTERPRETED and _nvidia():  # constexprs: the interpreter never asks _nvidia()
         # One mul.wide (sm_90: IMAD.WIDE.U32) for both halves, where umulhi and the low
         # product are two instructions. In Triton the 64-bit product (a.to(tl.uint64) * M)
         # would do it too, but its 64-bit ops stop Triton giving the whole Philox chain the
@@ -171,9 +169,7 @@ def _halves(word):
 def drop(x, draws, threshold):
     """fp32 ``x`` where its draw (:func:`dropout_draws`) is >= ``threshold``, else 0."""
     t = tl.cast(threshold, tl.int32)
-    if _INTERPRETED:
-        return tl.where(draws >= t, x, 0.0)
-    elif _nvidia():
+    if not _INTERPRETED and _nvidia():
         # One compare and one select per element on the fp32 value. LLVM moves a select
         # past the bf16 rounding that follows it, onto the packed halves, where each
         # element then costs two byte permutes more (sm_90).
