@@ -22,7 +22,8 @@ import pytest
 import torch
 
 import aotattn
-from aotattn.families.flash import rules
+from aotattn.families.flash import planning, rules
+from aotattn.families.flash.checks import check_flash
 from aotattn.runtime import launch
 from aotattn.spec import Functional, LaunchPlan
 from tests import adiffs
@@ -166,6 +167,37 @@ def test_delta_is_fp32_accurate(request, device, dtype, head_dim_v):
     assert err < 1e-5, f"delta: max error {err:.2e} of sum |dO * O| (fp32 accumulation gives ~1e-7)"
     torch.testing.assert_close(stats[1, ..., :seqlen], lse * math.log2(math.e), rtol=1e-6, atol=0)
     assert (stats[0, ..., seqlen:] == 0).all() and (stats[1, ..., seqlen:] == math.inf).all(), "padding rows"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("head_dim, causal", [(64, True), (72, False), (256, True)])
+def test_split_dq_kernel_writes_the_preprocess_stats(request, device, dtype, head_dim, causal):
+    """The split backend launches no preprocess: its dQ kernel, launched first, writes the
+    stats the dK/dV kernel reads. They must be the preprocess's: delta to fp32 accuracy
+    (the sums may run in another order), lse in base 2 exactly, and every padding row up
+    to the stats' rounded length (delta 0, lse +inf), past the dQ kernel's last block of
+    rows too, since dK/dV reads them without a mask in larger blocks."""
+    seed_from(request.node.name)
+    batch, seqlen, heads = _gpu_or_cpu(device, (2, 37, 3), (3, 3001, 4))
+    q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device=device).to(dtype) for _ in range(4))
+    p = check_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=causal, window_size=(-1, -1),
+                    diagonal="bottom_right")
+    c = planning.new_call(p, q, k, v)
+    out = torch.empty_like(q)
+    lse = planning.run_forward(c, q, k, v, out)
+    stats, dq, dk, dv, _ = planning.backward_buffers(c, q, k, v, "split", False)
+    stats.fill_(math.nan)
+    plans = planning.backward_plans(c, dout, q, k, v, out, lse, stats, dq, dk, dv, None, "split", False)
+    assert [plan.kernel.name for plan in plans] == ["attn_bwd_dq", "attn_bwd_dkdv"]
+    launch(plans[0])
+    expected = _preprocess(out, dout, lse)
+    assert stats.shape == expected.shape and not stats.isnan().any(), "every row of the stats is written"
+    products = (out.double() * dout.double()).transpose(1, 2)
+    err = ((stats[0, ..., :seqlen].double() - products.sum(-1)).abs() / products.abs().sum(-1)).max().item()
+    assert err < 1e-5, f"delta: max error {err:.2e} of sum |dO * O|"
+    assert torch.equal(stats[1], expected[1]), "lse in base 2, padding rows +inf"
+    assert (stats[0, ..., seqlen:] == 0).all(), "padding rows hold delta 0"
 
 
 @pytest.mark.parametrize("window", [(-2, 0), (0, -2), (-2, -2), (-1, -2), (-2, -1), (-7, 3), (3, -9)])

@@ -59,9 +59,13 @@ def test_plans_bind_every_argument_of_their_kernel(backend, deterministic):
     dq = torch.empty_like(q, dtype=torch.float32 if backend == "fused" and not deterministic else q.dtype)
     plans = planning.backward_plans(c, torch.randn_like(q), q, k, v, out, lse, torch.empty(2, 4, 8), dq,
                                     torch.empty_like(k), torch.empty_like(v), None, backend, deterministic)
-    assert [pl.kernel.name for pl in plans][0] == rules.ATTN_BWD_PREPROCESS.name
+    # split: dQ writes the stats, then dK/dV reads them; fused: the preprocess writes them
+    first = rules.ATTN_BWD_DQ if backend == "split" else rules.ATTN_BWD_PREPROCESS
+    assert [pl.kernel.name for pl in plans][0] == first.name
     for plan in [fwd, *plans]:
         assert len(plan.args) == len(plan.kernel.arguments)
         named = dict(zip(plan.kernel.argument_names, plan.args))
         if "stride_vn" in named:
             assert named["stride_vn"] == v.stride(1) != k.stride(1)
+        if "Out" in named and plan is not fwd:  # the stats' writer reads the forward's output and lse
+            assert named["Out"] is out and named["Lse"] is lse and named["stride_lh"] == lse.stride(1)

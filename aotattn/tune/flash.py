@@ -253,8 +253,9 @@ class Problem:
 
     # ------------------------------------------------------------------ inputs
     def refill(self) -> None:
-        """Fresh random q, k, v, dO; then the forward's out and lse and the preprocess's
-        stats (delta, lse in base 2) the backward kernels read (with the database's configurations)."""
+        """Fresh random q, k, v, dO; then the forward's out and lse and the stats (delta, lse
+        in base 2) the backward kernels read, from the backend's first launch (split: the dQ
+        kernel, fused: the preprocess), with the database's configurations."""
         for t in (self.q, self.k, self.v, self.dout):
             t.normal_(generator=self.generator)
         if self.kernel != "attn_fwd":
@@ -378,6 +379,8 @@ def auxiliary(table: str, functional: Functional) -> list[tuple[str, Functional]
     if kernel == "attn_fwd":
         return _mask_kernel(f)
     pairs += [("flash.attn_fwd", forward), ("flash.attn_bwd_preprocess", pre)]
+    if kernel == "attn_bwd_dkdv":  # the split backend's dQ kernel writes the stats dK/dV reads
+        pairs.append(("flash.attn_bwd_dq", attention))
     if kernel == "backward":
         pairs += [("flash.attn_bwd_dkdv", attention), ("flash.attn_bwd_dq", attention),
                   ("flash.attn_bwd_fused", {**attention, "ATOMIC_DQ": not f["DETERMINISTIC"]})]

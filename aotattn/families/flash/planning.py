@@ -172,9 +172,10 @@ STATS_ROWS = 128  # every backward BLOCK_M divides it: a block of rows never run
 def row_stats(p: Problem, q: torch.Tensor) -> torch.Tensor:
     """The backward's per-row scratch (kernels/backward.py): ``(2, B, Hq, Sq rounded up to
     128)``, or ``(2, Hq, total_q rounded up to 16)`` under varlen; plane 0 delta, plane 1
-    lse in base 2, written by the preprocess. Rounded so that every row, head and plane
-    starts 16-aligned (vectorized loads) and, without varlen, a block of query rows never
-    reads past it (loads without a mask; the preprocess fills the padding)."""
+    lse in base 2, written by the preprocess (fused backend) or the dQ kernel (split).
+    Rounded so that every row, head and plane starts 16-aligned (vectorized loads) and,
+    without varlen, a block of query rows never reads past it (loads without a mask; the
+    writer fills the padding)."""
     if p.varlen:
         shape = (2, p.heads_q, _cdiv(q.shape[0], 16) * 16)
     else:
@@ -215,7 +216,8 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                    out: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor, dq: torch.Tensor,
                    dk: torch.Tensor, dv: torch.Tensor, dbias: torch.Tensor | None, backend: str,
                    deterministic: bool, configs: Mapping[str, Config] | None = None) -> list[LaunchPlan]:
-    """The launches of one backward pass, in order: preprocess, then the backend's kernels.
+    """The launches of one backward pass, in order: split, dQ (which also writes the
+    stats) then dK/dV; fused, the preprocess (the stats) then the fused kernel.
 
     With ``backend="fused"`` and not ``deterministic``, ``dq`` must be a zeroed fp32
     buffer that the kernel accumulates into with atomics.
@@ -226,16 +228,6 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     p = c.p
     f = c.functional(backward=True)
     dev = q.device
-    # the preprocess is aligned exactly when the attention kernels are (dout was checked for it)
-    pre = rules.ATTN_BWD_PREPROCESS
-    pre_f = {"dtype": f["dtype"], "BLOCK_DV": f["BLOCK_DV"], "PAD_HEAD": f["PAD_HEAD"], "VARLEN": p.varlen}
-    # without varlen the preprocess fills every row of the stats, their padding too
-    stats_rows = p.seqlen_q if p.varlen else stats.shape[-1]
-    plans = [_plan(pre, pre_f, p, dev, configs.get(pre.name),
-                   lambda cfg: (_cdiv(stats_rows, cfg["BLOCK_M"]), p.heads_q, p.batch),
-                   dict(Out=out, DO=dout, Lse=lse, Stats=stats, CuSeqlensQ=c.sequences(dev)["CuSeqlensQ"],
-                        **c.tile_strides(pre, o=out, do=dout), **c.lse_strides(pre, lse),
-                        **c.stats_strides(pre, stats), max_seqlen_q=p.seqlen_q, head_dim_v=p.head_dim_v))]
 
     def args(kernel: KernelSpec, **outputs: torch.Tensor) -> dict:
         """What every backward kernel reads, plus the gradients it writes (and their strides)."""
@@ -253,23 +245,35 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 
     if backend == "split":
         dkdv, dq_kernel = rules.ATTN_BWD_DKDV, rules.ATTN_BWD_DQ
-        plans.append(_plan(dkdv, f, p, dev, configs.get(dkdv.name),
-                           lambda cfg: (_cdiv(p.seqlen_k, cfg["BLOCK_N"]), p.heads_k, p.batch),
-                           args(dkdv, DK=dk, DV=dv)))
-        plans.append(_plan(dq_kernel, f, p, dev, configs.get(dq_kernel.name),
-                           lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch),
-                           args(dq_kernel, DQ=dq, DBias=dbias)))
-    else:
-        fused = rules.ATTN_BWD_FUSED
+        # dQ first: its programs compute the stats of their rows, which dK/dV reads (without
+        # varlen the last block of rows also fills the padding, up to stats_rows)
+        return [_plan(dq_kernel, f, p, dev, configs.get(dq_kernel.name),
+                      lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch),
+                      dict(args(dq_kernel, DQ=dq, DBias=dbias), Out=out, Lse=lse, stats_rows=stats.shape[-1],
+                           **c.tile_strides(dq_kernel, o=out), **c.lse_strides(dq_kernel, lse))),
+                _plan(dkdv, f, p, dev, configs.get(dkdv.name),
+                      lambda cfg: (_cdiv(p.seqlen_k, cfg["BLOCK_N"]), p.heads_k, p.batch),
+                      args(dkdv, DK=dk, DV=dv))]
+    # the preprocess is aligned exactly when the attention kernels are (dout was checked for it)
+    pre = rules.ATTN_BWD_PREPROCESS
+    pre_f = {"dtype": f["dtype"], "BLOCK_DV": f["BLOCK_DV"], "PAD_HEAD": f["PAD_HEAD"], "VARLEN": p.varlen}
+    # without varlen the preprocess fills every row of the stats, their padding too
+    stats_rows = p.seqlen_q if p.varlen else stats.shape[-1]
+    plans = [_plan(pre, pre_f, p, dev, configs.get(pre.name),
+                   lambda cfg: (_cdiv(stats_rows, cfg["BLOCK_M"]), p.heads_q, p.batch),
+                   dict(Out=out, DO=dout, Lse=lse, Stats=stats, CuSeqlensQ=c.sequences(dev)["CuSeqlensQ"],
+                        **c.tile_strides(pre, o=out, do=dout), **c.lse_strides(pre, lse),
+                        **c.stats_strides(pre, stats), max_seqlen_q=p.seqlen_q, head_dim_v=p.head_dim_v))]
+    fused = rules.ATTN_BWD_FUSED
 
-        def grid(cfg: Config) -> tuple[int, int, int]:
-            programs = _cdiv(p.seqlen_k, cfg["BLOCK_N"])
-            if deterministic:
-                programs += p.group_size * _cdiv(p.seqlen_q, cfg["BLOCK_M"])
-            return programs, p.heads_k, p.batch
+    def grid(cfg: Config) -> tuple[int, int, int]:
+        programs = _cdiv(p.seqlen_k, cfg["BLOCK_N"])
+        if deterministic:
+            programs += p.group_size * _cdiv(p.seqlen_q, cfg["BLOCK_M"])
+        return programs, p.heads_k, p.batch
 
-        plans.append(_plan(fused, {**f, "ATOMIC_DQ": not deterministic}, p, dev, configs.get(fused.name), grid,
-                           args(fused, DQ=dq, DK=dk, DV=dv, DBias=dbias)))
+    plans.append(_plan(fused, {**f, "ATOMIC_DQ": not deterministic}, p, dev, configs.get(fused.name), grid,
+                       args(fused, DQ=dq, DK=dk, DV=dv, DBias=dbias)))
     return plans
 
 

@@ -235,9 +235,10 @@ ATTN_BWD_DQ = _attention_kernel(
     "attn_bwd_dq", BACKWARD_MODULE,
     (
         _tile("Q"), _tile("K"), _tile("V"), _tile("DO"),
-        _tile("DQ"), _STATS, *_SEQUENCES,
+        _tile("DQ"), _tile("Out"), Arg("Lse", "*fp32"), _STATS, *_SEQUENCES,
         Arg("Bias", "*{dtype}"), Arg("DBias", "*fp32"),
-        *_QKV_DO_STRIDES, *_DQ_STRIDES, *_STATS_STRIDES, *_BIAS_STRIDES, *_DBIAS_STRIDES, *_BWD_SCALARS,
+        *_QKV_DO_STRIDES, *_DQ_STRIDES, *_tile_strides("stride_oz", "stride_oh", "stride_om"), *_LSE_STRIDES,
+        *_STATS_STRIDES, Arg("stats_rows", _I32), *_BIAS_STRIDES, *_DBIAS_STRIDES, *_BWD_SCALARS,
     ),
     _BWD_AXES, chosen_by=_SPLIT, tuning_space=_BWD_TUNING, knob_defaults=_BWD_KNOB_DEFAULTS,
 )

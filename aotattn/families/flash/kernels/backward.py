@@ -1,4 +1,5 @@
-"""The backward kernels: delta, then dK/dV and dQ (split backend) or all three in one launch.
+"""The backward kernels: dQ with the per-row stats, then dK/dV (split backend), or the
+stats' preprocess, then all three gradients in one launch (fused).
 
 With p = exp(s - lse) recomputed from the saved lse, z the keep-mask, r = 1 / (1 - p_drop)
 and delta_i = sum_d dO[i, d] * O[i, d]:
@@ -11,7 +12,8 @@ block and loop over its keys. Both split the loop into the three runs of
 :func:`.common.key_blocks` (masked edges, unmasked interior). Fully masked rows have
 lse = +inf, so p = 0 and every gradient they touch is exactly 0.
 
-The preprocess also writes what the loops read per query row into one fp32 scratch,
+Before the key-major loops run, what they read per query row is written into one fp32 scratch
+(by the preprocess; in the split backend by the dQ kernel, launched first),
 ``Stats`` ``(2, B, Hq, Sq rounded up to 128)`` (``(2, Hq, total_q rounded up to 16)``
 under varlen): plane 0 delta, plane 1 the log-sum-exp in base 2 (``lse * log2(e)``, one
 multiply fewer per row and step), rows past a sequence holding delta 0 and lse +inf.
@@ -224,13 +226,20 @@ def _dq_program(
     stride_q, stride_k, stride_v, stride_do, stride_l, stride_dq, stride_b, stride_db,
     max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
     window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
+    Out, Lse, stride_o, stride_lse, stats_rows,
     MASK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAD_HEAD: tl.constexpr,
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
+    STATS: tl.constexpr,
 ):
     """dQ (and dBias) of BLOCK_M query rows of one query head: under a mask, ``pid_m`` is
     a rank, 0 for the last (costliest) block. TMA=1: the K and V tiles come through
-    tensor descriptors (padded-head variants ignore it)."""
+    tensor descriptors (padded-head variants ignore it).
+
+    STATS: the program computes its rows' stats from ``Out`` and ``Lse`` itself, as the
+    preprocess would, and writes them for the dK/dV kernel that runs after it (``Delta``
+    is the stats' plane 0, ``Lse2`` plane 1; ``stats_rows``: their padded row count).
+    Otherwise it reads them."""
     q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
                                                     VARLEN)
     num_m_blocks = (seqlen_q + BLOCK_M - 1) // BLOCK_M
@@ -256,8 +265,25 @@ def _dq_program(
                   0, 0, m_in, d_mask, True, PAD_HEAD)
     do = load_rows(DO + off_z * stride_do[0] + off_h * stride_do[1] + rows * stride_do[2] + offs_dv[None, :],
                    0, 0, m_in, dv_mask, True, PAD_HEAD)
-    lse2 = tl.load(Lse2 + off_z * stride_l[0] + off_h * stride_l[1] + q_start + offs_m, mask=m_in, other=float("inf"))
-    delta = tl.load(Delta + off_z * stride_l[0] + off_h * stride_l[1] + q_start + offs_m, mask=m_in, other=0.0)
+    stats = off_z * stride_l[0] + off_h * stride_l[1] + q_start + offs_m
+    if STATS:
+        # rows past the sequence: o = dO = 0 and lse +inf, so they store the padding's values
+        o = load_rows(Out + off_z * stride_o[0] + off_h * stride_o[1] + rows * stride_o[2] + offs_dv[None, :],
+                      0, 0, m_in, dv_mask, True, PAD_HEAD)
+        delta = row_sum(o.to(tl.float32) * do.to(tl.float32))
+        lse2 = tl.load(Lse + off_z * stride_lse[0] + off_h * stride_lse[1] + q_start + offs_m, mask=m_in,
+                       other=float("inf")) * LOG2E
+        store_mask = m_in if VARLEN else None  # without varlen the stats' padded rows take the block's tail
+        tl.store(Delta + stats, delta, mask=store_mask)
+        tl.store(Lse2 + stats, lse2, mask=store_mask)
+        if not VARLEN:
+            if start_m + BLOCK_M >= seqlen_q:  # the last block also fills the padding rows past it
+                for pad in range(start_m + BLOCK_M, stats_rows, BLOCK_M):
+                    tl.store(Delta + stats + (pad - start_m), tl.full((BLOCK_M,), 0.0, tl.float32))
+                    tl.store(Lse2 + stats + (pad - start_m), tl.full((BLOCK_M,), float("inf"), tl.float32))
+    else:
+        lse2 = tl.load(Lse2 + stats, mask=m_in, other=float("inf"))
+        delta = tl.load(Delta + stats, mask=m_in, other=0.0)
     if DROPOUT:  # ds = p (z dp - delta) / (1 - p), summed as p (z dp - delta (1 - p)): dQ is scaled at the end
         delta = delta / dropout_scale
     keys = k_start + offs_n[:, None]
@@ -333,8 +359,8 @@ def attn_bwd_dkdv(
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Split backend, first kernel: dK and dV; grid (n blocks, Hk, B). TMA: a tuning knob
-    (q and dO through tensor descriptors)."""
+    """Split backend, second kernel: dK and dV; grid (n blocks, Hk, B), reading the stats
+    the dQ kernel wrote. TMA: a tuning knob (q and dO through tensor descriptors)."""
     no_stride = (0, 0, 0)
     # what a key/value head's programs stream: q and dO of its query heads. Rank 0 is key
     # block 0, which the most queries see under a causal mask.
@@ -353,10 +379,11 @@ def attn_bwd_dkdv(
 
 @triton.jit
 def attn_bwd_dq(
-    Q, K, V, DO, DQ, Stats, CuSeqlensQ, CuSeqlensK, Bias, DBias,
+    Q, K, V, DO, DQ, Out, Lse, Stats, CuSeqlensQ, CuSeqlensK, Bias, DBias,
     stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
-    stride_dqz, stride_dqh, stride_dqm, stride_sz, stride_sh, stride_sp,
+    stride_dqz, stride_dqh, stride_dqm, stride_oz, stride_oh, stride_om, stride_lz, stride_lh,
+    stride_sz, stride_sh, stride_sp, stats_rows,
     stride_bz, stride_bh, stride_bm, stride_bn, stride_dbz, stride_dbh, stride_dbm,
     max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
     window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
@@ -364,8 +391,10 @@ def attn_bwd_dq(
     VARLEN: tl.constexpr, DROPOUT: tl.constexpr, BIAS: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Split backend, second kernel: dQ (and dBias); grid (m blocks, Hq, B). TMA: a tuning
-    knob (K and V through tensor descriptors)."""
+    """Split backend, first kernel: dQ (and dBias); grid (m blocks, Hq, B). It also computes
+    the per-row stats from ``Out`` and ``Lse`` and writes them (the preprocess's work, one
+    launch and one pass over O and dO fewer) for the dK/dV kernel launched after it.
+    TMA: a tuning knob (K and V through tensor descriptors)."""
     kv_bytes = tl.cast(max_seqlen_k, tl.int64) * (head_dim + head_dim_v) * 2 // group_size  # as the forward
     rank, off_h, off_z = program_order(kv_bytes, MASK)
     _dq_program(rank, off_h, off_z.to(tl.int64),
@@ -376,7 +405,8 @@ def attn_bwd_dq(
                 (stride_dbz, stride_dbh, stride_dbm),
                 max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale, qk_scale,
                 window_left, window_right, dropout_threshold, dropout_scale, philox_seed, philox_offset,
-                MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, BLOCK_M, BLOCK_N, TMA)
+                Out, Lse, (stride_oz, stride_oh, stride_om), (stride_lz, stride_lh), stats_rows,
+                MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, BLOCK_M, BLOCK_N, TMA, True)
 
 
 @triton.jit
@@ -427,5 +457,5 @@ def attn_bwd_fused(
                     stride_q, stride_k, stride_v, stride_do, stride_l, stride_dq, stride_b, stride_db,
                     max_seqlen_q, max_seqlen_k, num_heads_q, group_size, head_dim, head_dim_v, sm_scale,
                     qk_scale, window_left, window_right, dropout_threshold, dropout_scale, philox_seed,
-                    philox_offset,
-                    MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, BLOCK_M, BLOCK_N, 0)
+                    philox_offset, DQ, Lse2, stride_q, stride_l, 0,
+                    MASK, BLOCK_D, BLOCK_DV, PAD_HEAD, VARLEN, DROPOUT, BIAS, PRECISION, BLOCK_M, BLOCK_N, 0, False)
