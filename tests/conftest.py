@@ -9,6 +9,7 @@ from tests.mutants.loader import install_from_environment
 
 install_from_environment()
 
+import gc  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -56,3 +57,14 @@ def poison_allocations(monkeypatch):
     element a kernel leaves unwritten fails loudly instead of passing on stale zeros."""
     for owner, name in _FACTORIES:
         monkeypatch.setattr(owner, name, _poisoned(getattr(owner, name)))
+
+
+@pytest.fixture(autouse=True)
+def release_cached_gpu_memory():
+    """After each test, the memory its process's caching allocator keeps goes back to the
+    GPU: eight workers share one, and blocks cached by one worker's large test made
+    another's allocation fail (CUDA out of memory with 1-2 GiB allocated, H200 suite)."""
+    yield
+    if HAS_CUDA:
+        gc.collect()
+        torch.cuda.empty_cache()
