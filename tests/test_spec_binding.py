@@ -69,3 +69,12 @@ def test_plans_bind_every_argument_of_their_kernel(backend, deterministic):
             assert named["stride_vn"] == v.stride(1) != k.stride(1)
         if "Out" in named and plan is not fwd:  # the stats' writer reads the forward's output and lse
             assert named["Out"] is out and named["Lse"] is lse and named["stride_lh"] == lse.stride(1)
+
+
+def test_every_backward_row_block_divides_the_stats_rows():
+    """The stats' rows are rounded up to STATS_ROWS, and their writers (the preprocess, the
+    dQ kernel's padding loop) and readers (dK/dV without a mask) step in BLOCK_M: a
+    BLOCK_M the tuner may choose that did not divide it would read or write past them."""
+    for spec in (rules.ATTN_BWD_PREPROCESS, rules.ATTN_BWD_DKDV, rules.ATTN_BWD_DQ, rules.ATTN_BWD_FUSED):
+        blocks = dict(spec.tuning_space)["BLOCK_M"]
+        assert all(planning.STATS_ROWS % b == 0 for b in blocks), (spec.name, blocks)
