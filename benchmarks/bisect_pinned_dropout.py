@@ -19,9 +19,8 @@ import argparse
 
 import torch
 
-import aotattn
-from tests.helpers import exact_attention, floor_attention, floor_error, kernel_attention, multiple, rel_err
-from tests.test_fuzz import BACKENDS, PINNED_DROPOUT, inputs
+from tests.helpers import floor_error, multiple, rel_err
+from tests.test_fuzz import BACKENDS, PINNED_DROPOUT, dropout_results
 
 VARIANTS = {
     "pinned": {},
@@ -35,17 +34,8 @@ VARIANTS = {
 
 def ratios(problem: dict, dropout_p: float, backend: tuple[str, bool], device: str) -> dict[str, float]:
     """Each gradient's error over the test's bound (multiple x the floor's error)."""
-    s = problem["shape"]
     torch.manual_seed(problem["seed"])
-    q, k, v, dout = inputs(problem, device)
-    state = torch.get_rng_state()
-    kernel = kernel_attention(q, k, v, dout, backend=backend[0], deterministic=backend[1], dropout_p=dropout_p,
-                              **problem["mask"])
-    torch.set_rng_state(state)
-    keep = aotattn.dropout_mask(s["batch"], s["heads_q"], s["seqlen_q"], s["seqlen_k"], dropout_p, device=device)
-    dropped = dict(dropout_mask=keep, dropout_p=dropout_p)
-    floor = floor_attention(q, k, v, dout, **problem["mask"], **dropped)
-    exact = exact_attention(q, k, v, dout, **problem["mask"], **dropped)
+    kernel, floor, exact = dropout_results(dict(problem, backend=backend), dropout_p, device)
     times = multiple(problem["dtype"], device)
     return {name: rel_err(kernel.get(name), exact.get(name)) / (times * floor_error(floor, exact, name))
             for name in ("out", "dq", "dk", "dv")}

@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import aotattn
-from tests.helpers import DEVICES, assert_within_floor, exact_attention, floor_attention, kernel_attention
+from tests.helpers import DEVICES, Results, assert_within_floor, exact_attention, floor_attention, kernel_attention
 
 # the largest lengths and head dims drawn, per device (the interpreter is slow)
 LIMITS = {"cpu": {"seqlen": 40, "head_dim": 80}, "cuda": {"seqlen": 3000, "head_dim": 256}}
@@ -121,6 +121,12 @@ def test_pinned_dropout_problems(device, backend, index):
 
 
 def check_dropout_problem(problem: dict, dropout_p: float, device: str) -> None:
+    assert_within_floor(*dropout_results(problem, dropout_p, device), problem["dtype"], device)
+
+
+def dropout_results(problem: dict, dropout_p: float, device: str) -> tuple[Results, Results, Results]:
+    """(kernel, floor, exact) of a dropout problem, the floor and the reference under the
+    keep-mask the call reports."""
     s = problem["shape"]
     q, k, v, dout = inputs(problem, device)
     backend, deterministic = problem["backend"]
@@ -132,4 +138,4 @@ def check_dropout_problem(problem: dict, dropout_p: float, device: str) -> None:
     dropped = dict(dropout_mask=keep, dropout_p=dropout_p)
     floor = floor_attention(q, k, v, dout, **problem["mask"], **dropped)
     exact = exact_attention(q, k, v, dout, **problem["mask"], **dropped)
-    assert_within_floor(kernel, floor, exact, problem["dtype"], device)
+    return kernel, floor, exact

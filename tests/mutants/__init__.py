@@ -110,13 +110,12 @@ MUTANTS = (
         "(m_i + tl.log2(tl.where(empty, 1.0, l_i))))",
         FLOOR.format(case="sharp-fp16-split"),
     ),
-    Mutant(
+    _mutant(
         "delta-low-precision", "delta = rowsum(dO * O) reduced in the input dtype instead of fp32",
         BACKWARD,
-        (("row_sum(o * do), mask=store_mask)", "row_sum((o * do).to(DO.dtype.element_ty)), mask=store_mask)"),
-         ("delta = row_sum(o.to(tl.float32) * do.to(tl.float32))",
-          "delta = row_sum((o.to(tl.float32) * do.to(tl.float32)).to(DO.dtype.element_ty))")),
-        (MISTAKES + "::test_delta_is_fp32_accurate", MISTAKES + "::test_split_dq_kernel_writes_the_preprocess_stats"),
+        "delta = row_sum(o.to(tl.float32) * do.to(tl.float32))",
+        "delta = row_sum((o.to(tl.float32) * do.to(tl.float32)).to(o.dtype))",
+        MISTAKES + "::test_delta_is_fp32_accurate", MISTAKES + "::test_split_dq_kernel_writes_the_preprocess_stats",
     ),
     _mutant(
         "empty-row-nan", "the output divided by l with no guard for rows that saw no key (0 * inf = NaN)",

@@ -34,6 +34,19 @@ from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, 
 
 
 @triton.jit
+def _store_row_stats(o, do, lse_ptrs, m_in, delta_ptrs, lse2_ptrs, VARLEN: tl.constexpr):
+    """Delta = rowsum(dO * O), reduced in fp32, and lse * log2(e) of a block of rows, stored
+    into the stats' two planes; returns them. Rows past the sequence (o = dO = 0, lse
+    +inf) give the padding's 0 and +inf, and without varlen are stored too."""
+    lse2 = tl.load(lse_ptrs, mask=m_in, other=float("inf")) * LOG2E
+    delta = row_sum(o.to(tl.float32) * do.to(tl.float32))
+    store_mask = m_in if VARLEN else None
+    tl.store(delta_ptrs, delta, mask=store_mask)
+    tl.store(lse2_ptrs, lse2, mask=store_mask)
+    return delta, lse2
+
+
+@triton.jit
 def attn_bwd_preprocess(
     Out, DO, Lse, Stats, CuSeqlensQ,
     stride_oz, stride_oh, stride_om,
@@ -54,16 +67,13 @@ def attn_bwd_preprocess(
     m_in = offs_m < seqlen_q
     rows = q_start + offs_m[:, None].to(tl.int64)
     o = load_rows(Out + off_z * stride_oz + off_h * stride_oh + rows * stride_om + offs_dv[None, :],
-                  0, 0, m_in, offs_dv < head_dim_v, True, PAD_HEAD).to(tl.float32)
+                  0, 0, m_in, offs_dv < head_dim_v, True, PAD_HEAD)
     do = load_rows(DO + off_z * stride_doz + off_h * stride_doh + rows * stride_dom + offs_dv[None, :],
-                   0, 0, m_in, offs_dv < head_dim_v, True, PAD_HEAD).to(tl.float32)
-    lse2 = tl.load(Lse + off_z * stride_lz + off_h * stride_lh + q_start + offs_m, mask=m_in,
-                   other=float("inf")) * LOG2E
+                   0, 0, m_in, offs_dv < head_dim_v, True, PAD_HEAD)
     stats = Stats + off_z * stride_sz + off_h * stride_sh + q_start + offs_m
     # without varlen the stats' rows are padded to a multiple of every BLOCK_M, the grid covers them
-    store_mask = m_in if VARLEN else None
-    tl.store(stats, row_sum(o * do), mask=store_mask)
-    tl.store(stats + stride_sp, lse2, mask=store_mask)
+    _store_row_stats(o, do, Lse + off_z * stride_lz + off_h * stride_lh + q_start + offs_m, m_in, stats,
+                     stats + stride_sp, VARLEN)
 
 
 @triton.jit
@@ -270,12 +280,9 @@ def _dq_program(
         # rows past the sequence: o = dO = 0 and lse +inf, so they store the padding's values
         o = load_rows(Out + off_z * stride_o[0] + off_h * stride_o[1] + rows * stride_o[2] + offs_dv[None, :],
                       0, 0, m_in, dv_mask, True, PAD_HEAD)
-        delta = row_sum(o.to(tl.float32) * do.to(tl.float32))
-        lse2 = tl.load(Lse + off_z * stride_lse[0] + off_h * stride_lse[1] + q_start + offs_m, mask=m_in,
-                       other=float("inf")) * LOG2E
-        store_mask = m_in if VARLEN else None  # without varlen the stats' padded rows take the block's tail
-        tl.store(Delta + stats, delta, mask=store_mask)
-        tl.store(Lse2 + stats, lse2, mask=store_mask)
+        # without varlen the stats' padded rows take the block's tail
+        delta, lse2 = _store_row_stats(o, do, Lse + off_z * stride_lse[0] + off_h * stride_lse[1] + q_start + offs_m,
+                                       m_in, Delta + stats, Lse2 + stats, VARLEN)
         if not VARLEN:
             if start_m + BLOCK_M >= seqlen_q:  # the last block also fills the padding rows past it
                 for pad in range(start_m + BLOCK_M, stats_rows, BLOCK_M):
