@@ -15,6 +15,7 @@ from aotattn.spec import Config, Functional, LaunchPlan
 from tests.helpers import DEVICES, TOLERANCE, dropout_keeps, rel_err
 from tests.families.flash.helpers import make_qkv, seed_from
 from tests.families.flash.test_varlen import make_varlen
+from tests.test_fuzz import check_dropout_problem
 
 
 def _signed(x: int) -> int:
@@ -122,6 +123,25 @@ def test_dropout_forward_and_backward(request, device, variant, mask):
     ref_grads = torch.autograd.grad(ref_out, ref_in, dout.double())
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert rel_err(g, r) < TOLERANCE[torch.float32], name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", [("split", False), ("fused", False), ("fused", True)],
+                         ids=["split", "fused-atomic", "fused-deterministic"])
+@pytest.mark.parametrize("head_dims", [(256, 256), (1, 129), (128, 128)], ids=lambda d: f"d{d[0]}-dv{d[1]}")
+def test_dropout_gradients_at_wide_heads_with_a_key_tail(request, device, variant, head_dims):
+    """Every gradient within the rounding floor's multiple (tests/helpers.assert_within_floor)
+    at head widths padded to 256 and 128, with a key count that leaves the last key block
+    part empty. The fused d256 dropout cells pipeline the dK product, whose A operand sat
+    in registers a tail select for dQ later overwrote (Triton 3.6's code): dK on the H200
+    was off by 28-255x the bound while dQ and the split backend passed."""
+    seed_from(request.node.nodeid)
+    seqlen_q, seqlen_k = (19, 45) if device == "cpu" else (333, 1001)
+    problem = dict(shape=dict(batch=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_k=2, heads_q=2,
+                              head_dim=head_dims[0], head_dim_v=head_dims[1]),
+                   mask=dict(causal=False, window_size=(-1, -1), diagonal="bottom_right", softmax_scale=None),
+                   dtype=torch.float16, magnitude=1.0, backend=variant, seed=int(torch.randint(0, 2**31, ())))
+    check_dropout_problem(problem, 0.1, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)

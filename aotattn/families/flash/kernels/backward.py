@@ -200,14 +200,17 @@ def _dkdv_program(
             else:
                 dv = mma(p_t.to(do.dtype), do, dv, PRECISION)
                 ds_t = p_t * (dp_t - delta[None, :])
-            dk = mma(ds_t.to(q.dtype), q, dk, PRECISION)
-            if ATOMIC_DQ:
+            if ATOMIC_DQ and tail:
                 # Keys past seqlen_k (the last key block's tail) load as zero, so their scores are 0
                 # and p = exp2(-lse2), unmasked: a row whose lse is very negative (it sees one key
                 # with a large negative score) overflows fp16 there, and inf * (k = 0) is NaN in dQ.
-                # dK/dV drop those rows at the store; dQ sums over them, so they are zeroed here.
-                if tail:
-                    ds_t = tl.where(n_in[:, None], ds_t, 0.0)
+                # dK/dV drop those rows at the store; dQ sums over them, so they are zeroed, and
+                # before the dK product: zeroed after it, Triton 3.6 wrote the zeros into the
+                # registers the still-running dK wgmma reads its A operand from (undefined in PTX;
+                # wrong dK on the H200, tests/test_wgmma_hazards.py)
+                ds_t = tl.where(n_in[:, None], ds_t, 0.0)
+            dk = mma(ds_t.to(q.dtype), q, dk, PRECISION)
+            if ATOMIC_DQ:
                 dq = mma(tl.trans(ds_t.to(k.dtype)), k, tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32), PRECISION)
                 dq_ptrs = DQ + off_z * stride_dq[0] + off_h * stride_dq[1] + rows0 * stride_dq[2] + offs_d[None, :]
                 tl.atomic_add(dq_ptrs + m_off * stride_dq[2], dq * dq_scale,
