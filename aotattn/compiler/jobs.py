@@ -102,10 +102,6 @@ class ResourceError(RuntimeError):
     """A compiled kernel needs more of a per-block resource than its architecture has."""
 
 
-class HazardError(RuntimeError):
-    """A compiled kernel's PTX overwrites registers an asynchronous wgmma still reads."""
-
-
 def compile_job(job: Job, line_info: bool = False) -> tuple[Entry, bytes]:
     """The job's kernel compiled for its target: its entry (launch metadata) and binary."""
     import triton
@@ -123,10 +119,7 @@ def compile_job(job: Job, line_info: bool = False) -> tuple[Entry, bytes]:
         raise ResourceError(f"needs {md.shared} bytes of shared memory, {job.arch} allows {limit} per block: the "
                             "image would not load (choose a smaller configuration for this cell)")
     if backend == "cuda":
-        hazards = ptx_hazards.wgmma_hazards(compiled.asm["ptx"])
-        if hazards:  # Triton's output, not a driver limit: the kernel would run and compute wrong numbers
-            raise HazardError(f"{len(hazards)} write(s) to registers a running wgmma reads, first: {hazards[0]}; the "
-                              "kernel would compute wrong numbers (change its source, aotattn/compiler/ptx_hazards.py)")
+        ptx_hazards.check(compiled.asm["ptx"], f"{job.table} [{job.functional}] {job.config}")
     binary_kind = "hsaco" if backend == "hip" else "cubin"
     entry = Entry(
         key=job.key, functional=job.functional.as_dict(), config=job.config.as_dict(), variant=job.variant,

@@ -7,7 +7,8 @@ group. Triton 3.6 can emit exactly that: in the fused backward, a value selected
 the dK product was written back into the registers that product was reading, and the
 H200 computed a wrong dK (benchmarks/RESULTS.md, twelfth session; Triton's issue 9433
 is the same family). The build scans every CUDA kernel's PTX for it along every
-control-flow path (loops included) and refuses a kernel that has it.
+control-flow path (loops included) and refuses a kernel that has it; Triton's JIT path
+(``AOTATTN_MODE=jit``, or ``auto`` without an image) checks each kernel it compiles once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ _WAIT = re.compile(r"^wgmma\.wait_group\.sync\.aligned\s+(\d+)$")
 _NO_DESTINATION = ("st.", "st ", "stmatrix", "red.", "bar.", "barrier", "cp.", "fence", "membar", "prefetch",
                    "wgmma.", "ret", "exit", "bra", "trap", "griddepcontrol", "mbarrier.init", "mbarrier.arrive",
                    "mbarrier.inval", "tensormap", "elect", "setmaxnreg", "nanosleep", "pmevent")
+
+
+class HazardError(RuntimeError):
+    """A compiled kernel's PTX overwrites registers an asynchronous wgmma still reads."""
 
 
 @dataclass(frozen=True)
@@ -161,3 +166,12 @@ def wgmma_hazards(ptx: str) -> list[Hazard]:
                     seen.add((nxt, commits))
                     stack.append((nxt, commits))
     return sorted(found.values(), key=lambda h: (h.wgmma_line, h.line))
+
+
+def check(ptx: str, kernel: str) -> None:
+    """Raise :class:`HazardError` naming ``kernel`` if its PTX has a wgmma register hazard."""
+    hazards = wgmma_hazards(ptx)
+    if hazards:  # Triton's output, not a driver limit: the kernel would run and compute wrong numbers
+        raise HazardError(f"{kernel}: {len(hazards)} write(s) to registers a running wgmma reads, first: "
+                          f"{hazards[0]}; the kernel would compute wrong numbers (change its source, "
+                          "aotattn/compiler/ptx_hazards.py)")

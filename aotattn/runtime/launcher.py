@@ -118,7 +118,24 @@ def _jit_call(fn: Any, grid: tuple[int, ...], args: Sequence[Any], options: dict
 
         if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:  # the caller's own one is kept
             _allocation.set_allocator(_scratch)
-        fn[grid](*args, **options)
+        _check_once(fn[grid](*args, **options))
+
+
+_checked: set[Any] = set()  # the JIT's compiled kernels already scanned (under _SERIAL)
+
+
+def _check_once(compiled: Any) -> None:
+    """The build's wgmma register-hazard scan (aotattn.compiler.ptx_hazards) on a kernel
+    the JIT compiled, once per kernel: a hazard raises instead of returning its numbers."""
+    key = getattr(compiled, "hash", None) or id(compiled)
+    if key in _checked:
+        return
+    ptx = (getattr(compiled, "asm", None) or {}).get("ptx")
+    if ptx:
+        from aotattn.compiler import ptx_hazards
+
+        ptx_hazards.check(ptx, getattr(compiled, "name", "a JIT kernel"))
+    _checked.add(key)
 
 
 def _launch_jit(plan: LaunchPlan, device: torch.device) -> None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from aotattn.compiler import builder, jobs
-from aotattn.compiler.jobs import HazardError, Job, compile_job
-from aotattn.compiler.ptx_hazards import wgmma_hazards
+from aotattn.compiler.jobs import Job, compile_job
+from aotattn.compiler.ptx_hazards import HazardError, wgmma_hazards
+from aotattn.runtime import launcher
 from aotattn.spec import Config, Functional
 
 RS = "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r1,%r2,%r3,%r4}, {%r10,%r11,%r12,%r13}, %rd5, p, 1, 1, 1;"
@@ -112,3 +113,24 @@ def test_a_kernel_with_a_hazard_is_refused_and_the_build_reports_it(monkeypatch,
     outcomes = builder.run_jobs([job], tmp_path / "cache", workers=1, timeout=300, on_outcome=lambda o: None)
     assert [o.status for o in outcomes] == ["failed"]
     assert "HazardError" in outcomes[0].message
+
+
+def test_the_jit_path_scans_each_compiled_kernel_once(monkeypatch):
+    """AOTATTN_MODE=jit (or auto without an image) runs what Triton's JIT compiled: the launcher
+    scans each such kernel's PTX after its first launch and raises on a hazard."""
+    class Compiled:
+        def __init__(self, ptx, key):
+            self.asm, self.hash, self.name = {"ptx": ptx}, key, "attn_bwd_fused"
+
+    monkeypatch.setattr(launcher, "_checked", set())
+    clean = Compiled(program(RS, COMMIT, "wgmma.wait_group.sync.aligned 0;", "mov.b32 %r11, %r20;"), "clean")
+    launcher._check_once(clean)
+    assert "clean" in launcher._checked
+    bad = Compiled(program(RS, COMMIT, "mov.b32 %r11, %r20;", "wgmma.wait_group.sync.aligned 0;"), "bad")
+    for _ in range(2):  # not marked checked: every launch of it raises
+        with pytest.raises(HazardError, match=r"^attn_bwd_fused: 1 write\(s\) to registers a running wgmma reads"):
+            launcher._check_once(bad)
+    scans = []
+    monkeypatch.setattr("aotattn.compiler.ptx_hazards.wgmma_hazards", lambda ptx: scans.append(ptx) or [])
+    launcher._check_once(clean)
+    assert scans == []  # scanned once already
