@@ -185,6 +185,17 @@ MUTANTS = (
         "ds_t = tl.where(n_in[:, None], ds_t, ds_t)",
         MISTAKES + "::test_one_key_rows_with_very_negative_lse",
     ),
+    Mutant(
+        "tail-zeroed-after-dk",
+        "the dQ path's zeroing of dS past seqlen_k placed after the dK product, whose running wgmma reads dS's registers",
+        BACKWARD,
+        (("if ATOMIC_DQ and tail:", "if False:"),
+         ("dk = mma(ds_t.to(q.dtype), q, dk, PRECISION)",
+          "dk = mma(ds_t.to(q.dtype), q, dk, PRECISION)\n"
+          "            if ATOMIC_DQ and tail:\n"
+          "                ds_t = tl.where(n_in[:, None], ds_t, 0.0)")),
+        ("tests/compiler/test_ptx_hazards.py::test_the_kernel_the_h200_caught_compiles_without_the_hazard",),
+    ),
     _mutant(
         "window-right-minus-2", "a right window bound of -2 (or less) accepted as unbounded instead of rejected",
         CHECKS,
