@@ -80,21 +80,29 @@ def test_cli_images_dry_run_and_bad_patch_guard(tmp_path):
     assert nothing.exit_code != 0 and "no entry matches" in nothing.output
 
 
-def test_the_session_script_calls_only_commands_and_options_that_exist():
-    """benchmarks/perfmon_session.sh runs where no one can fix a typo: every `aot <group>
-    <command> --option` it writes must be one the CLI declares."""
+SESSION_SCRIPTS = {"perfmon_session.sh": {("perfmon", "images"), ("perfmon", "run"), ("perfdb", "faults"),
+                                            ("perfdb", "plot"), ("perfdb", "compare"), ("perfmon", "bad-patch")},
+                   "odd_dims_session.sh": {("perfmon", "images"), ("perfmon", "run"), ("perfdb", "summary"),
+                                           ("perfdb", "compare")},
+                   "tune_cells_session.sh": {("tune", "plan"), ("tune", "export"), ("tuning", "lint"),
+                                             ("perfmon", "images"), ("perfmon", "run"), ("perfdb", "summary")}}
+
+
+@pytest.mark.parametrize("name", sorted(SESSION_SCRIPTS))
+def test_the_session_script_calls_only_commands_and_options_that_exist(name):
+    """The GPU session scripts run where no one can fix a typo: every `aot <group> <command>
+    --option` (or `python -m aotattn.cli ...`) they write must be one the CLI declares."""
     import re
 
     import typer.main
 
-    script = (Path(__file__).resolve().parents[2] / "benchmarks" / "perfmon_session.sh").read_text()
+    script = (Path(__file__).resolve().parents[2] / "benchmarks" / name).read_text()
     joined = script.replace("\\\n", " ")
     group = typer.main.get_command(cli)
-    calls = re.findall(r"\baot (perfmon|perfdb) ([a-z-]+)([^;\n}&|]*)", joined)
-    assert {(g, c) for g, c, _ in calls} >= {("perfmon", "images"), ("perfmon", "run"), ("perfdb", "faults"),
-                                            ("perfdb", "plot"), ("perfdb", "compare"), ("perfmon", "bad-patch")}
-    for sub, name, rest in calls:
-        command = group.commands[sub].commands[name]
+    calls = re.findall(r"(?:\baot|python -m aotattn\.cli) (perfmon|perfdb|tune|tuning) ([a-z-]+)([^;\n}&|]*)", joined)
+    assert {(g, c) for g, c, _ in calls} >= SESSION_SCRIPTS[name]
+    for sub, command_name, rest in calls:
+        command = group.commands[sub].commands[command_name]
         declared = {opt for param in command.params for opt in param.opts}
         for option in re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", rest):
-            assert option in declared, f"aot {sub} {name}: no option {option}"
+            assert option in declared, f"{name}: aot {sub} {command_name}: no option {option}"
