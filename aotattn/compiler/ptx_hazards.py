@@ -21,10 +21,11 @@ _BRANCH = re.compile(r"^(?:@!?%\w+\s+)?bra(?:\.uni)?\s+(\$?[\w$]+)$")
 _PREDICATE = re.compile(r"^@!?%\w+\s+")
 _REGISTER = re.compile(r"%[A-Za-z_][\w]*")
 _WAIT = re.compile(r"^wgmma\.wait_group\.sync\.aligned\s+(\d+)$")
+_END = re.compile(r"^(ret|exit)\b")
 # opcodes whose first operand is not a register they write
-_NO_DESTINATION = ("st.", "st ", "stmatrix", "red.", "bar.", "barrier", "cp.", "fence", "membar", "prefetch",
+_NO_DESTINATION = ("st.", "stmatrix", "red.", "bar.", "barrier", "cp.", "fence", "membar", "prefetch",
                    "wgmma.", "ret", "exit", "bra", "trap", "griddepcontrol", "mbarrier.init", "mbarrier.arrive",
-                   "mbarrier.inval", "tensormap", "elect", "setmaxnreg", "nanosleep", "pmevent")
+                   "mbarrier.inval", "tensormap", "setmaxnreg", "nanosleep", "pmevent")
 
 
 class HazardError(RuntimeError):
@@ -120,7 +121,7 @@ def _reads(text: str) -> set[str]:
 
 def _successors(instructions: list[_Instruction], labels: dict[str, int], i: int) -> list[int]:
     body = instructions[i].text
-    if re.match(r"^(ret|exit)\b", body):
+    if _END.match(body):
         return []
     branch = _BRANCH.match(body)
     if branch:

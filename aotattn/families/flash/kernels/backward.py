@@ -207,7 +207,7 @@ def _dkdv_program(
                 # dK/dV drop those rows at the store; dQ sums over them, so they are zeroed, and
                 # before the dK product: zeroed after it, Triton 3.6 wrote the zeros into the
                 # registers the still-running dK wgmma reads its A operand from (undefined in PTX;
-                # wrong dK on the H200, tests/test_wgmma_hazards.py)
+                # wrong dK on the H200, tests/compiler/test_ptx_hazards.py)
                 ds_t = tl.where(n_in[:, None], ds_t, 0.0)
             dk = mma(ds_t.to(q.dtype), q, dk, PRECISION)
             if ATOMIC_DQ:
