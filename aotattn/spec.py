@@ -24,14 +24,21 @@ def _frozen(mapping: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(mapping.items()))
 
 
+# How a functional is compiled: the divisibility its ``aligned`` integer arguments are
+# hinted with (its ``aligned`` pointers are 16-byte aligned in both hinted variants), or
+# None for no hints. ``aligned8``: rows of 16 bytes at 16 bits (strides and sizes that are
+# multiples of 8 elements), the vector width of Hopper's loads.
+VARIANTS: dict[str, int | None] = {"aligned": 16, "aligned8": 8, "generic": None}
+
+
 @dataclass(frozen=True)
 class Arg:
     """One runtime argument of a kernel.
 
     ``type`` is a Triton signature type; ``{name}`` placeholders are filled from the
     functional (``"*{dtype}"`` becomes ``"*bf16"``). ``aligned``: the kernel's aligned
-    variant assumes this pointer 16-byte aligned, or this integer divisible by 16 (what
-    Triton's JIT would have specialized on).
+    variants assume this pointer 16-byte aligned, or this integer divisible by the
+    variant's unit (:data:`VARIANTS`; 16 is what Triton's JIT would have specialized on).
     """
 
     name: str
@@ -220,9 +227,9 @@ class KernelSpec(_Table):
             (at most two: table rows, then columns).
         fallback: the functional to look up when a table has no block for this one (for
             example a padded-head functional's unpadded twin), or None.
-        aligned_when: the functionals built as the *aligned* variant (alignment hints on
-            the ``aligned`` arguments); the operators choose such a functional only for
-            inputs that satisfy them. None: every functional is built generic.
+        variant_of: the :data:`VARIANTS` name each functional is built as (alignment
+            hints on the ``aligned`` arguments); the operators run a hinted functional only
+            for inputs that satisfy its hints. None: every functional is built generic.
         chosen_by: the operator table whose choice runs this kernel (:class:`ChosenBy`);
             the build compiles it only where that choice is made. None: wherever its
             own table says.
@@ -244,7 +251,7 @@ class KernelSpec(_Table):
     disabled: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
     tuning_keys: tuple[tuple[str, tuple[int, ...]], ...] = ()
     fallback: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
-    aligned_when: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
+    variant_of: Callable[[Mapping[str, Any]], str] | None = field(default=None, compare=False)
     chosen_by: ChosenBy | None = None
     knob_defaults: tuple[tuple[str, Any], ...] = ()
 
@@ -289,10 +296,13 @@ class KernelSpec(_Table):
         return args
 
     def variant(self, functional: Functional) -> str:
-        """``aligned`` or ``generic``: how this functional is compiled."""
-        if self.aligned_when is not None and self.aligned_when(functional.as_dict()):
-            return "aligned"
-        return "generic"
+        """How this functional is compiled: a :data:`VARIANTS` name."""
+        if self.variant_of is None:
+            return "generic"
+        name = self.variant_of(functional.as_dict())
+        if name not in VARIANTS:
+            raise ValueError(f"{self.qualname}: variant {name!r} is none of {', '.join(VARIANTS)}")
+        return name
 
     @functools.cached_property
     def type_axes(self) -> frozenset[str]:

@@ -15,7 +15,7 @@ from aotattn import arch as arches
 from aotattn.compiler import ptx_hazards
 from aotattn.runtime import images
 from aotattn.runtime.images import Entry, entry_key
-from aotattn.spec import Config, Functional
+from aotattn.spec import VARIANTS, Config, Functional
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,10 @@ def _triton_inputs(job: Job) -> tuple[Any, dict, dict, dict, dict]:
     constexprs = spec.constexprs(job.functional, job.config)
     signature.update({name: "constexpr" for name in constexprs})
     attrs = {}
-    if job.variant == "aligned":
-        attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(spec.arguments) if arg.aligned}
+    unit = VARIANTS[job.variant]
+    if unit is not None:  # pointers in bytes, integers in elements
+        attrs = {(i,): [["tt.divisibility", 16 if arg.type.startswith("*") else unit]]
+                 for i, arg in enumerate(spec.arguments) if arg.aligned}
     options = {"num_warps": job.config.num_warps, "num_stages": job.config.num_stages}
     return fn, signature, constexprs, attrs, options
 

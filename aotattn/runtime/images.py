@@ -43,6 +43,7 @@ from typing import Any
 
 from aotattn import paths
 from aotattn.errors import AotattnError
+from aotattn.spec import VARIANTS
 
 MAGIC = b"AOTIMG\r\n"
 VERSION = 1
@@ -64,7 +65,7 @@ _LZMA_MEMLIMIT = 128 << 20  # the writer's preset 6 needs about 9 MiB to inflate
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_VARIANTS = ("aligned", "generic")
+_VARIANTS = tuple(VARIANTS)
 _BINARIES = ("cubin", "hsaco")
 
 
@@ -91,7 +92,7 @@ class Entry:
     key: str  # "functional|config|variant"
     functional: dict
     config: dict
-    variant: str  # "aligned" or "generic"
+    variant: str  # a spec.VARIANTS name: "aligned", "aligned8" or "generic"
     symbol: str
     shared: int
     num_warps: int

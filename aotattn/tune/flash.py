@@ -149,12 +149,17 @@ def _irregular(bucket: int, lower: int, step: int) -> int:
 
 
 def head_dims(functional: Functional) -> tuple[int, int]:
-    """Head dims exercising the functional: the bucket when unpadded, two odd ones when padded."""
+    """Head dims exercising the functional: the bucket when unpadded; when padded, two below
+    it that are multiples of 8 (what the padded kernels assume, rules._variant_of; smaller
+    ones are padded to the bucket by copy): three quarters of the bucket, as the common
+    off-bucket dims (96 for 128, 192 for 256, 48 for 64), timed; then the lowest above the
+    bucket below (72, 136, 40)."""
     bucket = functional["BLOCK_D"]
     if not functional.as_dict().get("PAD_HEAD", False):
         return bucket, bucket
     lower = _previous(rules.HEAD_DIM_BUCKETS, bucket)
-    return _irregular(bucket, lower, 7), _irregular(bucket, lower, bucket // 2 - 1)
+    unit = planning.ROW_UNIT
+    return max(lower + unit, bucket * 3 // 4 // unit * unit), lower + unit
 
 
 def timing_shape(functional: Functional, cell: tuple[int, ...], tokens: int = 2**17,

@@ -39,7 +39,7 @@ def test_build_compiles_for_nvidia_and_amd(built):
         "sm_90/flash.attn_bwd_preprocess.aotimg", "sm_90/flash.dropout_mask.aotimg"]
     sm90 = Archive(root / "images/sm_90/flash.attn_bwd_preprocess.aotimg")
     kinds = {e.variant: e for e in sm90.header.entries}
-    assert set(kinds) == {"aligned", "generic"}  # PAD_HEAD False / True
+    assert set(kinds) == {"aligned", "aligned8"}  # PAD_HEAD False / True (rules._variant_of)
     assert kinds["aligned"].binary == "cubin" and kinds["aligned"].symbol == "attn_bwd_preprocess"
     assert sm90.binary(kinds["aligned"])[:4] == b"\x7fELF"
     amd = Archive(root / "images/gfx942/flash.dropout_mask.aotimg")

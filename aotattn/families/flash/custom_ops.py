@@ -48,6 +48,7 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
         check_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     p = _problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, window_left, window_right,
                  dropout_p)
+    (q, k, v), _ = planning.servable(p, q, k, v)
     c = planning.new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k, bias_grad=False)
     out = planning.new_output(p, q, heads_major)
     lse = planning.run_forward(c, q, k, v, out)
@@ -75,6 +76,7 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     p = _problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, window_left, window_right,
                  dropout_p)
     seed, offset = rng.tolist()
+    (q, k, v), _ = planning.servable(p, q, k, v)  # copies as the forward's, gradients of the same shapes
     c = planning.new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k, bias_grad=bias_grad, rng=(seed, offset))
     dq, dk, dv, dbias = planning.run_backward(c, dout, q, k, v, out, lse, backend, deterministic)
     dbias = q.new_empty(0) if dbias is None else dbias.to(bias.dtype)

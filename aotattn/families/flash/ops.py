@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from aotattn.families.flash import rules
+from aotattn.families.flash import planning, rules
 from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_flash,
                                            check_sdpa, check_varlen)
 from aotattn.families.flash.planning import (Call, backward_buffers, backward_dout, backward_plans, choose_backend,
@@ -107,9 +107,14 @@ def _pad_by_copy() -> bool:
 
 
 def _bucketed(p: Problem) -> int | None:
-    """The head-dim bucket a call with head dims off the buckets is padded to, else None."""
+    """The head-dim bucket a call with head dims off the buckets is padded to, else None:
+    always for head dims that are not multiples of 8 (the padded kernels read rows of
+    16 bytes, rules._variant_of), for the others unless ``AOTATTN_PAD_HEADS=kernel``."""
     bucket = rules.head_dim_bucket(max(p.head_dim, p.head_dim_v))  # one bucket for both: rules._unequal_head_buckets
-    return bucket if (p.head_dim != bucket or p.head_dim_v != bucket) and _pad_by_copy() else None
+    if p.head_dim == bucket and p.head_dim_v == bucket:
+        return None
+    odd = p.head_dim % planning.ROW_UNIT or p.head_dim_v % planning.ROW_UNIT
+    return bucket if odd or _pad_by_copy() else None
 
 
 def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
@@ -135,6 +140,9 @@ def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
         return out[..., :p.head_dim_v], lse
     backend, deterministic = check_backend(backend), _deterministic(deterministic)
     if not torch.compiler.is_compiling():
+        (q, k, v), copied = planning.servable(p, q, k, v)
+        if copied:  # the plan cache keys the caller's tensors; a hit would skip the copies
+            cache_key = None
         return _run(new_call(p, q, k, v, bias, cu_seqlens_q, cu_seqlens_k), q, k, v, heads_major, backend,
                     deterministic, cache_key)
     max_q, max_k = (p.seqlen_q, p.seqlen_k) if p.varlen else (0, 0)
@@ -343,7 +351,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         q: ``(B, Sq, Hq, D)``, float16, bfloat16 or float32.
         k: ``(B, Sk, Hk, D)``, Hq a multiple of Hk (GQA/MQA).
         v: ``(B, Sk, Hk, Dv)``. D and Dv are any of 1..256. Any strides with a unit
-            last-dim stride are used without a copy.
+            last-dim stride; tensors whose rows are 16-byte aligned (pointer, and strides
+            multiples of 8) are read without a copy (docs/semantics.md).
         dropout_p: probability of dropping an attention weight (Philox, drawn from torch's
             default generator; :func:`aotattn.dropout_mask` returns the mask a call used).
         softmax_scale: multiplies ``q . k`` before the softmax; default ``1/sqrt(D)``.

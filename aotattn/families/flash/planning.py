@@ -68,7 +68,7 @@ class Call:
             "dtype": rules.DTYPES[p.dtype],
             "BLOCK_D": bucket,
             "BLOCK_DV": bucket,
-            # the unpadded functionals are built with alignment hints (rules._aligned_when)
+            # unpadded functionals assume 16-aligned tiles, padded ones rows of 16 bytes (rules._variant_of)
             "PAD_HEAD": p.head_dim != bucket or p.head_dim_v != bucket or not self.aligned,
             "MASK": rules.kernel_mask(p.mask, p.varlen, p.seqlen_q, p.seqlen_k),
             "VARLEN": p.varlen,
@@ -76,14 +76,19 @@ class Call:
             "BIAS": bias,
         }
 
-    def tiles_aligned(self, *tensors: torch.Tensor) -> bool:
-        return all(t.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in self.rows(t)) for t in tensors)
+    def tiles_aligned(self, *tensors: torch.Tensor, unit: int = 16) -> bool:
+        """Whether every tensor's pointer is 16-byte aligned and its (batch, head, row)
+        strides are multiples of ``unit`` elements: 16 for the unpadded variants, 8 (rows
+        of 16 bytes) for the padded ones."""
+        return _tiles_aligned(self.p.varlen, tensors, unit)
+
+    def unit(self) -> int:
+        """The stride unit of this call's kernels (:meth:`tiles_aligned`, rules._variant_of)."""
+        return ROW_UNIT if self.functional()["PAD_HEAD"] else 16
 
     def rows(self, t: torch.Tensor) -> tuple[int, int, int]:
         """(batch, head, row) strides of q/k/v-like tensors: (B, S, H, D), or (T, H, D) under varlen."""
-        if self.p.varlen:
-            return 0, t.stride(1), t.stride(0)
-        return t.stride(0), t.stride(2), t.stride(1)
+        return _rows(self.p.varlen, t)
 
     def tile_strides(self, kernel: KernelSpec, **tensors: torch.Tensor) -> dict[str, int]:
         """The (batch, head, row) stride arguments of q/k/v-like tensors, by the kernel's names."""
@@ -130,6 +135,37 @@ class Call:
         return values
 
 
+ROW_UNIT = 8  # elements: rows of 16 bytes at 16 bits, what the padded variants assume
+
+
+def _rows(varlen: bool, t: torch.Tensor) -> tuple[int, int, int]:
+    if varlen:
+        return 0, t.stride(1), t.stride(0)
+    return t.stride(0), t.stride(2), t.stride(1)
+
+
+def _tiles_aligned(varlen: bool, tensors, unit: int) -> bool:
+    return all(t.data_ptr() % 16 == 0 and all(s % unit == 0 for s in _rows(varlen, t)) for t in tensors)
+
+
+def servable(p: Problem, *tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """q/k/v-like tensors as the kernels can read them, and whether any had to be copied.
+
+    Every kernel assumes at least rows of 16 bytes (rules._variant_of): a pointer 16-byte
+    aligned and batch, head and row strides that are multiples of 8 elements, which any
+    contiguous layout with head dims that are multiples of 8 has (the operators pad the
+    others, ops._attend). A tensor without them (a view at an odd offset, a row stride of
+    an odd number of elements) is replaced by a contiguous copy, differentiably; so are
+    all under ``p``'s head dims not multiples of 8, which only a caller that skipped the
+    padding passes."""
+    if p.head_dim % ROW_UNIT or p.head_dim_v % ROW_UNIT:
+        raise ValueError(f"head dims {p.head_dim}/{p.head_dim_v} are not multiples of {ROW_UNIT}: pad them to "
+                         "their bucket first (ops._attend does)")
+    copied = tuple(t if _tiles_aligned(p.varlen, (t,), ROW_UNIT) else t.clone(memory_format=torch.contiguous_format)
+                   for t in tensors)
+    return copied, any(a is not b for a, b in zip(copied, tensors))
+
+
 def dropout_threshold(dropout_p: float) -> int:
     """Keep an element when its 16-bit draw is >= this (:func:`.kernels.common.dropout_draws`):
     ``dropout_p * 2**16`` rounded, so the kept fraction is within 2**-17 of ``1 - dropout_p``."""
@@ -151,6 +187,9 @@ def new_call(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias
     c = Call(p, cu_q, cu_k, bias, bias_grad, seed, offset)
     if not c.tiles_aligned(q, k, v):
         c = dataclasses.replace(c, aligned=False)
+        if not c.tiles_aligned(q, k, v, unit=ROW_UNIT):  # the kernels would read misaligned vectors
+            raise ValueError("q, k or v is not 16-byte aligned in its rows (pointer, or a stride not a multiple of "
+                             f"{ROW_UNIT}): pass the tensors through planning.servable first")
     return c
 
 
@@ -288,12 +327,13 @@ def choose_backend(c: Call, deterministic: bool, device: torch.device) -> str:
 
 def backward_dout(c: Call, dout: torch.Tensor, pad_head: bool | None = None) -> torch.Tensor:
     """``dout`` as the backward kernels read it: a contiguous copy where its layout would not
-    meet the call's variant (unit last stride; 16-aligned tiles for the aligned variant).
+    meet the call's variant (unit last stride; tiles aligned to its unit, Call.tiles_aligned).
     ``pad_head``: the call's PAD_HEAD, when the caller has it at hand (the plan cache)."""
     if pad_head is None:
         pad_head = c.functional()["PAD_HEAD"]
-    if dout.stride(-1) != 1 or (pad_head is False and not c.tiles_aligned(dout)):
-        return dout.contiguous()  # a fresh contiguous tensor meets the aligned variant's assumptions
+    if dout.stride(-1) != 1 or not c.tiles_aligned(dout, unit=ROW_UNIT if pad_head else 16):
+        # a fresh contiguous tensor meets the variant's assumptions (a view at an odd offset does not)
+        return dout.clone(memory_format=torch.contiguous_format)
     return dout
 
 

@@ -70,20 +70,24 @@ def _strides(*names: str) -> tuple[Arg, ...]:
 
 
 def _tile_strides(*names: str) -> tuple[Arg, ...]:
-    """Batch, head and row strides of q/k/v-like tensors: divisible by 16 in the aligned variant."""
+    """Batch, head and row strides of q/k/v-like tensors: divisible by the variant's unit (_variant_of)."""
     return tuple(Arg(name, "i64", aligned=True) for name in names)
 
 
 def _tile(name: str, type_: str = "*{dtype}") -> Arg:
-    """A q/k/v-like tensor: 16-byte aligned in the aligned variant."""
+    """A q/k/v-like tensor: 16-byte aligned in every variant (_variant_of)."""
     return Arg(name, type_, aligned=True)
 
 
-def _aligned_when(functional: Mapping[str, Any]) -> bool:
-    # unpadded heads are built with alignment hints (vectorized, pipelined loads); the
-    # operators use them only when every tile pointer and stride qualifies, and fall back
-    # to the padded (generic) twin otherwise
-    return not functional["PAD_HEAD"]
+def _variant_of(functional: Mapping[str, Any]) -> str:
+    """Every attention functional is built with alignment hints (vectorized, pipelined
+    loads). Unpadded heads: 16-byte tile pointers, strides divisible by 16 (and head dims
+    equal to the block). Padded heads: 16-byte tile pointers, strides and head dims
+    divisible by 8, so that each row is whole 16-byte vectors at 16 bits and the head-dim
+    mask is constant over each (the unhinted twin loaded element by element, 2-3x slower).
+    The operators copy inputs that meet neither first (planning.servable), as flash-attn
+    pads head dims to a multiple of 8."""
+    return "aligned8" if functional["PAD_HEAD"] else "aligned"
 
 
 def _no_bias_under_varlen(functional: Mapping[str, Any]) -> bool:
@@ -125,8 +129,9 @@ _STATS = Arg("Stats", "*fp32", aligned=True)
 _STATS_STRIDES = _tile_strides("stride_sz", "stride_sh", "stride_sp")
 _BIAS_STRIDES = _strides("stride_bz", "stride_bh", "stride_bm", "stride_bn")
 _DBIAS_STRIDES = _strides("stride_dbz", "stride_dbh", "stride_dbm")
+# head dims: the block (unpadded) or multiples of 8 (padded), see _variant_of
 _SIZES = (Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("num_heads_q", _I32),
-          Arg("group_size", _I32), Arg("head_dim", _I32), Arg("head_dim_v", _I32))
+          Arg("group_size", _I32), Arg("head_dim", _I32, aligned=True), Arg("head_dim_v", _I32, aligned=True))
 _DROPOUT = (Arg("dropout_threshold", _I64), Arg("dropout_scale", _F32), Arg("philox_seed", _I64),
             Arg("philox_offset", _I64))
 _BWD_SCALARS = (*_SIZES, Arg("sm_scale", _F32), Arg("qk_scale", _F32), Arg("window_left", _I32),
@@ -150,11 +155,11 @@ _TUNING = (
 )
 # The forward's knobs beyond the tiles (kernels/forward.py), each 0 where a configuration
 # leaves it out: OVERLAP=1 issues each interior key block's scores one block ahead of its
-# softmax; TMA=1 loads K, TMA=2 K and V, through tensor descriptors (aligned variants only).
+# softmax; TMA=1 loads K, TMA=2 K and V, through tensor descriptors (unpadded variants only).
 _FWD_TUNING = _TUNING + (("OVERLAP", (0, 1)), ("TMA", (0, 1, 2)))
 _FWD_KNOB_DEFAULTS = (("OVERLAP", 0), ("TMA", 0))
 # The split backward's: TMA=1 streams its loop's tiles (dQ: K and V; dK/dV: q and dO)
-# through tensor descriptors (kernels/backward.py; aligned variants only).
+# through tensor descriptors (kernels/backward.py; unpadded variants only).
 _BWD_TUNING = _TUNING + (("TMA", (0, 1)),)
 _BWD_KNOB_DEFAULTS = (("TMA", 0),)
 
@@ -179,7 +184,7 @@ def _attention_kernel(name: str, module: str, arguments: tuple[Arg, ...], functi
     """An attention kernel: the flash tuning space, keys, fallbacks and alignment rule."""
     return KernelSpec(family=FAMILY, name=name, module=module, function=name, arguments=arguments,
                       functionals=functionals, tuning_space=tuning_space, derive=derive, disabled=_disabled,
-                      tuning_keys=_SEQ_KEYS, fallback=_fallback, aligned_when=_aligned_when, chosen_by=chosen_by,
+                      tuning_keys=_SEQ_KEYS, fallback=_fallback, variant_of=_variant_of, chosen_by=chosen_by,
                       knob_defaults=knob_defaults)
 
 
@@ -206,7 +211,7 @@ ATTN_BWD_PREPROCESS = KernelSpec(
     arguments=(
         _tile("Out"), _tile("DO"), Arg("Lse", "*fp32"), _STATS, Arg("CuSeqlensQ", "*i32"),
         *_tile_strides("stride_oz", "stride_oh", "stride_om", "stride_doz", "stride_doh", "stride_dom"),
-        *_LSE_STRIDES, *_STATS_STRIDES, Arg("max_seqlen_q", _I32), Arg("head_dim_v", _I32),
+        *_LSE_STRIDES, *_STATS_STRIDES, Arg("max_seqlen_q", _I32), Arg("head_dim_v", _I32, aligned=True),
     ),
     functionals=(
         ("dtype", ("fp16", "bf16", "fp32")),
@@ -217,7 +222,7 @@ ATTN_BWD_PREPROCESS = KernelSpec(
     tuning_space=(("BLOCK_M", (16, 32, 64, 128)), ("num_warps", (1, 2, 4, 8)), ("num_stages", (1,))),
     tuning_keys=(_SEQ_KEYS[0],),
     fallback=_fallback,
-    aligned_when=_aligned_when,
+    variant_of=_variant_of,
 )
 
 ATTN_BWD_DKDV = _attention_kernel(

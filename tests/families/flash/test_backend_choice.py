@@ -40,7 +40,7 @@ def _qkv(d=64, sq=300, sk=300, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("case, expect", [
     (dict(), {}),
-    (dict(d=57), {"PAD_HEAD": True}),
+    (dict(d=40), {"PAD_HEAD": True}),
     (dict(causal=True), {"MASK": rules.MASK_BOTTOM_RIGHT}),
     (dict(causal=True, diagonal="top_left", sk=500), {"MASK": rules.MASK_TOP_LEFT}),
     (dict(dropout_p=0.3), {"DROPOUT": True}),

@@ -146,16 +146,30 @@ def test_backend_argument_is_checked():
         aotattn.flash_attn_func(q, k, v, deterministic=None)
 
 
-def test_unaligned_inputs_take_the_generic_kernels():
-    """A q view that is not 16-byte aligned selects padded (generic) functionals everywhere."""
+def test_unaligned_inputs_are_copied_and_rows_of_16_bytes_take_the_padded_kernels():
+    """Every kernel is built with alignment hints (rules._variant_of). A q view at a 2-byte
+    offset meets none: planning refuses it, the operators copy it (planning.servable) and
+    the gradients are still right. A q whose head stride is 72 (a slice of wider heads)
+    has rows of 16 bytes but not 16-aligned strides: it runs the padded functionals, built
+    ``aligned8``, without a copy."""
     from aotattn.families.flash import planning
     from aotattn.families.flash.checks import check_flash
 
+    kwargs = dict(dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), diagonal="bottom_right")
     base = torch.randn(1 * 40 * 2 * 64 + 1, dtype=torch.float16)
     q = base[1:].view(1, 40, 2, 64).requires_grad_()  # 2-byte offset
     k, v = (torch.randn(1, 40, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(2))
-    p = check_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    diagonal="bottom_right")
+    p = check_flash(q, k, v, **kwargs)
+    with pytest.raises(ValueError, match="servable"):
+        planning.new_call(p, q, k, v)
+    (q2, k2, v2), copied = planning.servable(p, q, k, v)
+    assert copied and q2 is not q and k2 is k and v2 is v and q2.data_ptr() % 16 == 0 and torch.equal(q2, q)
+    check_gradients(q, k, v, ("split", False))
+
+    wide = torch.randn(1, 40, 2, 72, dtype=torch.float16)
+    q = wide[..., :64].requires_grad_()  # head stride 72: divisible by 8, not by 16
+    p = check_flash(q, k, v, **kwargs)
+    assert planning.servable(p, q, k, v) == ((q, k, v), False)
     call = planning.new_call(p, q, k, v)
     assert not call.aligned and call.functional()["PAD_HEAD"] is True
     dout = torch.randn(1, 40, 2, 64, dtype=torch.float16)
@@ -163,5 +177,30 @@ def test_unaligned_inputs_take_the_generic_kernels():
     lse = planning.run_forward(call, q, k, v, out)
     plans = planning.backward_plans(call, dout, q, k, v, out, lse, torch.empty(1, 2, 40), torch.empty_like(q),
                                torch.empty_like(k), torch.empty_like(v), None, "split", True)
-    assert all(plan.kernel.variant(plan.functional) == "generic" for plan in plans)
+    assert all(plan.kernel.variant(plan.functional) == "aligned8" for plan in plans)
     check_gradients(q, k, v, ("split", False))
+    check_gradients(q, k, v, ("fused", False))
+
+
+@pytest.mark.parametrize("pad_head", [False, True], ids=["bucket", "padded"])
+def test_a_contiguous_dout_at_an_odd_offset_is_copied(pad_head):
+    """``dout.contiguous()`` returns a contiguous view at an odd offset as it is: the
+    backward must copy it, or its hinted kernels read misaligned vectors."""
+    from aotattn.families.flash import planning
+    from aotattn.families.flash.checks import check_flash
+
+    d = 40 if pad_head else 32
+    q, k, v = (torch.randn(1, 24, 2, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    out = aotattn.flash_attn_func(q, k, v)
+    base = torch.randn(out.numel() + 1, dtype=torch.float16)
+    dout = base[1:].view(out.shape)  # contiguous, 2-byte offset
+    assert dout.is_contiguous() and dout.data_ptr() % 16
+    p = check_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    diagonal="bottom_right")
+    fixed = planning.backward_dout(planning.new_call(p, q, k, v), dout)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, dout)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference.attention(*ref_in)
+    for got, want in zip(grads, torch.autograd.grad(ref, ref_in, dout.double())):
+        assert rel_err(got, want) < TOLERANCE[torch.float16]
