@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Off-bucket head dims (72, 80, 96, ..., D != Dv), their two paths on the H200 in one device
-# call: the default (`AOTATTN_PAD_HEADS=copy`: zero-padding copies to the bucket, then the
-# bucket's aligned kernels) and `AOTATTN_PAD_HEADS=kernel` (the padded-head kernels reading
-# the unpadded tensors). Each path gets its own image folder (perfmon images follows the
+# call: `AOTATTN_PAD_HEADS=copy` (zero-padding copies to the bucket, then the bucket's
+# aligned kernels) and the default `AOTATTN_PAD_HEADS=kernel` (the padded-head kernels,
+# built aligned8, reading the unpadded tensors). Each path gets its own image folder (perfmon images follows the
 # variable) and a perfmon run with every provider, so each run has its own ratios against
 # SDPA-flash; then `perfdb compare` of the two (benchmarks/RESULTS.md, twelfth session: the
 # copies cost ~0.37 ms per call at s1024).

@@ -272,10 +272,10 @@ def test_dropout_counter_is_64_bit(request, device):
 @pytest.mark.parametrize("pad_heads", ["kernel", "copy"])
 def test_padded_head_dim_store_stays_in_its_row(request, monkeypatch, device, layout, pad_heads):
     """A head dim below its bucket (24 in 32, 72 in 128): the padded-head kernels
-    (``AOTATTN_PAD_HEADS=kernel``) compute on the padded tile and must store only the real
-    columns. The padding's zeros stored past a row land on its neighbour (the next row in
-    (B, H, S, D), the next head in (B, S, H, D)); causal masks reverse the block order, so
-    the neighbour has already been written. The default pads by copy and slices."""
+    (``AOTATTN_PAD_HEADS=kernel``, the default) compute on the padded tile and must store
+    only the real columns. The padding's zeros stored past a row land on its neighbour (the
+    next row in (B, H, S, D), the next head in (B, S, H, D)); causal masks reverse the block
+    order, so the neighbour has already been written. ``copy`` pads by copy and slices."""
     monkeypatch.setenv("AOTATTN_PAD_HEADS", pad_heads)
     seed_from(request.node.name)
     batch, seqlen, heads, head_dim = _gpu_or_cpu(device, (2, 40, 3, 24), (2, 2048, 8, 72))

@@ -150,8 +150,9 @@ def test_the_operators_take_every_kind_of_entry_and_the_sm90_database_has_its_ce
         assert f["dtype"] == e.dtype and f["BLOCK_D"] == rules.head_dim_bucket(max(e.head_dim, e.head_dim_v))
         assert f["MASK"] == mask, e.name
         assert f["VARLEN"] == (e.api == "varlen") and f["DROPOUT"] == (e.dropout_p > 0)
-        # off-bucket head dims are padded by copy: the bucket's unpadded kernels run (ops._attend)
-        assert f["BIAS"] == (e.bias != "none") and f["PAD_HEAD"] is False
+        # off-bucket head dims (all multiples of 8 in the entries) run the padded kernels (ops._bucketed)
+        off_bucket = (e.head_dim, e.head_dim_v) != (f["BLOCK_D"], f["BLOCK_D"])
+        assert f["BIAS"] == (e.bias != "none") and f["PAD_HEAD"] is off_bucket, e.name
         tables = {j.table for j in jobs}
         assert {"flash.attn_bwd_dkdv", "flash.attn_bwd_dq", "flash.attn_bwd_fused",
                 "flash.attn_bwd_preprocess"} <= tables, e.name

@@ -97,10 +97,12 @@ PAD_HEADS_VAR = "AOTATTN_PAD_HEADS"
 
 
 def _pad_by_copy() -> bool:
-    """``AOTATTN_PAD_HEADS``: ``copy`` (the default) pads off-bucket head dims with zeros on
-    the way in (see :func:`_attend`); ``kernel`` runs the padded-head kernels instead
-    (for measurement and the tests of those kernels)."""
-    value = os.environ.get(PAD_HEADS_VAR) or "copy"
+    """``AOTATTN_PAD_HEADS``: ``kernel`` (the default) runs the padded-head kernels on the
+    caller's tensors where both head dims are multiples of 8; ``copy`` pads every off-bucket
+    head dim with zeros on the way in and runs the bucket's kernels (see :func:`_attend`).
+    On the H200 (benchmarks/RESULTS.md, thirteenth session, 40 odd-dim entries) the kernels
+    run the forward 1.49x and the backward 1.07x faster than the copies (geomean)."""
+    value = os.environ.get(PAD_HEADS_VAR) or "kernel"
     if value not in ("copy", "kernel"):
         raise ValueError(f"{PAD_HEADS_VAR}: expected copy or kernel, got {value!r}")
     return value == "copy"
@@ -109,7 +111,8 @@ def _pad_by_copy() -> bool:
 def _bucketed(p: Problem) -> int | None:
     """The head-dim bucket a call with head dims off the buckets is padded to, else None:
     always for head dims that are not multiples of 8 (the padded kernels read rows of
-    16 bytes, rules._variant_of), for the others unless ``AOTATTN_PAD_HEADS=kernel``."""
+    16 bytes, rules._variant_of, as flash-attn pads to a multiple of 8), for the others
+    under ``AOTATTN_PAD_HEADS=copy``."""
     bucket = rules.head_dim_bucket(max(p.head_dim, p.head_dim_v))  # one bucket for both: rules._unequal_head_buckets
     if p.head_dim == bucket and p.head_dim_v == bucket:
         return None
@@ -123,13 +126,13 @@ def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
             cu_seqlens_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A validated call: run eagerly, or under ``torch.compile`` as one custom op (:mod:`.custom_ops`).
 
-    Head dims off the buckets (72, 57, 200, ...) are zero-padded to their bucket here, by
+    Head dims off the buckets that are multiples of 8 (72, 96, 200, ...) run the
+    padded-head kernels on the caller's tensors. Others (57, 9, ...), and every off-bucket
+    dim under ``AOTATTN_PAD_HEADS=copy``, are zero-padded to their bucket here, by
     differentiable copies, and the output sliced back (a view, as flash-attn and PyTorch's
-    flash backend return): the bucket's aligned kernels then run at full speed, where the
-    padded-head kernels load element by element (2-6x slower than SDPA's flash backend on
-    the H200, benchmarks/RESULTS.md). Zero columns add nothing to ``q . k`` and give zero
-    output columns; the softmax scale was already taken from the real head dim; autograd
-    slices the gradients back. Costs the copies' memory traffic and memory.
+    flash backend return). Zero columns add nothing to ``q . k`` and give zero output
+    columns; the softmax scale was already taken from the real head dim; autograd slices
+    the gradients back. Costs the copies' memory traffic and memory.
     """
     bucket = _bucketed(p)
     if bucket is not None:
@@ -153,12 +156,15 @@ def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
 
 
 def _cacheable(q: object, k: object, v: object, dropout_p: object, extra: object) -> bool:
-    """Calls without dropout or bias, with or without autograd, whose head dims are one
-    bucket: those the plan cache serves."""
-    return (not torch.compiler.is_compiling() and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-            and isinstance(v, torch.Tensor) and extra is None and dropout_p == 0.0
-            and ((q.shape[-1:] == v.shape[-1:] and q.shape[-1:] in _BUCKET_SHAPES)
-                 or os.environ.get(PAD_HEADS_VAR) == "kernel"))  # calls padded by copy: see _attend
+    """Calls without dropout or bias, with or without autograd, that are not padded by
+    copy (:func:`_bucketed`): those the plan cache serves."""
+    if not (not torch.compiler.is_compiling() and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor) and extra is None and dropout_p == 0.0 and q.dim() and v.dim()):
+        return False
+    d, dv = q.shape[-1], v.shape[-1]
+    if d == dv and q.shape[-1:] in _BUCKET_SHAPES:
+        return True
+    return d % planning.ROW_UNIT == 0 and dv % planning.ROW_UNIT == 0 and not _pad_by_copy()
 
 
 _BUCKET_SHAPES = {torch.Size([b]) for b in rules.HEAD_DIM_BUCKETS}

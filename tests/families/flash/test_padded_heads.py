@@ -1,7 +1,9 @@
-"""Head dims off the buckets (72, 57, 200, ...): the operators pad q, k and v with zeros
-to the bucket, run the bucket's aligned kernels, and slice the output back; autograd
-slices the gradients. Checked against the float64 reference on every layout, with the
-kernels that ran recorded (no padded-head kernel), on CPU and at GPU sizes."""
+"""Head dims off the buckets (72, 57, 200, ...): multiples of 8 run the padded-head
+kernels on the caller's tensors; the others (and every one under
+``AOTATTN_PAD_HEADS=copy``) are padded with zeros to the bucket, run the bucket's aligned
+kernels, and the output is sliced back; autograd slices the gradients. Checked against
+the float64 reference on every layout, with the kernels that ran recorded, on CPU and at
+GPU sizes."""
 
 from __future__ import annotations
 
@@ -28,9 +30,9 @@ def _check(out, grads, ref_in, ref, dout, dtype):
 @pytest.mark.parametrize("pad_heads", ["copy", "kernel"])
 @pytest.mark.parametrize("dims", [(72, 72), (57, 40), (9, 9), (200, 136), (200, 130), (121, 121), (8, 8)])
 def test_off_bucket_head_dims_run_the_bucket_kernels(request, monkeypatch, device, pad_heads, dims):
-    """By default the bucket's unpadded kernels run; ``AOTATTN_PAD_HEADS=kernel`` runs the
-    padded-head ones where both head dims are multiples of 8 (rows of 16 bytes, what they
-    assume) and pads the others as the default does. All match the reference."""
+    """``AOTATTN_PAD_HEADS=copy`` runs the bucket's unpadded kernels; ``kernel`` (the
+    default) the padded-head ones where both head dims are multiples of 8 (rows of 16
+    bytes, what they assume) and pads the others by copy. All match the reference."""
     monkeypatch.setenv(ops.PAD_HEADS_VAR, pad_heads)
     seed_from(request.node.nodeid)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -58,7 +60,7 @@ def test_a_bad_pad_heads_setting_is_one_line(monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_off_bucket_sdpa_layout_gqa_and_bias(request, device):
+def test_off_bucket_sdpa_layout_gqa_and_bias(request, monkeypatch, device):
     seed_from(request.node.nodeid)
     dtype = torch.float32 if device == "cpu" else torch.float16
     s = 29 if device == "cpu" else 777
@@ -66,15 +68,24 @@ def test_off_bucket_sdpa_layout_gqa_and_bias(request, device):
     key = torch.randn(2, 2, s + 5, 80, dtype=dtype, device=device, requires_grad=True)
     value = torch.randn(2, 2, s + 5, 80, dtype=dtype, device=device, requires_grad=True)
     mask = torch.randn(1, 8, s, s + 5, dtype=dtype, device=device)
-    entries = len(ops._PLANS.entries)
     out = aotattn.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (query, key, value), dout)
     ref_in = [t.detach().double().requires_grad_() for t in (query, key, value)]
     ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, attn_mask=mask.double(), enable_gqa=True)
     _check(out, grads, ref_in, ref, dout, dtype)
-    again = aotattn.scaled_dot_product_attention(query.detach(), key.detach(), value.detach(), enable_gqa=True)
-    assert again.shape == (2, 8, s, 80) and len(ops._PLANS.entries) == entries  # padded calls are not cached
+    # D 80 is a multiple of 8: the padded-head kernels read the tensors as they are, and
+    # the plan cache keeps the call (a hit gives the same output); padded by copy, it does not
+    plain = query.detach(), key.detach(), value.detach()
+    ops._PLANS.entries.clear()
+    again = aotattn.scaled_dot_product_attention(*plain, enable_gqa=True)
+    assert again.shape == (2, 8, s, 80) and len(ops._PLANS.entries) == 1
+    assert torch.equal(aotattn.scaled_dot_product_attention(*plain, enable_gqa=True), again)
+    monkeypatch.setenv(ops.PAD_HEADS_VAR, "copy")
+    ops._PLANS.entries.clear()
+    copied = aotattn.scaled_dot_product_attention(*plain, enable_gqa=True)
+    assert not ops._PLANS.entries and rel_err(copied, again) < TOLERANCE[dtype]
+    ops._PLANS.entries.clear()
 
 
 @pytest.mark.parametrize("device", DEVICES)
