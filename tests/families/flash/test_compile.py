@@ -137,3 +137,26 @@ def test_the_custom_ops_pass_torch_library_checks():
     vq, vk, vv, cu_q, cu_k, max_q, max_k = make_varlen("cpu", torch.float32, requires_grad=True)
     torch.library.opcheck(torch.ops.aotattn.flash_fwd.default,
                           (vq, vk, vv, None, cu_q, cu_k, max_q, max_k, *scalars, False, None, False))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [72, 57], ids=["padded-kernels", "padded-by-copy"])
+def test_off_bucket_heads_and_a_view_at_an_odd_offset_compile_and_match(request, device, head_dim):
+    """Under torch.compile the custom op sees the real tensors: a q at a 2-byte offset is
+    copied inside it (planning.servable) in the forward and again in the backward; 72 runs
+    the padded-head kernels, 57 (not a multiple of 8) is padded by copy in the trace."""
+    seed_from(request.node.name)
+    batch, sq, sk, _ = SIZES[device]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    base = torch.randn(batch * sq * 4 * head_dim + 1, dtype=dtype, device=device)
+    q = base[1:].view(batch, sq, 4, head_dim).requires_grad_()
+    k, v = (torch.randn(batch, sk, 2, head_dim, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
+    assert q.data_ptr() % 16
+
+    def attention(q, k, v):
+        return aotattn.flash_attn_func(q, k, v, causal=True)
+
+    out = compiled(attention)(q, k, v)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check(out, grads, (q, k, v), dout, lambda q, k, v: reference.attention(q, k, v, causal=True)[0])

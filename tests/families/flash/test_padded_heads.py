@@ -108,3 +108,44 @@ def test_off_bucket_varlen_with_dropout(request, device):
                                    dropout_mask=keep[b:b + 1, :, :lq, :lk], dropout_p=0.25)
         refs.append(r[0])
     _check(out, grads, ref_in, torch.cat(refs), dout, torch.float32)
+
+
+@pytest.mark.parametrize("layout, copied", [("contiguous", False), ("packed-qkv", False), ("row-of-100", True),
+                                            ("offset-4-bytes", True)])
+def test_off_bucket_layouts_are_read_in_place_or_copied(request, monkeypatch, layout, copied):
+    """D 72 (a multiple of 8, padded kernels): a contiguous tensor and q/k/v sliced out of
+    one packed (B, S, 3, H, 72) tensor have rows of 16 bytes and are read in place; a slice
+    of heads 100 wide (head stride 100) or a view 4 bytes off is copied first
+    (planning.servable). Each matches the reference."""
+    from aotattn.families.flash import planning
+
+    seed_from(request.node.nodeid)
+    b, s, h, d = 2, 19, 3, 72
+    if layout == "packed-qkv":
+        q, k, v = torch.randn(b, s, 3, h, d, dtype=torch.float16).unbind(2)
+    elif layout == "row-of-100":
+        q, k, v = (torch.randn(b, s, h, 100, dtype=torch.float16)[..., :d] for _ in range(3))
+    elif layout == "offset-4-bytes":
+        q, k, v = (torch.randn(b * s * h * d + 2, dtype=torch.float16)[2:].view(b, s, h, d) for _ in range(3))
+    else:
+        q, k, v = (torch.randn(b, s, h, d, dtype=torch.float16) for _ in range(3))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    seen = []
+    servable = planning.servable
+
+    def recorded(p, *tensors):
+        result = servable(p, *tensors)
+        seen.append(result[1])
+        return result
+
+    monkeypatch.setattr(planning, "servable", recorded)
+    ops._PLANS.entries.clear()  # a cached plan would answer before the operators look at the tensors
+    with recording_lookups() as lookups:
+        out = aotattn.flash_attn_func(q, k, v, causal=True)
+    assert seen == [copied]
+    assert all(l.functional.as_dict()["PAD_HEAD"] for l in lookups if "PAD_HEAD" in l.functional.as_dict())
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference.attention(*ref_in, causal=True)
+    _check(out, grads, ref_in, ref, dout, torch.float16)
