@@ -46,27 +46,19 @@ _SCORES = (Tile("BLOCK_M", "BLOCK_N", "fp32"),)
 _PADS = (("BLOCK_M", "seqlen_q"), ("BLOCK_N", "seqlen_k"))
 
 
-def _tma_inert(values) -> str | None:
-    """TMA changes nothing in a padded-head variant (kernels load those without descriptors)."""
-    if values.get("TMA") and values.get("PAD_HEAD"):
-        return "TMA: padded-head variants load without descriptors"
-    return None
-
-
 FOOTPRINTS: dict[str, Footprint] = {
     # OVERLAP: the interior's first K tile is loaded outside the pipelined loop, and the
-    # next block's scores are alive beside the current ones; TMA: padded heads ignore it
+    # next block's scores are alive beside the current ones (TMA: the same tiles, through
+    # descriptors; in padded heads too, spanning the real head dim)
     "attn_fwd": Footprint(resident=(_Q, Tile("BLOCK_N", "BLOCK_D", when="OVERLAP")), pipelined=(_K, _V, _BIAS),
                           accumulators=(Tile("BLOCK_M", "BLOCK_DV", "fp32"), *_SCORES,
-                                        Tile("BLOCK_M", "BLOCK_N", "fp32", when="OVERLAP")), pads=_PADS,
-                          inert=_tma_inert),
+                                        Tile("BLOCK_M", "BLOCK_N", "fp32", when="OVERLAP")), pads=_PADS),
     "attn_bwd_dq": Footprint(resident=(_Q, _DO), pipelined=(_K, _V, _BIAS),
-                             accumulators=(Tile("BLOCK_M", "BLOCK_D", "fp32"), *_SCORES, *_SCORES), pads=_PADS,
-                             inert=_tma_inert),
+                             accumulators=(Tile("BLOCK_M", "BLOCK_D", "fp32"), *_SCORES, *_SCORES), pads=_PADS),
     "attn_bwd_dkdv": Footprint(resident=(_K, _V), pipelined=(_Q, _DO, *_ROWS, _BIAS),
                                accumulators=(Tile("BLOCK_N", "BLOCK_D", "fp32"), Tile("BLOCK_N", "BLOCK_DV", "fp32"),
                                              *_SCORES, *_SCORES),
-                               mma_rows="BLOCK_N", mma_cols="BLOCK_M", pads=_PADS, inert=_tma_inert),
+                               mma_rows="BLOCK_N", mma_cols="BLOCK_M", pads=_PADS),
     # the fused kernel also keeps a second copy of the q and dO tiles (measured: one more
     # BLOCK_M x (D + Dv) than dK/dV alone, for the transposed operands of the dQ product)
     "attn_bwd_fused": Footprint(resident=(_K, _V, _Q, _DO), pipelined=(_Q, _DO, *_ROWS, _BIAS),

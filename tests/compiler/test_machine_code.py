@@ -84,3 +84,16 @@ def test_a_dropout_threshold_of_one_compiles_as_the_jit_passes_it(table):
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options=options)
     assert compiled.asm["cubin"]
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton package carries no cuobjdump")
+@pytest.mark.parametrize("table, tma", [("flash.attn_fwd", 2), ("flash.attn_bwd_dkdv", 1), ("flash.attn_bwd_dq", 1)])
+def test_padded_heads_with_tma_load_through_the_bulk_copy_engine(table, tma):
+    """TMA in a padded-head variant is a real choice: the descriptors span the real head
+    dim (columns past it arrive as zeros), so its tiles come in UTMALDG bulk copies rather
+    than the plain loop's loads (before, padded variants ignored the knob)."""
+    axes = dict(dtype="bf16", BLOCK_D=64, BLOCK_DV=64, PAD_HEAD=True, MASK=0, VARLEN=False, DROPOUT=False, BIAS=0)
+    config = Config.of(TILES.as_dict(), num_stages=3, TMA=tma)
+    _, cubin = compile_job(Job("sm_90", table, Functional.of(axes), config))
+    assert "UTMALDG" in sass(cubin)
+    assert "UTMALDG" not in image_sass(table, pad_head=True)

@@ -139,15 +139,12 @@ def test_a_kernel_over_the_shared_memory_limit_fails_its_compile():
         compile_job(Job("sm_90", "flash.attn_fwd", f, _cfg(128, 128, 8, 4)))
 
 
-def test_tma_is_not_a_candidate_of_padded_heads():
-    """Padded-head variants load without descriptors: a TMA configuration would time the
-    same code as its plain twin, so it is pruned there and kept for aligned heads."""
+def test_tma_is_a_candidate_of_padded_and_unpadded_heads():
+    """Padded-head variants load through descriptors spanning the real head dim (rows of
+    16 bytes, rules._variant_of): TMA is a real choice there too, as for aligned heads."""
     fp, spec = flash.FOOTPRINTS["attn_fwd"], rules.ATTN_FWD
     tma = Config.of(_cfg(128, 64, 8, 3).as_dict(), TMA=2)
-    padded = _functional("attn_fwd", PAD_HEAD=True)
-    assert "TMA" in cand.why_pruned(fp, padded, tma, SM90)
-    assert cand.why_pruned(fp, _functional("attn_fwd"), tma, SM90) is None
-    kept, pruned = cand.candidates(spec, padded, "sm_90", fp)
-    assert kept and not any(c.as_dict().get("TMA") for c in kept)
-    kept, _ = cand.candidates(spec, _functional("attn_fwd"), "sm_90", fp)
-    assert {c.as_dict().get("TMA", 0) for c in kept} == {0, 1, 2}
+    for functional in (_functional("attn_fwd", PAD_HEAD=True), _functional("attn_fwd")):
+        assert cand.why_pruned(fp, functional, tma, SM90) is None
+        kept, _ = cand.candidates(spec, functional, "sm_90", fp)
+        assert {c.as_dict().get("TMA", 0) for c in kept} == {0, 1, 2}

@@ -155,11 +155,11 @@ _TUNING = (
 )
 # The forward's knobs beyond the tiles (kernels/forward.py), each 0 where a configuration
 # leaves it out: OVERLAP=1 issues each interior key block's scores one block ahead of its
-# softmax; TMA=1 loads K, TMA=2 K and V, through tensor descriptors (unpadded variants only).
+# softmax; TMA=1 loads K, TMA=2 K and V, through tensor descriptors (padded heads: spanning the real head dim).
 _FWD_TUNING = _TUNING + (("OVERLAP", (0, 1)), ("TMA", (0, 1, 2)))
 _FWD_KNOB_DEFAULTS = (("OVERLAP", 0), ("TMA", 0))
 # The split backward's: TMA=1 streams its loop's tiles (dQ: K and V; dK/dV: q and dO)
-# through tensor descriptors (kernels/backward.py; unpadded variants only).
+# through tensor descriptors (kernels/backward.py).
 _BWD_TUNING = _TUNING + (("TMA", (0, 1)),)
 _BWD_KNOB_DEFAULTS = (("TMA", 0),)
 

@@ -5,7 +5,7 @@ loads K, TMA=2 K and V, through tensor descriptors. Each is the same arithmetic 
 order, so in the interpreter the output and log-sum-exp equal the plain loop's bit for
 bit, on every path through the kernel: masks on both diagonals and windows (interiors
 that are empty, one block, many), rows that see one key or none, GQA, varlen, dropout, a
-bias, padded head dims (which ignore TMA), every dtype. On the GPU they must match the
+bias, padded head dims (descriptors spanning the real head dim), every dtype. On the GPU they must match the
 float64 reference and the plain loop. The configurations come from ``rules.config_for``
 with the knobs set; the plan cache is emptied around each test so no plan of another
 setting is reused.

@@ -92,7 +92,7 @@ def _dkdv_program(
 
     With ATOMIC_DQ it also adds each query block's share of dQ into a zeroed fp32 DQ
     (and writes dBias). TMA=1: the q and dO tiles come through tensor descriptors over
-    the group's query heads (padded-head variants ignore it)."""
+    the group's query heads (in padded heads spanning the real head dims)."""
     q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
                                                     VARLEN)
     start_n = pid_n * BLOCK_N
@@ -130,16 +130,17 @@ def _dkdv_program(
     # group_size at run time), 66 more registers per thread at d64 and a pipeline refill at
     # every head; no time by itself on MHA (RESULTS.md, fifth session).
     rows0 = q_start + offs_m[:, None].to(tl.int64)
-    if TMA and not PAD_HEAD:
-        # [query head of the group, row, column]: rows past the sequence arrive as zeros
+    if TMA:
+        # [query head of the group, row, column]: rows past the sequence (and columns past
+        # a padded head) arrive as zeros
         q_desc = tl.make_tensor_descriptor(
             Q + off_z * stride_q[0] + off_hk * group_size * stride_q[1] + q_start * stride_q[2],
-            shape=[group_size, tl.maximum(seqlen_q, 1), BLOCK_D], strides=[stride_q[1], stride_q[2], 1],
-            block_shape=[1, BLOCK_M, BLOCK_D])
+            shape=[group_size, tl.maximum(seqlen_q, 1), head_dim if PAD_HEAD else BLOCK_D],
+            strides=[stride_q[1], stride_q[2], 1], block_shape=[1, BLOCK_M, BLOCK_D])
         do_desc = tl.make_tensor_descriptor(
             DO + off_z * stride_do[0] + off_hk * group_size * stride_do[1] + q_start * stride_do[2],
-            shape=[group_size, tl.maximum(seqlen_q, 1), BLOCK_DV], strides=[stride_do[1], stride_do[2], 1],
-            block_shape=[1, BLOCK_M, BLOCK_DV])
+            shape=[group_size, tl.maximum(seqlen_q, 1), head_dim_v if PAD_HEAD else BLOCK_DV],
+            strides=[stride_do[1], stride_do[2], 1], block_shape=[1, BLOCK_M, BLOCK_DV])
     else:
         q_desc = None
         do_desc = None
@@ -163,7 +164,7 @@ def _dkdv_program(
             m_in = rows < seqlen_q
             q_ptrs = Q + off_z * stride_q[0] + off_h * stride_q[1] + rows0 * stride_q[2] + offs_d[None, :]
             do_ptrs = DO + off_z * stride_do[0] + off_h * stride_do[1] + rows0 * stride_do[2] + offs_dv[None, :]
-            if TMA and not PAD_HEAD:
+            if TMA:
                 q = q_desc.load([g, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
                 do = do_desc.load([g, start_m, 0]).reshape(BLOCK_M, BLOCK_DV)
             else:
@@ -247,7 +248,7 @@ def _dq_program(
 ):
     """dQ (and dBias) of BLOCK_M query rows of one query head: under a mask, ``pid_m`` is
     a rank, 0 for the last (costliest) block. TMA=1: the K and V tiles come through
-    tensor descriptors (padded-head variants ignore it).
+    tensor descriptors (in padded heads spanning the real head dims).
 
     STATS: the program computes its rows' stats from ``Out`` and ``Lse`` itself, as the
     preprocess would, and writes them for the dK/dV kernel that runs after it (``Delta``
@@ -299,13 +300,13 @@ def _dq_program(
     keys = k_start + offs_n[:, None]
     k_ptrs = K + off_z * stride_k[0] + off_hk * stride_k[1] + keys * stride_k[2] + offs_d[None, :]
     v_ptrs = V + off_z * stride_v[0] + off_hk * stride_v[1] + keys * stride_v[2] + offs_dv[None, :]
-    if TMA and not PAD_HEAD:  # rows past the sequence arrive as zeros
+    if TMA:  # rows past the sequence (and columns past a padded head) arrive as zeros
         k_desc = tl.make_tensor_descriptor(K + off_z * stride_k[0] + off_hk * stride_k[1] + k_start * stride_k[2],
-                                           shape=[tl.maximum(seqlen_k, 1), BLOCK_D], strides=[stride_k[2], 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
+                                           shape=[tl.maximum(seqlen_k, 1), head_dim if PAD_HEAD else BLOCK_D],
+                                           strides=[stride_k[2], 1], block_shape=[BLOCK_N, BLOCK_D])
         v_desc = tl.make_tensor_descriptor(V + off_z * stride_v[0] + off_hk * stride_v[1] + k_start * stride_v[2],
-                                           shape=[tl.maximum(seqlen_k, 1), BLOCK_DV], strides=[stride_v[2], 1],
-                                           block_shape=[BLOCK_N, BLOCK_DV])
+                                           shape=[tl.maximum(seqlen_k, 1), head_dim_v if PAD_HEAD else BLOCK_DV],
+                                           strides=[stride_v[2], 1], block_shape=[BLOCK_N, BLOCK_DV])
     else:
         k_desc = None
         v_desc = None

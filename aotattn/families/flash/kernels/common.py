@@ -334,9 +334,9 @@ def head_columns(offs, head_dim, PAD_HEAD: tl.constexpr):
 def load_tile(desc, ptrs, row, row_off, stride, rows_in, cols_in, MASKED: tl.constexpr, PAD_HEAD: tl.constexpr,
               DESCRIPTOR: tl.constexpr):
     """The [rows, cols] tile starting at row ``row`` (``row_off``: the same, as int64):
-    through its tensor descriptor when DESCRIPTOR (rows past the tensor are zeros; padded
-    heads never take it), else :func:`load_rows`."""
-    if DESCRIPTOR and not PAD_HEAD:
+    through its tensor descriptor when DESCRIPTOR (rows past the tensor, and columns past a
+    padded head, are zeros: the descriptor spans the real head dim), else :func:`load_rows`."""
+    if DESCRIPTOR:
         return desc.load([row, 0])
     else:
         return load_rows(ptrs, row_off, stride, rows_in, cols_in, MASKED, PAD_HEAD)

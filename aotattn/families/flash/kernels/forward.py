@@ -49,8 +49,8 @@ def attn_fwd(
 
     Tuning knobs beside the tiles: OVERLAP (0 or 1), the unmasked interior issues each key
     block's scores one block ahead of its softmax; TMA (0, 1: K, 2: K and V), those tiles
-    come through tensor descriptors (the bulk tensor copy engine on Hopper; padded-head
-    variants ignore it)."""
+    come through tensor descriptors (the bulk tensor copy engine on Hopper; in padded heads
+    the descriptors span the real head dim, the columns past it arrive as zeros)."""
     # what a head's programs stream: K and V, shared by the group's query heads
     kv_bytes = tl.cast(max_seqlen_k, tl.int64) * (head_dim + head_dim_v) * 2 // group_size
     pid_m, off_h, off_z = program_order(kv_bytes, MASK)
@@ -84,19 +84,20 @@ def attn_fwd(
     k_ptrs = K + off_z * stride_kz + off_hk * stride_kh + keys * stride_kn + offs_d[None, :]
     v_ptrs = V + off_z * stride_vz + off_hk * stride_vh + keys * stride_vn + offs_dv[None, :]
     # K (TMA=1), or K and V (TMA=2), through the bulk tensor copy engine: rows past the
-    # sequence arrive as zeros (the aligned variant has the 16-byte bases and strides a
-    # descriptor needs). Triton 3.6's ptxas crashes on TMA with num_stages=2 unless it is
-    # TMA=1 without OVERLAP: the build reports such a configuration as failed.
-    if TMA and not PAD_HEAD:
+    # sequence, and in padded heads the columns past the head, arrive as zeros (every
+    # variant has the 16-byte bases and row strides a descriptor needs, rules._variant_of).
+    # Triton 3.6's ptxas crashes on TMA with num_stages=2 unless it is TMA=1 without
+    # OVERLAP: the build reports such a configuration as failed.
+    if TMA:
         k_desc = tl.make_tensor_descriptor(K + off_z * stride_kz + off_hk * stride_kh + k_start * stride_kn,
-                                           shape=[tl.maximum(seqlen_k, 1), BLOCK_D], strides=[stride_kn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
+                                           shape=[tl.maximum(seqlen_k, 1), head_dim if PAD_HEAD else BLOCK_D],
+                                           strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
     else:
         k_desc = None
-    if TMA == 2 and not PAD_HEAD:
+    if TMA == 2:
         v_desc = tl.make_tensor_descriptor(V + off_z * stride_vz + off_hk * stride_vh + k_start * stride_vn,
-                                           shape=[tl.maximum(seqlen_k, 1), BLOCK_DV], strides=[stride_vn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_DV])
+                                           shape=[tl.maximum(seqlen_k, 1), head_dim_v if PAD_HEAD else BLOCK_DV],
+                                           strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_DV])
     else:
         v_desc = None
     bias_ptrs = (Bias + off_z * stride_bz + off_h * stride_bh + offs_m[:, None].to(tl.int64) * stride_bm
