@@ -158,8 +158,8 @@ def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
 def _cacheable(q: object, k: object, v: object, dropout_p: object, extra: object) -> bool:
     """Calls without dropout or bias, with or without autograd, that are not padded by
     copy (:func:`_bucketed`): those the plan cache serves."""
-    if not (not torch.compiler.is_compiling() and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-            and isinstance(v, torch.Tensor) and extra is None and dropout_p == 0.0 and q.dim() and v.dim()):
+    if (torch.compiler.is_compiling() or not all(isinstance(t, torch.Tensor) and t.dim() for t in (q, k, v))
+            or extra is not None or dropout_p != 0.0):
         return False
     d, dv = q.shape[-1], v.shape[-1]
     if d == dv and q.shape[-1:] in _BUCKET_SHAPES:

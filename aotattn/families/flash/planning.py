@@ -21,7 +21,7 @@ import torch
 from aotattn.families.flash import rules
 from aotattn.families.flash.checks import Problem, check_backend
 from aotattn.runtime import launch
-from aotattn.spec import Config, Functional, KernelSpec, LaunchPlan
+from aotattn.spec import VARIANTS, Config, Functional, KernelSpec, LaunchPlan
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -76,15 +76,11 @@ class Call:
             "BIAS": bias,
         }
 
-    def tiles_aligned(self, *tensors: torch.Tensor, unit: int = 16) -> bool:
+    def tiles_aligned(self, *tensors: torch.Tensor, unit: int | None = None) -> bool:
         """Whether every tensor's pointer is 16-byte aligned and its (batch, head, row)
-        strides are multiples of ``unit`` elements: 16 for the unpadded variants, 8 (rows
-        of 16 bytes) for the padded ones."""
-        return _tiles_aligned(self.p.varlen, tensors, unit)
-
-    def unit(self) -> int:
-        """The stride unit of this call's kernels (:meth:`tiles_aligned`, rules._variant_of)."""
-        return ROW_UNIT if self.functional()["PAD_HEAD"] else 16
+        strides are multiples of ``unit`` elements: TILE_UNIT (the default) for the
+        unpadded variants, ROW_UNIT (rows of 16 bytes) for the padded ones."""
+        return _tiles_aligned(self.p.varlen, tensors, TILE_UNIT if unit is None else unit)
 
     def rows(self, t: torch.Tensor) -> tuple[int, int, int]:
         """(batch, head, row) strides of q/k/v-like tensors: (B, S, H, D), or (T, H, D) under varlen."""
@@ -135,7 +131,9 @@ class Call:
         return values
 
 
-ROW_UNIT = 8  # elements: rows of 16 bytes at 16 bits, what the padded variants assume
+# the stride units (elements) the variants assume (rules._variant_of): 16-aligned tiles
+# (unpadded heads), rows of 16 bytes at 16 bits (padded heads)
+TILE_UNIT, ROW_UNIT = VARIANTS["aligned"], VARIANTS["aligned8"]
 
 
 def _rows(varlen: bool, t: torch.Tensor) -> tuple[int, int, int]:
@@ -155,9 +153,8 @@ def servable(p: Problem, *tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ..
     aligned and batch, head and row strides that are multiples of 8 elements, which any
     contiguous layout with head dims that are multiples of 8 has (the operators pad the
     others, ops._attend). A tensor without them (a view at an odd offset, a row stride of
-    an odd number of elements) is replaced by a contiguous copy, differentiably; so are
-    all under ``p``'s head dims not multiples of 8, which only a caller that skipped the
-    padding passes."""
+    an odd number of elements) is replaced by a contiguous copy, differentiably. Head dims
+    that are not multiples of 8 raise: the caller pads them to the bucket first."""
     if p.head_dim % ROW_UNIT or p.head_dim_v % ROW_UNIT:
         raise ValueError(f"head dims {p.head_dim}/{p.head_dim_v} are not multiples of {ROW_UNIT}: pad them to "
                          "their bucket first (ops._attend does)")
@@ -331,7 +328,7 @@ def backward_dout(c: Call, dout: torch.Tensor, pad_head: bool | None = None) -> 
     ``pad_head``: the call's PAD_HEAD, when the caller has it at hand (the plan cache)."""
     if pad_head is None:
         pad_head = c.functional()["PAD_HEAD"]
-    if dout.stride(-1) != 1 or not c.tiles_aligned(dout, unit=ROW_UNIT if pad_head else 16):
+    if dout.stride(-1) != 1 or not c.tiles_aligned(dout, unit=ROW_UNIT if pad_head else TILE_UNIT):
         # a fresh contiguous tensor meets the variant's assumptions (a view at an odd offset does not)
         return dout.clone(memory_format=torch.contiguous_format)
     return dout
