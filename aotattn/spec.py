@@ -18,6 +18,8 @@ from typing import Any
 
 # Keys of a configuration that are launch options rather than constexpr arguments.
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
+# What a kernel's source is written in (KernelSpec.language).
+LANGUAGES = ("triton", "gluon")
 
 
 def _frozen(mapping: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -172,6 +174,12 @@ class _Table:
     def qualname(self) -> str:
         return f"{self.family}.{self.name}"
 
+    def runs_on(self, arch: str) -> bool:
+        """Whether this table applies on ``arch``: a kernel limited to some architectures
+        (``KernelSpec.archs``, a Gluon kernel's) has no table and no image elsewhere."""
+        archs = getattr(self, "archs", None)
+        return archs is None or arch in archs
+
     @property
     def axes(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.functionals)
@@ -254,6 +262,12 @@ class KernelSpec(_Table):
     variant_of: Callable[[Mapping[str, Any]], str] | None = field(default=None, compare=False)
     chosen_by: ChosenBy | None = None
     knob_defaults: tuple[tuple[str, Any], ...] = ()
+    language: str = "triton"
+    archs: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.language not in LANGUAGES:
+            raise ValueError(f"{self.qualname}: language {self.language!r} is none of {', '.join(LANGUAGES)}")
 
     @functools.cached_property
     def argument_names(self) -> tuple[str, ...]:

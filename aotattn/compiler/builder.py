@@ -72,6 +72,8 @@ def enumerate_jobs(db: Database, archs: Sequence[str], tables: Sequence[str], wh
     jobs = []
     for arch in archs:
         for name, spec in zip(tables, specs):
+            if not spec.runs_on(arch):  # a kernel for one architecture's instructions (a Gluon kernel)
+                continue
             table = db.effective(arch, name)
             for functional in spec.enumerate_functionals():
                 if not functional.matches(wanted):

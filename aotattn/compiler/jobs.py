@@ -104,16 +104,29 @@ class ResourceError(RuntimeError):
     """A compiled kernel needs more of a per-block resource than its architecture has."""
 
 
+def _source(language: str) -> Any:
+    """Triton's compiler input for a kernel written in ``language`` (KernelSpec.language)."""
+    if language == "gluon":
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return GluonASTSource
+    from triton.compiler import ASTSource
+
+    return ASTSource
+
+
 def compile_job(job: Job, line_info: bool = False) -> tuple[Entry, bytes]:
     """The job's kernel compiled for its target: its entry (launch metadata) and binary."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     fn, signature, constexprs, attrs, options = _triton_inputs(job)
+    spec = job.spec()
+    if not spec.runs_on(job.arch):
+        raise ValueError(f"{job.table} compiles for {', '.join(spec.archs)} only, not {job.arch}")
     backend, arch, warp_size = arches.arch(job.arch).target
     with _line_info(line_info):
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+        compiled = triton.compile(_source(spec.language)(fn, signature, constexprs, attrs),
                                   target=GPUTarget(backend, arch, warp_size), options=options)
     md = compiled.metadata
     limit = arches.arch(job.arch).shared_memory

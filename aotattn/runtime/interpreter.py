@@ -54,4 +54,10 @@ def interpreted_module(module: str) -> ModuleType:
 
 
 def interpreted_function(module: str, function: str) -> Any:
+    """The interpreted copy of ``module.function``; a Gluon kernel (explicit GPU layouts,
+    barriers and warp partitions) has none: ValueError."""
+    compiled = getattr(importlib.import_module(module), function)
+    if getattr(compiled, "is_gluon", lambda: False)():
+        raise ValueError(f"{module}.{function} is a Gluon kernel: Triton's interpreter cannot run it on CPU tensors "
+                         "(plan the family's Triton kernel for them instead)")
     return getattr(interpreted_module(module), function)

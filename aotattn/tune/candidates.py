@@ -85,6 +85,11 @@ class Footprint:
         tensor_cores: whether the functional's dots run on tensor cores (fp16/bf16).
         inert: why a configuration's knobs change nothing for this functional (a knob the
             kernel ignores there: it would time the same code twice), or None.
+        stages: the knob giving the pipeline depth: ``num_stages`` (Triton's software
+            pipeliner, buffering as :func:`pipeline_depth` measured) or a kernel's own ring
+            of shared-memory slots (``STAGES`` of a warp-specialized kernel: exactly that deep).
+        budget: why a configuration exceeds a kernel's own limits beyond shared memory and
+            the thread's 255 registers (a warp-specialized partition's register budget), or None.
     """
 
     resident: tuple[Tile, ...] = ()
@@ -96,6 +101,8 @@ class Footprint:
     tensor_cores: Callable[[Mapping[str, Any]], bool] = field(
         default=lambda values: values.get("dtype") in ("fp16", "bf16"), compare=False)
     inert: Callable[[Mapping[str, Any]], str | None] = field(default=lambda values: None, compare=False)
+    stages: str = "num_stages"
+    budget: Callable[[Mapping[str, Any]], str | None] = field(default=lambda values: None, compare=False)
 
 
 def _values(functional: Functional, config: Config) -> dict[str, Any]:
@@ -103,6 +110,8 @@ def _values(functional: Functional, config: Config) -> dict[str, Any]:
 
 
 def pipeline_depth(footprint: Footprint, values: Mapping[str, Any], tgt: Arch) -> int:
+    if footprint.stages != "num_stages":
+        return int(values[footprint.stages])  # the kernel's own ring of slots
     stages = int(values.get("num_stages", 1))
     if not footprint.tensor_cores(values):
         return stages  # fp32 (FMA dots): measured num_stages deep
@@ -132,6 +141,9 @@ def why_pruned(footprint: Footprint, functional: Functional, config: Config, tgt
     inert = footprint.inert(values)
     if inert is not None:
         return inert
+    over = footprint.budget(values)
+    if over is not None:
+        return over
     smem = shared_bytes(footprint, functional, config, tgt)
     if smem > tgt.shared_memory:
         return f"shared memory ~{smem} B > {tgt.shared_memory} B"
@@ -167,7 +179,8 @@ def score(footprint: Footprint, functional: Functional, config: Config, tgt: Arc
     """
     values = _values(functional, config)
     rows, cols = int(values[footprint.mma_rows]), int(values[footprint.mma_cols])
-    warpgroup = pipeline_depth(footprint, {**values, "num_stages": 2}, tgt) == 2
+    warpgroup = (footprint.stages != "num_stages"  # a kernel with its own rings issues wgmma itself
+                 or pipeline_depth(footprint, {**values, "num_stages": 2}, tgt) == 2)
     mma = 1.0 if warpgroup or not tgt.warpgroup_mma else 0.5
     reuse = min(1.0, rows / BALANCE) ** 0.5
     loop = cols / (cols + 16)
@@ -176,7 +189,7 @@ def score(footprint: Footprint, functional: Functional, config: Config, tgt: Arc
         if knob in values and key in sizes:
             block, size = int(values[knob]), int(sizes[key])
             useful *= size / (-(-size // block) * block)
-    stages = int(values.get("num_stages", 2))
+    stages = int(values.get(footprint.stages, 2))
     pipelined = 0.8 if stages == 1 else 0.95 if stages == 2 else 1.0
     pressure = 0.9 if accumulator_registers(footprint, functional, config, tgt) > 128 else 1.0
     return mma * reuse * loop * useful * pipelined * pressure
@@ -227,7 +240,7 @@ def config_name(config: Config) -> str:
     """A name spelling the values: ``m128_n64_w8_s3``, ``split`` (an operator choice)."""
     values = config.as_dict()
     short = {"BLOCK_M": "m", "BLOCK_N": "n", "num_warps": "w", "num_stages": "s", "BLOCK": "b", "OVERLAP": "o",
-             "TMA": "tma"}
+             "TMA": "tma", "STAGES": "st", "PINGPONG": "pp"}
     if len(values) == 1 and isinstance(next(iter(values.values())), str):
         return str(next(iter(values.values())))
     return "_".join(f"{short.get(k, k.lower())}{v}" for k, v in _ordered(values))

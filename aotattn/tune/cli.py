@@ -25,7 +25,8 @@ SEQLEN = typer.Option(None, "--seqlen", help="sequence-length buckets, e.g. 1024
 CELLS = typer.Option("diagonal", "--cells", help="diagonal (seqlen_q = seqlen_k) or grid (every pair)")
 ARCH = typer.Option("sm_90", "--arch", help="architecture (also the pgdef pool)")
 ALL = typer.Option(False, "--all-functionals", help="also refinements (padded heads, ...), not only roots")
-LIMIT = typer.Option(8, "--limit", help="candidates per cell kept by the speed model (plus the current choice)")
+LIMIT = typer.Option(None, "--limit", help="candidates per cell kept by the speed model (plus the current choice; "
+                     "default: the harness's per table, 8 for most)")
 TOKENS = typer.Option(None, "--tokens", help="batch x heads x seqlen_q of the timed problem (default: the "
                       "harness's per table: 2^17 for kernel tables, 2^19 for flash.backward)")
 TUNING_DB = typer.Option(None, "--tuning-db", help="tuning database root (default: $AOTATTN_TUNING_DB or tuning/)")
@@ -62,12 +63,13 @@ def _select(category: list[str], where: str | None, dtype: str, head_dim: str | 
     return chosen, len(found)
 
 
-def _settings(limit: int, tokens: int | None, table: str):
-    """A task's settings: ``tokens`` when given, else its table's harness default."""
+def _settings(limit: int | None, tokens: int | None, table: str):
+    """A task's settings: ``limit`` and ``tokens`` when given, else its table's harness defaults."""
     from aotattn.tune.runner import Settings
 
     default = Settings.for_table(table)
-    return Settings.from_json({"limit": limit, "tokens": default.tokens if tokens is None else tokens})
+    return Settings.from_json({"limit": default.limit if limit is None else limit,
+                               "tokens": default.tokens if tokens is None else tokens})
 
 
 def _settings_by_table(chosen, limit: int, tokens: int | None) -> dict[str, Any]:

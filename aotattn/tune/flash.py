@@ -46,6 +46,20 @@ _SCORES = (Tile("BLOCK_M", "BLOCK_N", "fp32"),)
 _PADS = (("BLOCK_M", "seqlen_q"), ("BLOCK_N", "seqlen_k"))
 
 
+def _ws_registers(values: Mapping[str, Any]) -> str | None:
+    """A consumer warpgroup of attn_fwd_ws holds its 64 rows' output and scores in fp32 and
+    P in 16 bits; with ~32 registers for addresses and loop state that must fit the
+    partition's budget (kernels/forward_ws.consumer_regs: 240 with two consumers, 160
+    with three)."""
+    from aotattn.families.flash.kernels.forward_ws import consumer_regs  # noqa: PLC0415 (Gluon, on demand)
+
+    held = (64 * values["BLOCK_D"] + 64 * values["BLOCK_N"] * 3 // 2) // 128
+    budget = consumer_regs(values["BLOCK_M"] // 64) - 32
+    if held > budget:
+        return f"a consumer's tiles ~{held} registers/thread > its budget {budget}"
+    return None
+
+
 FOOTPRINTS: dict[str, Footprint] = {
     # OVERLAP: the interior's first K tile is loaded outside the pipelined loop, and the
     # next block's scores are alive beside the current ones (TMA: the same tiles, through
@@ -53,6 +67,9 @@ FOOTPRINTS: dict[str, Footprint] = {
     "attn_fwd": Footprint(resident=(_Q, Tile("BLOCK_N", "BLOCK_D", when="OVERLAP")), pipelined=(_K, _V, _BIAS),
                           accumulators=(Tile("BLOCK_M", "BLOCK_DV", "fp32"), *_SCORES,
                                         Tile("BLOCK_M", "BLOCK_N", "fp32", when="OVERLAP")), pads=_PADS),
+    # attn_fwd_ws: each consumer's Q tile resident, K and V in rings STAGES deep; its
+    # accumulators are per consumer warpgroup (the budget), checked by _ws_registers
+    "attn_fwd_ws": Footprint(resident=(_Q,), pipelined=(_K, _V), stages="STAGES", budget=_ws_registers, pads=_PADS),
     "attn_bwd_dq": Footprint(resident=(_Q, _DO), pipelined=(_K, _V, _BIAS),
                              accumulators=(Tile("BLOCK_M", "BLOCK_D", "fp32"), *_SCORES, *_SCORES), pads=_PADS),
     "attn_bwd_dkdv": Footprint(resident=(_K, _V), pipelined=(_Q, _DO, *_ROWS, _BIAS),
@@ -67,7 +84,10 @@ FOOTPRINTS: dict[str, Footprint] = {
                                               Tile("BLOCK_M", "BLOCK_D", "fp32"), *_SCORES, *_SCORES),
                                 mma_rows="BLOCK_N", mma_cols="BLOCK_M", pads=_PADS),
 }
-TABLES = ("flash.attn_fwd", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq", "flash.attn_bwd_fused", "flash.backward")
+TABLES = ("flash.attn_fwd", "flash.attn_fwd_ws", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq", "flash.attn_bwd_fused",
+          "flash.forward", "flash.backward")
+# the tables whose work is the forward pass (its output, the forward's FLOPs)
+FORWARD_TABLES = ("flash.attn_fwd", "flash.attn_fwd_ws", "flash.forward")
 _TORCH_DTYPES = {name: dtype for dtype, name in rules.DTYPES.items()}
 
 
@@ -85,7 +105,7 @@ class Shape:
         return f"B{self.batch} H{self.heads} Sq{self.seqlen_q} Sk{self.seqlen_k} D{self.head_dim}"
 
 
-OPERATOR_TABLE = "flash.backward"
+OPERATOR_TABLE = "flash.backward"  # timed at training sizes (default_tokens)
 
 
 def default_tokens(table: str) -> int:
@@ -102,6 +122,13 @@ def default_tokens(table: str) -> int:
     return 2**19 if table == OPERATOR_TABLE else 2**17
 
 
+def default_limit(table: str) -> int:
+    """Candidates per cell the speed model keeps: 8 of a Triton kernel's hundreds; every
+    fitting configuration of the warp-specialized forward (at most 36: its rings and
+    partitions are what the model knows least)."""
+    return 36 if table == "flash.attn_fwd_ws" else 8
+
+
 def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = None) -> bool:
     """Whether this harness can build problems for the functional (dense or dropout, no bias,
     not varlen) at the cell: none where a call of the cell's lengths runs another MASK
@@ -110,6 +137,8 @@ def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = 
     if cell is not None and len(cell) == 2 and "MASK" in f \
             and rules.kernel_mask(f["MASK"], f.get("VARLEN", False), *cell) != f["MASK"]:
         return False
+    if table in ("flash.attn_fwd_ws", "flash.forward") and not rules.ws_serves(f, "sm_90"):
+        return False  # the forward table's choice matters only where the warp-specialized kernel serves
     return table in TABLES and not f.get("VARLEN") and not f.get("BIAS")
 
 
@@ -127,7 +156,7 @@ def flops(table: str, shape: Shape, functional: Functional) -> float:
     """Standard count: forward 4*B*H*Sq*Sk*D (halved when causal), backward 2.5x."""
     fwd = 4.0 * shape.batch * shape.heads * shape.seqlen_q * shape.seqlen_k * shape.head_dim
     fwd /= 2 if functional["MASK"] != rules.MASK_NONE else 1
-    return fwd if table == "flash.attn_fwd" else 2.5 * fwd
+    return fwd if table in FORWARD_TABLES else 2.5 * fwd
 
 
 def _previous(buckets: tuple[int, ...], bucket: int) -> int:
@@ -199,6 +228,7 @@ class Problem:
             raise ValueError(f"the flash harness cannot build {table} [{functional}] (bias and varlen "
                              "functionals are not tuned yet)")
         self.table, self.kernel = table, table.split(".", 1)[1]
+        self.forward = table in FORWARD_TABLES
         self.functional, self.shape, self.device = functional, shape, torch.device(device)
         self.generator = generator
         f = functional.as_dict()
@@ -239,7 +269,7 @@ class Problem:
         """The problem must select exactly the task's functional (else it times another kernel)."""
         if not self.functional.as_dict().get("PAD_HEAD") and not self.call.tiles_aligned(self.q, self.k, self.v):
             raise ValueError(f"{self.shape}: tensors not 16-byte aligned, the aligned variant cannot run")
-        got = self.call.functional(backward=self.kernel != "attn_fwd")
+        got = self.call.functional(backward=not self.forward)
         want = self.functional.as_dict()
         if self.kernel == "backward":
             got = rules.operator_functional(got, want["DETERMINISTIC"]).as_dict()
@@ -255,7 +285,7 @@ class Problem:
         kernel, fused: the preprocess), with the database's configurations."""
         for t in (self.q, self.k, self.v, self.dout):
             t.normal_(generator=self.generator)
-        if self.kernel != "attn_fwd":
+        if not self.forward:
             # into the same lse: the launch plans made by runner() keep its pointer
             launch(planning.forward_plan(self.call, self.q, self.k, self.v, self.out, self.lse))
             if self.kernel != "backward":
@@ -280,8 +310,13 @@ class Problem:
     # ------------------------------------------------------------------ runs
     def runner(self, config: Config) -> Callable[[], None]:
         """A callable that runs the table's work once with ``config`` on the current tensors."""
-        if self.kernel == "attn_fwd":
-            plan = planning.forward_plan(self.call, self.q, self.k, self.v, self.out, self.lse, config)
+        if self.forward:
+            if self.kernel == "forward":  # the operator's choice: that kernel with the database's configuration
+                plan = planning.forward_plan(self.call, self.q, self.k, self.v, self.out, self.lse,
+                                             engine=config["engine"])
+            else:
+                plan = planning.forward_plan(self.call, self.q, self.k, self.v, self.out, self.lse, config,
+                                             "ws" if self.kernel == "attn_fwd_ws" else "triton")
             return lambda: launch(plan)
         if self.kernel == "backward":
             backend, deterministic = config["backend"], self._backward_choice()[1]
@@ -296,7 +331,7 @@ class Problem:
 
     def outputs(self) -> dict[str, torch.Tensor]:
         """What the table's work writes (dQ accumulated in fp32 is read as is)."""
-        if self.kernel == "attn_fwd":
+        if self.forward:
             return {"out": self.out}
         if self.kernel == "attn_bwd_dkdv":
             return {"dk": self.dk, "dv": self.dv}
@@ -319,14 +354,14 @@ class Problem:
         for b in range(self.shape.batch):
             for h in range(self.shape.heads):
                 part = (slice(b, b + 1), slice(None), slice(h, h + 1))
-                q, k, v = (t[part].to(torch.float64).requires_grad_(self.kernel != "attn_fwd")
+                q, k, v = (t[part].to(torch.float64).requires_grad_(not self.forward)
                            for t in (self.q, self.k, self.v))
                 if self.dropout_p:
                     dropped = {"dropout_mask": keep[b:b + 1, h:h + 1].bool(), "dropout_p": self.dropout_p}
                 else:
                     dropped = {}
                 out, _ = reference.attention(q, k, v, **mask, **dropped)
-                if self.kernel == "attn_fwd":
+                if self.forward:
                     result["out"][part] = out.detach()
                     continue
                 grads = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v),
@@ -354,7 +389,8 @@ def current_config(db: Any, arch: str, table: str, functional: Functional, cell:
     """The database's configuration for the cell today, or None when it has none."""
     from aotattn.tuning import TuningError
 
-    spec = rules.BACKWARD if table == "flash.backward" else rules.KERNELS[table.split(".", 1)[1]]
+    spec = {"flash.backward": rules.BACKWARD, "flash.forward": rules.FORWARD}.get(table) \
+        or rules.KERNELS[table.split(".", 1)[1]]
     try:
         return db.lookup(arch, spec, functional, dict(zip((k for k, _ in spec.tuning_keys), cell)))
     except TuningError:
@@ -373,8 +409,10 @@ def auxiliary(table: str, functional: Functional) -> list[tuple[str, Functional]
     pre = {"dtype": f["dtype"], "BLOCK_DV": attention["BLOCK_DV"], "PAD_HEAD": attention["PAD_HEAD"],
            "VARLEN": attention["VARLEN"]}
     pairs: list[tuple[str, dict]] = []
-    if kernel == "attn_fwd":
+    if kernel in ("attn_fwd", "attn_fwd_ws"):
         return _mask_kernel(f)
+    if kernel == "forward":  # both engines' kernels, with the database's configurations
+        return [("flash.attn_fwd", functional), ("flash.attn_fwd_ws", functional)]
     pairs += [("flash.attn_fwd", forward), ("flash.attn_bwd_preprocess", pre)]
     if kernel == "attn_bwd_dkdv":  # the split backend's dQ kernel writes the stats dK/dV reads
         pairs.append(("flash.attn_bwd_dq", attention))

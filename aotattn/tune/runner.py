@@ -117,10 +117,15 @@ class Settings:
 
     @classmethod
     def for_table(cls, table: str, **changes: Any) -> "Settings":
-        """The defaults, timed at the table's own size (its harness's ``default_tokens``)."""
+        """The defaults, timed at the table's own size (its harness's ``default_tokens``), with
+        its harness's ``default_limit`` where it has one (a small space timed whole)."""
         from aotattn.tune.harnesses import harness
 
-        return cls(**{"tokens": harness(table).default_tokens(table), **changes})
+        h = harness(table)
+        defaults: dict[str, Any] = {"tokens": h.default_tokens(table)}
+        if hasattr(h, "default_limit"):
+            defaults["limit"] = h.default_limit(table)
+        return cls(**{**defaults, **changes})
 
 
 class DeviceLost(RuntimeError):

@@ -85,7 +85,9 @@ SESSION_SCRIPTS = {"perfmon_session.sh": {("perfmon", "images"), ("perfmon", "ru
                    "odd_dims_session.sh": {("perfmon", "images"), ("perfmon", "run"), ("perfdb", "summary"),
                                            ("perfdb", "compare")},
                    "tune_cells_session.sh": {("tune", "plan"), ("tune", "export"), ("tuning", "lint"),
-                                             ("perfmon", "images"), ("perfmon", "run"), ("perfdb", "summary")}}
+                                             ("perfmon", "images"), ("perfmon", "run"), ("perfdb", "summary")},
+                   "ws_session.sh": {("tune", "plan"), ("tune", "export"), ("tuning", "lint"),
+                                     ("perfmon", "images"), ("perfmon", "run"), ("perfdb", "summary")}}
 
 
 @pytest.mark.parametrize("name", sorted(SESSION_SCRIPTS))

@@ -6,6 +6,9 @@ writes ``ROOT/nvidia/sm_90`` (every table in full), ``ROOT/nvidia/sm_80`` (``#! 
 sm_90``, overriding the blocks whose sm_90 choices need more than the A100's 163 KB of
 shared memory), sm_86 and sm_89 (``#! base sm_80``), ``ROOT/amd/gfx942`` (``#! base
 sm_90``) and gfx90a, gfx950, gfx1100 (``#! base gfx942``), nothing overridden yet.
+Two tables differ: ``flash.forward`` (which kernel computes the forward) is every
+architecture's own, ``triton`` everywhere, never inherited; ``flash.attn_fwd_ws`` (a Gluon
+kernel for sm_90) exists for sm_90 alone.
 The choices follow the H200 sweeps of 2026-11-29 (benchmarks/RESULTS.md) at s4096 and
 are used for every sequence length.
 """
@@ -32,6 +35,18 @@ def sm90(kernel, f: dict) -> Config:
         return Config.of(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
     if kernel is rules.PHILOX_WORDS:
         return Config.of(BLOCK=128, num_warps=4, num_stages=1)
+    if kernel is rules.FORWARD:
+        if f["PAD_HEAD"] or f["VARLEN"] or f["DROPOUT"] or f["BIAS"] or f["MASK"] == rules.MASK_TOP_LEFT:
+            return None  # refinements fall back to their root (rules._operator_fallback)
+        return Config.of(engine="triton")  # the tuned patch of sm_90 chooses ws where it wins
+    if kernel is rules.ATTN_FWD_WS:
+        if f["MASK"] == rules.MASK_TOP_LEFT:
+            return None  # falls back to bottom-right (rules._fallback)
+        # the prototype's best tiles at s4096-s16384 (RESULTS.md, fourteenth session)
+        if f["BLOCK_D"] == 64:
+            return Config.of(BLOCK_M=192, BLOCK_N=128, STAGES=3, PINGPONG=1, num_warps=4, num_stages=1)
+        return Config.of(BLOCK_M=128, BLOCK_N=64, STAGES=3 if f["BLOCK_D"] == 128 else 2, PINGPONG=1, num_warps=4,
+                         num_stages=1)
     if kernel is rules.BACKWARD:
         if f["PAD_HEAD"] or f["VARLEN"] or f["DROPOUT"] or f["BIAS"] or f["MASK"] == rules.MASK_TOP_LEFT:
             return None  # refinements fall back to their root (rules._operator_fallback)
@@ -71,6 +86,10 @@ def _name(config: Config) -> str:
     v = config.as_dict()
     if "backend" in v:
         return v["backend"]
+    if "engine" in v:
+        return v["engine"]
+    if "STAGES" in v:
+        return f"m{v['BLOCK_M']}_n{v['BLOCK_N']}_s{v['STAGES']}" + ("_pp" if v["PINGPONG"] else "")
     if "BLOCK" in v:
         return f"b{v['BLOCK']}_w{v['num_warps']}"
     if "BLOCK_N" not in v:
@@ -101,7 +120,14 @@ def main(root: Path) -> None:
         directory = root / vendor / arch
         directory.mkdir(parents=True, exist_ok=True)
         for spec in rules.TABLES:
-            table = build_table(spec, arch, choose, base)
+            if not spec.runs_on(arch):
+                continue
+            if spec is rules.FORWARD:
+                # never inherited: which kernel serves a cell is each architecture's own
+                # finding (sm_80 and gfx942 would otherwise take sm_90's ws choices)
+                table = build_table(spec, arch, sm90, None)
+            else:
+                table = build_table(spec, arch, choose, base)
             (directory / f"{spec.qualname}.txt").write_text(write_table(spec, table))
 
 

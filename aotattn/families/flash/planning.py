@@ -21,6 +21,7 @@ import torch
 from aotattn.families.flash import rules
 from aotattn.families.flash.checks import Problem, check_backend
 from aotattn.runtime import launch
+from aotattn.runtime.device import arch_of
 from aotattn.spec import VARIANTS, Config, Functional, KernelSpec, LaunchPlan
 
 LOG2E = 1.0 / math.log(2.0)
@@ -230,21 +231,54 @@ def new_output(p: Problem, q: torch.Tensor, heads_major: bool) -> torch.Tensor:
     return torch.empty((p.batch, p.seqlen_q, p.heads_q, p.head_dim_v), dtype=q.dtype, device=q.device)
 
 
+def choose_engine(c: Call, device: torch.device) -> str:
+    """The forward's kernel (rules.ENGINES): the ``flash.forward`` table's choice where the
+    warp-specialized kernel computes the call (rules.ws_computes) and runs on the device's
+    architecture; else ``triton``. On CPU tensors the table is the interpreter's (triton)."""
+    functional = c.functional()
+    if not rules.ws_computes(functional):
+        return "triton"
+    engine = rules.config_for(rules.FORWARD, Functional.of(functional), device, **c.p.tuning_sizes)["engine"]
+    if engine == "ws" and device.type == "cuda" and not rules.ATTN_FWD_WS.runs_on(arch_of(device)):
+        return "triton"  # another architecture's table (the project's say triton there)
+    return engine
+
+
 def forward_plan(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, config: Config | None = None) -> LaunchPlan:
-    """Plan of the forward kernel; ``lse`` is ``(B, Hq, Sq)``, or ``(Hq, total_q)`` under varlen."""
-    p, kernel = c.p, rules.ATTN_FWD
-    args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **c.sequences(q.device), **c.bias_args(kernel, q),
-                **c.tile_strides(kernel, q=q, k=k, v=v, o=out), **c.lse_strides(kernel, lse), **c.scalars())
+                 lse: torch.Tensor, config: Config | None = None, engine: str | None = None) -> LaunchPlan:
+    """Plan of the forward kernel; ``lse`` is ``(B, Hq, Sq)``, or ``(Hq, total_q)`` under varlen.
+
+    ``engine`` (rules.ENGINES): which kernel; None, the table's choice (:func:`choose_engine`),
+    or ``triton`` when a ``config`` is given without one (a configuration names one kernel's knobs)."""
+    p = c.p
+    if engine is None:
+        engine = "triton" if config is not None else choose_engine(c, q.device)
+    if engine == "ws":
+        kernel = rules.ATTN_FWD_WS
+        functional = c.functional()
+        arch = arch_of(q.device) if q.device.type == "cuda" else None
+        if not rules.ws_computes(functional) or (arch is not None and not kernel.runs_on(arch)):
+            raise ValueError(f"engine 'ws': {kernel.qualname} does not serve this call ({Functional.of(functional)}"
+                             f"{' on ' + arch if arch else ''}); engine='triton' serves every call")
+        left, right = p.kernel_window()
+        args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **c.tile_strides(kernel, q=q, k=k, v=v, o=out),
+                    **c.lse_strides(kernel, lse), max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k,
+                    group_size=p.group_size, qk_scale=p.softmax_scale * LOG2E, window_left=left, window_right=right)
+    elif engine == "triton":
+        kernel = rules.ATTN_FWD
+        args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **c.sequences(q.device), **c.bias_args(kernel, q),
+                    **c.tile_strides(kernel, q=q, k=k, v=v, o=out), **c.lse_strides(kernel, lse), **c.scalars())
+    else:
+        raise ValueError(f"engine: expected one of {', '.join(rules.ENGINES)}, got {engine!r}")
     return _plan(kernel, c.functional(), p, q.device, config,
                  lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch), args)
 
 
 def run_forward(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                config: Config | None = None) -> torch.Tensor:
+                config: Config | None = None, engine: str | None = None) -> torch.Tensor:
     """Run the forward pass into ``out``; returns the log-sum-exp."""
     lse = torch.empty(lse_shape(c.p, q), dtype=torch.float32, device=q.device)
-    launch(forward_plan(c, q, k, v, out, lse, config))
+    launch(forward_plan(c, q, k, v, out, lse, config, engine))
     return lse
 
 

@@ -18,7 +18,9 @@ from aotattn.spec import Arg, ChosenBy, Config, Functional, KernelSpec, Operator
 FAMILY = "flash"
 BACKENDS = ("split", "fused")
 _KERNELS = "aotattn.families.flash.kernels"  # a package, one module per pass
-FORWARD_MODULE, BACKWARD_MODULE, DROPOUT_MODULE = (f"{_KERNELS}.{m}" for m in ("forward", "backward", "dropout"))
+FORWARD_MODULE, FORWARD_WS_MODULE, BACKWARD_MODULE, DROPOUT_MODULE = (
+    f"{_KERNELS}.{m}" for m in ("forward", "forward_ws", "backward", "dropout"))
+ENGINES = ("triton", "ws")  # the forward's kernels: attn_fwd (Triton), attn_fwd_ws (Gluon, sm_90)
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
@@ -203,6 +205,61 @@ ATTN_FWD = _attention_kernel(
     knob_defaults=_FWD_KNOB_DEFAULTS,
 )
 
+
+
+def _ws_unserved(functional: Mapping[str, Any]) -> bool:
+    """What the warp-specialized forward does not compute (kernels/forward_ws.py): fp32,
+    head buckets below 64 (not built: small heads stay with the Triton kernel), unequal
+    or padded heads, varlen, dropout, a bias. Those calls run attn_fwd whatever the
+    forward table says."""
+    return (functional["dtype"] == "fp32" or functional["BLOCK_D"] < 64 or _unequal_head_buckets(functional)
+            or functional["PAD_HEAD"] or functional["VARLEN"] or functional["DROPOUT"]
+            or functional["BIAS"] != BIAS_NONE)
+
+
+def _ws_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The forward operator's functionals whose ``ws`` choice runs this kernel functional
+    (the two tables share their axes)."""
+    return [dict(functional)]
+
+
+# The warp-specialized forward (Gluon, sm_90 only): BLOCK_M rows per program, 64 per
+# consumer warpgroup (128: two, 192: three); BLOCK_N keys per step; STAGES slots in each
+# of the K and V rings; PINGPONG, the consumers take turns issuing their products.
+_WS_TUNING = (
+    ("BLOCK_M", (128, 192)),
+    ("BLOCK_N", (32, 64, 128)),
+    ("STAGES", (2, 3, 4)),
+    ("PINGPONG", (0, 1)),
+    ("num_warps", (4,)),
+    ("num_stages", (1,)),
+)
+
+ATTN_FWD_WS = KernelSpec(
+    family=FAMILY, name="attn_fwd_ws", module=FORWARD_WS_MODULE, function="attn_fwd_ws",
+    arguments=(
+        _tile("Q"), _tile("K"), _tile("V"), _tile("Out"), Arg("Lse", "*fp32"),
+        *_tile_strides("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn",
+                       "stride_vz", "stride_vh", "stride_vn", "stride_oz", "stride_oh", "stride_om"),
+        *_LSE_STRIDES, Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("group_size", _I32),
+        Arg("qk_scale", _F32), Arg("window_left", _I32), Arg("window_right", _I32),
+    ),
+    functionals=_FWD_AXES, tuning_space=_WS_TUNING, disabled=lambda f: _disabled(f) or _ws_unserved(f),
+    tuning_keys=_SEQ_KEYS, fallback=_fallback, variant_of=_variant_of,
+    chosen_by=ChosenBy("flash.forward", "engine", "ws", _ws_calls), language="gluon", archs=("sm_90",),
+)
+
+
+def ws_computes(functional: Mapping[str, Any]) -> bool:
+    """Whether attn_fwd_ws computes this forward functional (on the architectures it has)."""
+    return not _disabled(functional) and not _ws_unserved(functional)
+
+
+def ws_serves(functional: Mapping[str, Any], arch: str) -> bool:
+    """Whether attn_fwd_ws computes this forward functional on ``arch``."""
+    return ATTN_FWD_WS.runs_on(arch) and ws_computes(functional)
+
+
 ATTN_BWD_PREPROCESS = KernelSpec(
     family=FAMILY,
     name="attn_bwd_preprocess",
@@ -320,20 +377,36 @@ BACKWARD = OperatorSpec(
 )
 
 
+# Operator level: which kernel computes the forward, per cell: the Triton kernel (every
+# functional, every architecture) or the warp-specialized one where it serves and wins
+# (rules.ws_serves; tuned on the H200). Its axes are the forward kernels', so a cell of
+# this table and a cell of attn_fwd_ws name the same calls.
+FORWARD = OperatorSpec(
+    family=FAMILY,
+    name="forward",
+    functionals=_FWD_AXES,
+    tuning_space=(("engine", ENGINES),),
+    tuning_keys=_SEQ_KEYS,
+    fallback=_operator_fallback,
+    disabled=_disabled,
+)
+
+
 def operator_functional(kernel_functional: Mapping[str, Any], deterministic: bool) -> Functional:
     """The ``flash.backward`` functional of a call whose (backward) kernel functional is given."""
     names = [name for name, _ in BACKWARD.functionals if name != "DETERMINISTIC"]
     return Functional.of({**{n: kernel_functional[n] for n in names}, "DETERMINISTIC": deterministic})
 
-KERNELS = {spec.name: spec for spec in (ATTN_FWD, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ,
+KERNELS = {spec.name: spec for spec in (ATTN_FWD, ATTN_FWD_WS, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ,
                                         ATTN_BWD_FUSED, DROPOUT_MASK, PHILOX_WORDS)}
-TABLES = (*KERNELS.values(), BACKWARD)
+TABLES = (*KERNELS.values(), FORWARD, BACKWARD)
 
 
 # The interpreter runs one program at a time on numpy: small tiles keep every code path
 # (several key blocks, masked and unmasked runs) exercised at test sizes. It is not an
 # architecture of the tuning database.
 INTERPRETER_CONFIGS = {
+    FORWARD.name: Config.of(engine="triton"),  # the interpreter cannot run the Gluon kernel
     DROPOUT_MASK.name: Config.of(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1),
     PHILOX_WORDS.name: Config.of(BLOCK=128, num_warps=4, num_stages=1),
 }

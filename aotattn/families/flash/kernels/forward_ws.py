@@ -1,0 +1,326 @@
+"""The warp-specialized forward for Hopper (sm_90), written in Gluon.
+
+Same math, masks, outputs and log-sum-exp as :mod:`.forward` (read its docstring first);
+a narrower functional space: fp16/bf16, unpadded head dims 64-256, no varlen, dropout
+or bias (``rules.ATTN_FWD_WS``); the ``flash.forward`` table chooses it per cell.
+
+Triton 3.6 does not warp-specialize on sm_90 (RESULTS.md, fourth session), so this
+kernel spells out what FlashAttention-3 describes, in Gluon (Triton's tile language
+with explicit layouts, shared memory, barriers and warp partitions):
+
+- One program owns ``BLOCK_M`` query rows of one head: ``BLOCK_M // 64`` *consumer*
+  warpgroups of 64 rows each, plus one *loader* warp.
+- The loader streams K and V tiles through the bulk tensor copy engine (TMA) into a
+  ``STAGES``-deep ring of shared-memory slots. Each slot has a ready barrier (the copy
+  engine completes it) and an empty barrier (every consumer arrives once it is done
+  with the tile); K and V have separate rings, so K of the next block can land while
+  V of the current one is still being read.
+- Each consumer keeps its rows' output accumulator in registers and runs the online
+  softmax with the two products issued asynchronously (``wgmma``), one block apart:
+  the scores of block j+1 and the ``P V`` product of block j are in flight on the
+  tensor cores while the warps compute block j+1's exponentials (intra-warpgroup
+  overlap). P goes to the second product from registers, never through shared memory.
+- ``PINGPONG``: the consumers take turns issuing their products (a ring of barriers),
+  so one warpgroup's softmax runs while the other's products occupy the tensor cores.
+- The softmax scale is folded into the exponent: ``p = exp2(s * qk_scale - m)`` is one
+  FMA per score; the running max ``m`` is kept in the scaled log2 domain.
+
+Blocks outside a causal or windowed program's key range are never loaded; blocks on its
+edges are masked, the interior is not (the ranges of :func:`.common.key_blocks`,
+computed over the whole program's rows). Under a mask programs start costliest first.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+# The MASK axis (aotattn.families.flash.rules), as in .common.
+MASK_NONE: gl.constexpr = gl.constexpr(0)
+MASK_BOTTOM_RIGHT: gl.constexpr = gl.constexpr(2)
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+WARPGROUP_ROWS: gl.constexpr = gl.constexpr(64)  # rows of one consumer: wgmma's M per warpgroup
+# Register budgets (setmaxnreg) of the partitions: the loader needs few, the consumers
+# share the rest of the 64K-register file (2 consumers: 240 each; 3: 160 each).
+LOADER_REGS: gl.constexpr = gl.constexpr(24)
+
+
+@gluon.constexpr_function
+def consumer_regs(consumers):
+    return 240 if consumers == 2 else 160
+
+
+@gluon.jit
+def _program_keys(m0, seqlen_q, seqlen_k, diag, window_left, window_right, MASK: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(lo, a, b, n_blocks): the program's key blocks start at lo; [a, b) is seen in full
+    by every row of the program (no mask); at least one block (rows that see no key
+    still run one, masked, and end with output 0 and lse +inf)."""
+    row_hi = gl.minimum(m0 + BLOCK_M, seqlen_q)
+    if MASK != MASK_NONE:
+        lo = gl.maximum(m0 + diag - window_left, 0)
+        hi = gl.minimum(row_hi - 1 + diag + window_right + 1, seqlen_k)
+        full_lo = gl.maximum(row_hi - 1 + diag - window_left, 0)
+        full_hi = gl.maximum(gl.minimum(m0 + diag + window_right + 1, seqlen_k), 0)
+    else:
+        lo = 0
+        hi = seqlen_k
+        full_lo = 0
+        full_hi = seqlen_k
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi = gl.maximum(hi, lo)
+    a = gl.minimum(gl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)
+    b = gl.minimum(gl.maximum(full_hi // BLOCK_N * BLOCK_N, a), hi)
+    n_blocks = gl.maximum((hi - lo + BLOCK_N - 1) // BLOCK_N, 1)
+    return lo, a, b, n_blocks
+
+
+@gluon.jit
+def _loader(loads, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The loader warp: each consumer's Q tile, then K and V of every key block into the rings."""
+    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m0, lo, n_blocks = loads
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [m0 + c * WARPGROUP_ROWS, 0], q_bar.index(c), q_smem.index(c))
+    for i in range(n_blocks):
+        slot = i % STAGES
+        free = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes the wait on parity 1
+        start_n = lo + i * BLOCK_N
+        mbarrier.wait(k_empty.index(slot), free)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, start_n, rows, seqlen_k, diag, window_left, window_right, MASKED: gl.constexpr,
+             MASK: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """One key block's online-softmax step on the raw scores ``s``: (p, m, l, alpha), with
+    m in the scaled log2 domain. MASKED: the block is on the window's edge or past the
+    sequence, and its invisible scores become -inf (a row with no visible key so far
+    keeps m = -inf and shifts by 0)."""
+    if MASKED:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = cols[None, :] < seqlen_k
+        if MASK != MASK_NONE:
+            rel = cols[None, :] - (rows[:, None] + diag)
+            keep = keep & (rel >= -window_left) & (rel <= window_right)
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    if MASKED:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    p = gl.exp2(s * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _turn(turn, c: gl.constexpr, t, PINGPONG: gl.constexpr):
+    """Ping-pong: consumer c issues its products at step t once the consumer before it
+    in the ring has issued its own (consumer 0's first turn is free)."""
+    if PINGPONG:
+        if c == 0:
+            mbarrier.wait(turn.index(c), (t & 1) ^ 1)
+        else:
+            mbarrier.wait(turn.index(c), t & 1)
+
+
+@gluon.jit
+def _pass_turn(turn, c: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index((c + 1) % CONSUMERS), count=1)
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Consumer warpgroup c: rows m0 + 64 c .. m0 + 64 c + 63 of the program."""
+    (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, out_ptr, lse_ptr, stride_om,
+     m0, lo, a, b, n_blocks, seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale) = work
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    first_row = m0 + c * WARPGROUP_ROWS
+    rows = first_row + gl.arange(0, WARPGROUP_ROWS, layout=row_s)
+    m_i = gl.full([WARPGROUP_ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.full([WARPGROUP_ROWS], 0.0, gl.float32, row_s)
+    acc = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, o_layout)
+    no_scores = gl.zeros([WARPGROUP_ROWS, BLOCK_N], gl.float32, s_layout)
+    q = q_smem.index(c)
+    mbarrier.wait(q_bar.index(c), 0)
+
+    # block 0: its scores and softmax; its P V product is issued beside block 1's scores
+    mbarrier.wait(k_ready.index(0), 0)
+    _turn(turn, c, 0, PINGPONG)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), no_scores, use_acc=False, is_async=True)
+    _pass_turn(turn, c, PINGPONG, CONSUMERS)
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if lo < a or lo >= b:
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, lo, rows, seqlen_k, diag, window_left, window_right,
+                                      True, MASK, BLOCK_N, s_layout)
+    else:
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, lo, rows, seqlen_k, diag, window_left, window_right,
+                                      False, MASK, BLOCK_N, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    for i in range(1, n_blocks):
+        start_n = lo + i * BLOCK_N
+        slot = i % STAGES
+        prev = (i - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+        _turn(turn, c, i, PINGPONG)
+        s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), no_scores, use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        _pass_turn(turn, c, PINGPONG, CONSUMERS)
+        s = warpgroup_mma_wait(1, deps=(s, ))  # the scores were issued first: done with one product in flight
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        if start_n < a or start_n >= b:
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, rows, seqlen_k, diag, window_left,
+                                          window_right, True, MASK, BLOCK_N, s_layout)
+        else:
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, rows, seqlen_k, diag, window_left,
+                                          window_right, False, MASK, BLOCK_N, s_layout)
+        # p_op rides along: its registers stay the running product's until it is done
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    last = (n_blocks - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    _turn(turn, c, n_blocks, PINGPONG)
+    acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+    _pass_turn(turn, c, PINGPONG, CONSUMERS)
+    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+    mbarrier.arrive(v_empty.index(last), count=1)
+
+    # rows that saw no key: l = 0, acc = 0 -> output 0, lse +inf
+    empty = l_i == 0.0
+    inv_l = 1.0 / gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
+    out = acc * gl.convert_layout(inv_l, row_o)[:, None]
+    out_rows = first_row + gl.arange(0, WARPGROUP_ROWS, layout=row_o)
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + out_rows[:, None].to(gl.int64) * stride_om + cols[None, :], out.to(dtype),
+             mask=out_rows[:, None] < seqlen_q)
+    gl.store(lse_ptr + rows, lse, mask=rows < seqlen_q)
+
+
+# warp_specialize takes one function per partition: the consumers differ only in c
+@gluon.jit
+def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
+    _consumer(0, work, MASK, HEAD_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)
+
+
+@gluon.jit
+def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
+    _consumer(1, work, MASK, HEAD_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)
+
+
+@gluon.jit
+def _consumer2(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
+    _consumer(2, work, MASK, HEAD_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)
+
+
+@gluon.jit
+def attn_fwd_ws(
+    Q, K, V, Out, Lse,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_oz, stride_oh, stride_om,
+    stride_lz, stride_lh,
+    max_seqlen_q, max_seqlen_k, group_size, qk_scale, window_left, window_right,
+    MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
+    VARLEN: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+):
+    """One program: BLOCK_M query rows (BLOCK_M // 64 consumer warpgroups) of one query
+    head; grid (m blocks, Hq, B); compiled with num_warps=4 (the first consumer, the
+    default partition) and grows to 4 per consumer plus the loader's. The functional
+    axes it does not serve (rules._ws_unserved) are fixed."""
+    gl.static_assert(BLOCK_DV == BLOCK_D and not PAD_HEAD and not VARLEN and not DROPOUT and BIAS == 0,
+                     "attn_fwd_ws: equal unpadded heads, no varlen, dropout or bias")
+    CONSUMERS: gl.constexpr = BLOCK_M // WARPGROUP_ROWS
+    pid_m = gl.program_id(0)
+    off_h = gl.program_id(1)
+    off_z = gl.program_id(2).to(gl.int64)
+    seqlen_q = max_seqlen_q
+    seqlen_k = max_seqlen_k
+    if MASK != MASK_NONE:
+        pid_m = gl.num_programs(0) - 1 - pid_m  # rows further down see more keys: costliest first
+    off_hk = (off_h // group_size).to(gl.int64)
+    off_h = off_h.to(gl.int64)
+    m0 = pid_m * BLOCK_M
+    if MASK == MASK_BOTTOM_RIGHT:
+        diag = seqlen_k - seqlen_q
+    else:
+        diag = 0
+    lo, a, b, n_blocks = _program_keys(m0, seqlen_q, seqlen_k, diag, window_left, window_right, MASK, BLOCK_M,
+                                       BLOCK_N)
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WARPGROUP_ROWS, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
+    # rows past a sequence arrive as zeros (their scores are masked or their rows not stored)
+    q_desc = tma.make_tensor_descriptor(Q + off_z * stride_qz + off_h * stride_qh, shape=[seqlen_q, BLOCK_D],
+                                        strides=[stride_qm, 1], block_shape=[WARPGROUP_ROWS, BLOCK_D],
+                                        layout=q_layout)
+    keys = gl.maximum(seqlen_k, 1)  # a descriptor's dims are positive (no key: one zero row, masked)
+    k_desc = tma.make_tensor_descriptor(K + off_z * stride_kz + off_hk * stride_kh, shape=[keys, BLOCK_D],
+                                        strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + off_z * stride_vz + off_hk * stride_vh, shape=[keys, BLOCK_D],
+                                        strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, WARPGROUP_ROWS, BLOCK_D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(q_bar.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(slot), count=1)
+        mbarrier.init(v_ready.index(slot), count=1)
+        mbarrier.init(k_empty.index(slot), count=CONSUMERS)
+        mbarrier.init(v_empty.index(slot), count=CONSUMERS)
+    fence_async_shared()
+
+    work = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+            Out + off_z * stride_oz + off_h * stride_oh, Lse + off_z * stride_lz + off_h * stride_lh, stride_om,
+            m0, lo, a, b, n_blocks, seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale)
+    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m0, lo,
+             n_blocks)
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer0, (work, MASK, BLOCK_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
+            (_consumer1, (work, MASK, BLOCK_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
+            (_loader, (loads, CONSUMERS, BLOCK_N, STAGES)),
+        ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])
+    else:
+        gl.static_assert(CONSUMERS == 3, "BLOCK_M is 128 or 192: two or three consumer warpgroups")
+        gl.warp_specialize([
+            (_consumer0, (work, MASK, BLOCK_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
+            (_consumer1, (work, MASK, BLOCK_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
+            (_consumer2, (work, MASK, BLOCK_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
+            (_loader, (loads, CONSUMERS, BLOCK_N, STAGES)),
+        ], [4, 4, 1], [consumer_regs(CONSUMERS), consumer_regs(CONSUMERS), LOADER_REGS])

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The warp-specialized forward (flash.attn_fwd_ws) on the H200 in one device call, no
+# PostgreSQL: its GPU tests; its cells tuned, then the forward table's (which kernel per
+# cell, timed with the kernel's tuned cells), exported into a copy of the tuning database;
+# then perfmon of the dense bf16 entries from images with that copy, beside the peers.
+# What comes back under $OUT: tuned.tgz (the copy's tables and patches: copy them into
+# tuning/ after `aotattn tuning lint`), the perfdb run, logs.
+#
+#   bash benchmarks/ws_session.sh
+#
+# Environment: WS_SEQLEN (1024,4096,16384: the kernel's cells), OP_SEQLEN (512..16384: the
+# forward table's), TEST_S / WS_S / OP_S / RUN_S (deadlines: 150 / 170 / 90 / 100 s),
+# SELECT (perfmon's selection, default "-g dense -m *bf16*"; empty: no perfmon),
+# TAG (h200-<date>-ws).
+set -uo pipefail
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
+aot() { python -m aotattn.cli "$@"; }
+
+stamp "GPU tests of the ws forward (JIT)"
+AOTATTN_MODE=jit timeout -s INT -k 20 "${TEST_S:-150}" python -m pytest -m gpu -q -n 8 -p no:cacheprovider \
+  tests/families/flash/test_forward_ws.py > "$OUT/ws-tests.log" 2>&1
+grep -E "^(FAILED|ERROR)" "$OUT/ws-tests.log" | head -n 10; tail -n 1 "$OUT/ws-tests.log"
+
+work=build/ws-session
+rm -rf "$work" && mkdir -p "$work" && cp -r tuning "$work/tuning"
+stamp "tune flash.attn_fwd_ws"
+aot tune plan -c flash,attn_fwd_ws --dtype fp16,bf16 --seqlen "${WS_SEQLEN:-1024,4096,16384}" --tuning-db "$work/tuning" \
+  --out "$work/ws.jsonl" > "$OUT/plan.log" 2>&1
+OUT=$PWD/$work/s1 AOTATTN_TUNING_DB=$PWD/$work/tuning bash benchmarks/tune_session.sh "$work/ws.jsonl" "$work/img1" \
+  "${WS_S:-170}" --compile > "$OUT/tune-ws.log" 2>&1
+tail -n 1 "$OUT/tune-ws.log"
+aot tune export --arch sm_90 --tuning-db "$work/tuning" "$work/s1/results" > "$OUT/export-ws.log" 2>&1
+tail -n 4 "$OUT/export-ws.log"
+
+stamp "tune flash.forward (which kernel per cell)"
+aot tune plan -c flash,forward --dtype fp16,bf16 --seqlen "${OP_SEQLEN:-512,1024,2048,4096,8192,16384}" \
+  --tuning-db "$work/tuning" --out "$work/op.jsonl" >> "$OUT/plan.log" 2>&1
+OUT=$PWD/$work/s2 AOTATTN_TUNING_DB=$PWD/$work/tuning bash benchmarks/tune_session.sh "$work/op.jsonl" "$work/img2" \
+  "${OP_S:-90}" --compile > "$OUT/tune-op.log" 2>&1
+tail -n 1 "$OUT/tune-op.log"
+aot tune export --arch sm_90 --tuning-db "$work/tuning" "$work/s2/results" > "$OUT/export-op.log" 2>&1
+tail -n 4 "$OUT/export-op.log"
+aot tuning lint --tuning-db "$work/tuning" | tail -n 1
+tar czf "$OUT/tuned.tgz" -C "$work" tuning
+tar czf "$OUT/slices.tgz" -C "$work" s1/results s2/results $(cd "$work" && ls s*/compile.log s*/worker-*.log 2>/dev/null)
+
+SELECT=${SELECT--g dense -m *bf16*}
+if [ -n "$SELECT" ] && [ $(( $(date +%s) - start )) -lt "${PERFMON_BEFORE_S:-420}" ]; then
+  stamp "perfmon with the tuned copy: $SELECT"
+  read -r -a select <<< "$SELECT"
+  tag=${TAG:-h200-$(date -u +%Y%m%d)-ws}
+  export AOTATTN_TUNING_DB=$PWD/$work/tuning
+  aot perfmon images --arch sm_90 --out build/img-ws --cache build/cache --jobs "$(nproc)" "${select[@]}" \
+    > "$OUT/images.log" 2>&1
+  tail -n 1 "$OUT/images.log"
+  AOTATTN_IMAGES=$PWD/build/img-ws timeout $(( ${RUN_S:-100} + 90 )) python -m aotattn.cli perfmon run --no-flex \
+    --tag "$tag" --out "$OUT/$tag.txt" --deadline "${RUN_S:-100}" "${select[@]}" > "$OUT/run.log" 2>&1
+  grep -E "entries in" "$OUT/run.log"
+  aot perfdb summary "$OUT/$tag.txt" > "$OUT/summary.log" 2>&1
+  head -n 30 "$OUT/summary.log"
+fi
+stamp "done"
+(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log)
+ls "$OUT"

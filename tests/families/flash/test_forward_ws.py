@@ -1,0 +1,324 @@
+"""The warp-specialized forward (``flash.attn_fwd_ws``, Gluon, sm_90) and the ``flash.forward``
+table that chooses it.
+
+On the CPU machine: what it serves and where (rules, tables, build, tuner), what it
+compiles to for sm_90 (warp partitions with their register budgets, wgmma, bulk tensor
+copies, no spills, the PTX hazard scan), and that CPU calls never plan it. On the GPU: the
+same calls as the Triton kernel's tests, forced onto it with every tuning knob's values,
+against the float64 reference, and the backward on its log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+
+import pytest
+import torch
+
+import aotattn
+from aotattn import tuning
+from aotattn.compiler import builder
+from aotattn.compiler.jobs import Job, compile_job
+from aotattn.families.flash import ops, planning, rules
+from aotattn.families.flash.checks import check_flash
+from aotattn.runtime import launch
+from aotattn.spec import Config, Functional
+from aotattn.tune import candidates
+from aotattn.tune import flash as tune_flash
+from tests.compiler.test_machine_code import CUOBJDUMP, sass
+from tests.families.flash.helpers import assert_forward_matches, config_override, make_qkv, seed_from
+from tests.helpers import TOLERANCE, rel_err
+
+TABLE = "flash.attn_fwd_ws"
+SM_90 = candidates.target("sm_90")
+
+
+def problem(q, k, v, **kwargs):
+    """The validated problem of ``flash_attn_func(q, k, v, **kwargs)``."""
+    call = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
+            "diagonal": "bottom_right", **kwargs}
+    return check_flash(q, k, v, **call)
+
+
+def functional(dtype="bf16", d=128, mask=rules.MASK_NONE, **changes) -> dict:
+    return {"dtype": dtype, "BLOCK_D": d, "BLOCK_DV": d, "PAD_HEAD": False, "MASK": mask, "VARLEN": False,
+            "DROPOUT": False, "BIAS": rules.BIAS_NONE, **changes}
+
+
+def fitting(d: int, dtype: str = "bf16") -> list[Config]:
+    """Every configuration of the tuning space the tuner's pruning keeps at head dim d."""
+    kept, _ = candidates.candidates(rules.ATTN_FWD_WS, Functional.of(functional(dtype, d)), "sm_90",
+                                    tune_flash.footprint(TABLE))
+    return kept
+
+
+def covering(d: int) -> list[Config]:
+    """Few fitting configurations that together take every value of every knob that fits at d."""
+    kept = fitting(d)
+    chosen: list[Config] = []
+    for knob, values in rules.ATTN_FWD_WS.tuning_space:
+        for value in values:
+            if any(c[knob] == value for c in chosen):
+                continue
+            match = next((c for c in kept if c[knob] == value), None)
+            if match is not None:
+                chosen.append(match)
+    return chosen
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def test_it_serves_plain_fp16_bf16_calls_on_sm_90_only():
+    served = [f.as_dict() for f in rules.ATTN_FWD_WS.enumerate_functionals()]
+    assert len(served) == 2 * 3 * 3  # dtype x head dim 64/128/256 x mask
+    assert {(f["dtype"], f["BLOCK_D"], f["MASK"]) for f in served} == set(
+        itertools.product(("fp16", "bf16"), (64, 128, 256), (0, 1, 2)))
+    assert rules.ws_serves(functional(), "sm_90")
+    assert not rules.ws_serves(functional(), "sm_80") and not rules.ws_serves(functional(), "gfx942")
+    for change in ({"dtype": "fp32"}, {"BLOCK_D": 32, "BLOCK_DV": 32}, {"BLOCK_DV": 64}, {"PAD_HEAD": True},
+                   {"VARLEN": True}, {"DROPOUT": True}, {"BIAS": rules.BIAS_ADD}):
+        assert not rules.ws_serves(functional(**change), "sm_90"), change
+    assert rules.ATTN_FWD_WS.language == "gluon" and rules.ATTN_FWD.language == "triton"
+    assert rules.ATTN_FWD_WS.chosen_by.operator == rules.FORWARD.qualname
+    assert set(rules.ENGINES) == set(dict(rules.FORWARD.tuning_space)["engine"])
+
+
+def test_cpu_calls_plan_the_triton_kernel_and_never_interpret_gluon():
+    q, k, v = make_qkv(1, 70, 90, 2, 2, 64, 64, torch.bfloat16, "cpu")
+    p = problem(q, k, v, causal=True)
+    c = planning.new_call(p, q, k, v)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 70)
+    assert planning.choose_engine(c, q.device) == "triton"  # the interpreter's table
+    assert planning.forward_plan(c, q, k, v, out, lse).kernel is rules.ATTN_FWD
+    with pytest.raises(ValueError, match="engine: expected one of triton, ws"):
+        planning.forward_plan(c, q, k, v, out, lse, engine="cudnn")
+    padded = make_qkv(1, 70, 90, 2, 2, 72, 72, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="engine 'ws'.*does not serve"):
+        planning.forward_plan(planning.new_call(problem(*padded), *padded), *padded, torch.empty_like(padded[0]), lse,
+                              engine="ws")
+    # planned on CPU tensors (perfmon plans calls so, for a GPU's tables), never interpreted
+    plan = planning.forward_plan(c, q, k, v, out, lse, config=Config.of(
+        BLOCK_M=128, BLOCK_N=64, STAGES=2, PINGPONG=1, num_warps=4, num_stages=1), engine="ws")
+    assert plan.kernel is rules.ATTN_FWD_WS and plan.grid == (1, 2, 1)
+    with pytest.raises(ValueError, match="Gluon kernel: Triton's interpreter cannot run it"):
+        launch(plan)
+
+
+def test_the_forward_table_is_each_architectures_own():
+    """sm_80 and the AMD targets inherit sm_90's kernel tables; the forward's choice of
+    kernel must not follow (they have no Gluon kernel): their tables stand alone and say
+    triton in every cell, and the build lists no attn_fwd_ws job for them."""
+    db = tuning.database()
+    for arch in db.archs():
+        assert "#! base" not in db.table_path(arch, rules.FORWARD.qualname).read_text()
+        table = db.effective(arch, rules.FORWARD.qualname)
+        engines = {table.configs[name]["engine"] for grid in table.blocks.values() for row in grid for name in row}
+        if arch != "sm_90":
+            assert engines == {"triton"}, arch
+            assert not db.table_path(arch, TABLE).exists()
+        assert engines <= set(rules.ENGINES)
+    others = [a for a in db.archs() if a != "sm_90"]
+    for forced in (False, True):
+        assert not builder.enumerate_jobs(db, others, [TABLE], forced=forced)
+    # sm_90: a ws kernel is built exactly in the cells whose forward table chooses it
+    jobs = builder.enumerate_jobs(db, ["sm_90"], [TABLE])
+    forward = db.effective("sm_90", rules.FORWARD.qualname)
+    chooses = any(forward.configs[n]["engine"] == "ws" for grid in forward.blocks.values() for row in grid for n in row)
+    assert bool(jobs) == chooses
+    assert len(builder.enumerate_jobs(db, ["sm_90"], [TABLE], forced=True)) >= 18
+
+
+def test_the_tuners_pruning_follows_the_rings_and_register_budgets():
+    fp = tune_flash.footprint(TABLE)
+
+    def why(d, **knobs):
+        values = {"BLOCK_M": 128, "BLOCK_N": 64, "STAGES": 2, "PINGPONG": 1, "num_warps": 4, "num_stages": 1, **knobs}
+        return candidates.why_pruned(fp, Functional.of(functional(d=d)), Config.of(values), SM_90)
+
+    # the ring is exactly STAGES deep: d256 BLOCK_N 64 fits two slots (64 KB of Q + 2 x 64 KB), not three
+    assert why(256) is None
+    assert "shared memory" in why(256, STAGES=3)
+    assert candidates.shared_bytes(fp, Functional.of(functional(d=256)), Config.of(
+        BLOCK_M=128, BLOCK_N=64, STAGES=2, PINGPONG=1, num_warps=4, num_stages=1), SM_90) == 128 * 256 * 2 * 3
+    # three consumers hold 160 registers each: d64 128-key blocks fit, d128 ones do not
+    assert why(64, BLOCK_M=192, BLOCK_N=128, STAGES=3) is None
+    assert "budget" in why(128, BLOCK_M=192, BLOCK_N=128)
+    assert "budget" in why(256, BLOCK_M=192, BLOCK_N=32)
+    assert len(fitting(64)) > len(fitting(256)) >= 4
+    # the tuner times it where it serves, as a forward
+    f = Functional.of(functional())
+    assert tune_flash.supports(TABLE, f) and tune_flash.supports("flash.forward", f)
+    assert not tune_flash.supports(TABLE, Functional.of(functional(DROPOUT=True)))
+    assert not tune_flash.supports("flash.forward", Functional.of(functional(dtype="fp32")))
+    shape = tune_flash.Shape(2, 4, 100, 100, 128)
+    assert tune_flash.flops("flash.forward", shape, f) == tune_flash.flops("flash.attn_fwd", shape, f)
+    assert {t for t, _ in tune_flash.auxiliary("flash.forward", f)} == {"flash.attn_fwd", TABLE}
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton package carries no cuobjdump")
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies(d):
+    """What makes it the kernel it is, in the sm_90 machine code: more warps than it was
+    compiled with (the partitions), registers moved between them (setmaxnreg), wgmma
+    (HGMMA), tensor-map bulk copies (UTMALDG) waited on with mbarriers, and no local
+    memory (a spill of the accumulators would be 2-3x slower). compile_job also ran the
+    wgmma register-hazard scan over its PTX."""
+    config = covering(d)[0]
+    entry, cubin = compile_job(Job("sm_90", TABLE, Functional.of(functional(d=d, mask=rules.MASK_BOTTOM_RIGHT)),
+                                   config))
+    assert entry.num_warps == 4 * (config["BLOCK_M"] // 64 + 1)  # consumers and the loader's warpgroup
+    assert entry.shared <= SM_90.shared_memory and entry.global_scratch_size > 0  # descriptors made on the device
+    code = sass(cubin)
+    assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", code)
+    assert "UTMALDG" in code and "SYNCS" in code and "USETMAXREG" in code
+    assert not re.search(r"\b(LDL|STL)\b", code), "local memory: the consumers spill"
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    shape: tuple[int, ...]  # batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim (= head_dim_v)
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    dtype: torch.dtype = torch.bfloat16
+
+
+CASES = [
+    Case("full", (2, 2048, 3001, 8, 8, 128)),
+    Case("full-gqa-fp16", (2, 1024, 4096, 16, 4, 64), dtype=torch.float16),
+    Case("full-d256", (1, 1000, 1777, 4, 4, 256)),
+    Case("causal", (2, 4096, 4096, 8, 8, 128), {"causal": True}),
+    Case("causal-d256-fp16", (1, 2000, 2000, 4, 4, 256), {"causal": True}, torch.float16),
+    Case("causal-top-left", (1, 1500, 3000, 8, 8, 64), {"causal": True, "diagonal": "top_left"}),
+    Case("causal-sq-longer", (1, 3000, 1500, 8, 8, 64), {"causal": True}),  # rows that see no key
+    Case("window", (2, 4096, 4096, 8, 8, 128), {"window_size": (40, 7)}),
+    Case("narrow-window", (1, 2048, 2048, 8, 8, 64), {"window_size": (3, 0)}),
+    Case("one-key", (2, 2048, 3001, 8, 2, 128), {"window_size": (0, 0)}),
+    Case("shorter-than-a-block", (2, 40, 50, 4, 4, 64)),
+    Case("one-query", (3, 1, 333, 4, 4, 128), {"causal": True}),
+    Case("one-key-column", (2, 300, 1, 4, 4, 256)),
+    Case("negative-scale", (1, 1000, 2000, 4, 4, 64), {"softmax_scale": -0.2}),
+    Case("long", (1, 8192, 8192, 2, 2, 128), {"causal": True}),
+]
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    """``use(config)``: from then on every forward the table lets the ws kernel serve runs
+    it, with ``config``."""
+    override = config_override(monkeypatch)
+
+    def use(config: Config) -> None:
+        def change(kernel, functional, chosen):
+            if kernel is rules.FORWARD:
+                return Config.of(engine="ws")
+            return config if kernel is rules.ATTN_FWD_WS else chosen
+
+        override(change)
+
+    yield use
+    ops._PLANS.entries.clear()
+
+
+def _configs(case: Case) -> list[Config]:
+    return covering(case.shape[5])
+
+
+def _name(config: Config) -> str:
+    return candidates.config_name(config)
+
+
+def _served(case: Case) -> bool:
+    b, sq, sk, hq, hk, d = case.shape
+    q, k, v = make_qkv(b, 2, 2, hq, hk, d, d, case.dtype, "cpu")
+    c = planning.new_call(problem(q, k, v, **case.kwargs), q, k, v)
+    return rules.ws_serves(c.functional(), "sm_90")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_it_matches_the_reference_with_every_knob_value(case, engine, request):
+    assert _served(case), case
+    seed_from(request.node.name)
+    q, k, v = make_qkv(*case.shape, case.shape[5], case.dtype, "cuda")
+    for config in _configs(case):
+        engine(config)
+        c = planning.new_call(problem(q, k, v, **case.kwargs), q, k, v)
+        assert planning.choose_engine(c, q.device) == "ws"
+        out, lse = aotattn.flash_attn_func(q, k, v, return_lse=True, **case.kwargs)
+        try:
+            assert_forward_matches(out, lse, q, k, v, **case.kwargs)
+        except AssertionError as exc:
+            raise AssertionError(f"{_name(config)}: {exc}") from None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("causal", "full-gqa-fp16", "window", "full-d256")],
+                         ids=lambda c: c.name)
+def test_the_backward_runs_on_its_log_sum_exp(case, engine, request):
+    """A training call: the Triton backward reads the ws forward's out and lse."""
+    seed_from(request.node.name)
+    q, k, v = make_qkv(*case.shape, case.shape[5], case.dtype, "cuda", requires_grad=True)
+    engine(covering(case.shape[5])[0])
+    out = aotattn.flash_attn_func(q, k, v, **case.kwargs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    from aotattn import reference
+
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference.attention(*ref_in, **case.kwargs)
+    ref_grads = torch.autograd.grad(ref, ref_in, dout.double())
+    assert rel_err(out.detach(), ref.detach()) < TOLERANCE[case.dtype]
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert rel_err(g, r) < 2 * TOLERANCE[case.dtype], f"d{name}"
+
+
+@pytest.mark.gpu
+def test_sdpa_layout_and_cached_plans(engine):
+    """SDPA's (B, H, S, D) views, twice through the plan cache with fresh inputs."""
+    engine(covering(128)[0])
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        q = torch.randn(2, 16, 1500, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(2, 4, 1500, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out = aotattn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert_forward_matches(out.transpose(1, 2), None, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               causal=True)
+
+
+WS_PATCH = """#! aotattn-patch 1
+#! table flash.forward
+
+[configs]
+ws = engine=ws
+
+[dtype=bf16 BLOCK_D=128 BLOCK_DV=128 PAD_HEAD=False MASK=0 VARLEN=False DROPOUT=False BIAS=0]
+seqlen_q=4096 seqlen_k=4096: ws
+"""
+
+
+def test_where_the_table_chooses_it_the_build_and_perfmon_compile_it(tmp_path):
+    """A patch choosing ws in one cell: the build lists attn_fwd_ws jobs for that functional
+    only, and perfmon's image list (the operators planned on CPU tensors for sm_90's
+    tables) holds the ws kernel for a call in that cell and the Triton one elsewhere."""
+    import shutil
+
+    from aotattn.perfmon.images import planning_for
+
+    root = tmp_path / "db"
+    shutil.copytree(tuning.database().root, root)
+    (root / "nvidia" / "sm_90" / "flash.forward.0900-ws.dbpatch").write_text(WS_PATCH)
+    db = tuning.Database(root)
+    jobs = builder.enumerate_jobs(db, ["sm_90"], [TABLE])
+    assert {(j.functional["dtype"], j.functional["BLOCK_D"], j.functional["MASK"]) for j in jobs} == {("bf16", 128, 0)}
+    for seqlen, kernel in ((4096, TABLE), (1024, "flash.attn_fwd")):
+        with planning_for("sm_90", db) as planned:
+            q, k, v = make_qkv(1, seqlen, seqlen, 1, 1, 128, 128, torch.bfloat16, "cpu")
+            aotattn.flash_attn_func(q, k, v)
+        forward = {j.table for j in planned if j.table in ("flash.attn_fwd", TABLE)}
+        assert forward == {kernel}, seqlen
