@@ -132,5 +132,7 @@ def test_a_windowed_call_is_looked_up_at_its_span(monkeypatch, window, causal, s
     out = planning.new_output(p, q, False)
     lse = torch.empty(planning.lse_shape(p, q))
     plan = planning.forward_plan(c, q, k, v, out, lse)
-    assert seen == [("attn_fwd", {"seqlen_q": expect[0], "seqlen_k": expect[1]})]
+    span = {"seqlen_q": expect[0], "seqlen_k": expect[1]}
+    # which forward kernel (the flash.forward table), then that kernel's tiles: both at the span
+    assert seen == [("forward", span), (plan.kernel.name, span)]
     assert plan.grid[0] == -(-sq // plan.config["BLOCK_M"])  # the programs still cover every query

@@ -312,6 +312,8 @@ def test_where_the_table_chooses_it_the_build_and_perfmon_compile_it(tmp_path):
 
     root = tmp_path / "db"
     shutil.copytree(tuning.database().root, root)
+    for tuned in (root / "nvidia" / "sm_90").glob("flash.forward.*.dbpatch"):
+        tuned.unlink()  # the seed alone (triton everywhere), then one cell of ws
     (root / "nvidia" / "sm_90" / "flash.forward.0900-ws.dbpatch").write_text(WS_PATCH)
     db = tuning.Database(root)
     jobs = builder.enumerate_jobs(db, ["sm_90"], [TABLE])

@@ -98,22 +98,31 @@ def _loader(loads, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.co
 def _softmax(s, m_i, l_i, qk_scale, start_n, rows, seqlen_k, diag, window_left, window_right, MASKED: gl.constexpr,
              MASK: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """One key block's online-softmax step on the raw scores ``s``: (p, m, l, alpha), with
-    m in the scaled log2 domain. MASKED: the block is on the window's edge or past the
-    sequence, and its invisible scores become -inf (a row with no visible key so far
-    keeps m = -inf and shifts by 0)."""
+    m in the scaled log2 domain.
+
+    Unmasked blocks fold the scale into the exponent, one FMA per score: the row max of
+    ``s * qk_scale`` is the scale times the raw max, or the raw min when the scale is
+    negative (a uniform branch). MASKED blocks (the window's edges, the sequence's end)
+    scale first and then set invisible scores to -inf (-inf times a negative scale would
+    be +inf); a row with no visible key so far keeps m = -inf and shifts by 0."""
     if MASKED:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         keep = cols[None, :] < seqlen_k
         if MASK != MASK_NONE:
             rel = cols[None, :] - (rows[:, None] + diag)
             keep = keep & (rel >= -window_left) & (rel <= window_right)
-        s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-    if MASKED:
+        s = gl.where(keep, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_use[:, None])
     else:
+        if qk_scale >= 0:
+            top = gl.max(s, axis=1)
+        else:
+            top = gl.min(s, axis=1)
+        m_new = gl.maximum(m_i, top * qk_scale)
         m_use = m_new
-    p = gl.exp2(s * qk_scale - m_use[:, None])
+        p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_i, alpha
