@@ -35,6 +35,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from aotattn.families.flash.kernels.common import key_blocks
+
 # The MASK axis (aotattn.families.flash.rules), as in .common.
 MASK_NONE: gl.constexpr = gl.constexpr(0)
 MASK_BOTTOM_RIGHT: gl.constexpr = gl.constexpr(2)
@@ -48,31 +50,6 @@ LOADER_REGS: gl.constexpr = gl.constexpr(24)
 @gluon.constexpr_function
 def consumer_regs(consumers):
     return 240 if consumers == 2 else 160
-
-
-@gluon.jit
-def _program_keys(m0, seqlen_q, seqlen_k, diag, window_left, window_right, MASK: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(lo, a, b, n_blocks): the program's key blocks start at lo; [a, b) is seen in full
-    by every row of the program (no mask); at least one block (rows that see no key
-    still run one, masked, and end with output 0 and lse +inf)."""
-    row_hi = gl.minimum(m0 + BLOCK_M, seqlen_q)
-    if MASK != MASK_NONE:
-        lo = gl.maximum(m0 + diag - window_left, 0)
-        hi = gl.minimum(row_hi - 1 + diag + window_right + 1, seqlen_k)
-        full_lo = gl.maximum(row_hi - 1 + diag - window_left, 0)
-        full_hi = gl.maximum(gl.minimum(m0 + diag + window_right + 1, seqlen_k), 0)
-    else:
-        lo = 0
-        hi = seqlen_k
-        full_lo = 0
-        full_hi = seqlen_k
-    lo = (lo // BLOCK_N) * BLOCK_N
-    hi = gl.maximum(hi, lo)
-    a = gl.minimum(gl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)
-    b = gl.minimum(gl.maximum(full_hi // BLOCK_N * BLOCK_N, a), hi)
-    n_blocks = gl.maximum((hi - lo + BLOCK_N - 1) // BLOCK_N, 1)
-    return lo, a, b, n_blocks
 
 
 @gluon.jit
@@ -279,8 +256,12 @@ def attn_fwd_ws(
         diag = seqlen_k - seqlen_q
     else:
         diag = 0
-    lo, a, b, n_blocks = _program_keys(m0, seqlen_q, seqlen_k, diag, window_left, window_right, MASK, BLOCK_M,
-                                       BLOCK_N)
+    # the program's key blocks start at lo; [a, b) is seen in full by every row of the
+    # program (no mask); at least one block runs (rows that see no key run one, masked,
+    # and end with output 0 and lse +inf)
+    lo, a, b, hi = key_blocks(m0, gl.minimum(m0 + BLOCK_M, seqlen_q), seqlen_k, diag, window_left, window_right,
+                              MASK, BLOCK_N)
+    n_blocks = gl.maximum((hi - lo + BLOCK_N - 1) // BLOCK_N, 1)
 
     dtype: gl.constexpr = Q.dtype.element_ty
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WARPGROUP_ROWS, BLOCK_D], dtype)
