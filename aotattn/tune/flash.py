@@ -137,7 +137,7 @@ def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = 
     if cell is not None and len(cell) == 2 and "MASK" in f \
             and rules.kernel_mask(f["MASK"], f.get("VARLEN", False), *cell) != f["MASK"]:
         return False
-    if table in ("flash.attn_fwd_ws", "flash.forward") and not rules.ws_serves(f, "sm_90"):
+    if table in ("flash.attn_fwd_ws", "flash.forward") and not rules.ws_serves(f):
         return False  # the forward table's choice matters only where the warp-specialized kernel serves
     return table in TABLES and not f.get("VARLEN") and not f.get("BIAS")
 
@@ -389,8 +389,7 @@ def current_config(db: Any, arch: str, table: str, functional: Functional, cell:
     """The database's configuration for the cell today, or None when it has none."""
     from aotattn.tuning import TuningError
 
-    spec = {"flash.backward": rules.BACKWARD, "flash.forward": rules.FORWARD}.get(table) \
-        or rules.KERNELS[table.split(".", 1)[1]]
+    spec = next(s for s in rules.TABLES if s.qualname == table)
     try:
         return db.lookup(arch, spec, functional, dict(zip((k for k, _ in spec.tuning_keys), cell)))
     except TuningError:

@@ -30,14 +30,19 @@ def _cfg(bm: int, bn: int, w: int, s: int) -> Config:
     return Config.of(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
 
 
+def _refinement(f: dict) -> bool:
+    """An operator table's functional that is not a root: the seeds hold only roots."""
+    return bool(f["PAD_HEAD"] or f["VARLEN"] or f["DROPOUT"] or f["BIAS"] or f["MASK"] == rules.MASK_TOP_LEFT)
+
+
 def sm90(kernel, f: dict) -> Config:
     if kernel is rules.DROPOUT_MASK:
         return Config.of(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
     if kernel is rules.PHILOX_WORDS:
         return Config.of(BLOCK=128, num_warps=4, num_stages=1)
+    if kernel in (rules.FORWARD, rules.BACKWARD) and _refinement(f):
+        return None  # refinements fall back to their root (rules._operator_fallback)
     if kernel is rules.FORWARD:
-        if f["PAD_HEAD"] or f["VARLEN"] or f["DROPOUT"] or f["BIAS"] or f["MASK"] == rules.MASK_TOP_LEFT:
-            return None  # refinements fall back to their root (rules._operator_fallback)
         return Config.of(engine="triton")  # the tuned patch of sm_90 chooses ws where it wins
     if kernel is rules.ATTN_FWD_WS:
         if f["MASK"] == rules.MASK_TOP_LEFT:
@@ -48,8 +53,6 @@ def sm90(kernel, f: dict) -> Config:
         return Config.of(BLOCK_M=128, BLOCK_N=64, STAGES=3 if f["BLOCK_D"] == 128 else 2, PINGPONG=1, num_warps=4,
                          num_stages=1)
     if kernel is rules.BACKWARD:
-        if f["PAD_HEAD"] or f["VARLEN"] or f["DROPOUT"] or f["BIAS"] or f["MASK"] == rules.MASK_TOP_LEFT:
-            return None  # refinements fall back to their root (rules._operator_fallback)
         return Config.of(backend="split")  # split beat fused-atomic at every benchmark shape
     if kernel is rules.ATTN_BWD_PREPROCESS:
         return Config.of(BLOCK_M=64 if f["BLOCK_DV"] <= 128 else 32, num_warps=4, num_stages=1)

@@ -231,17 +231,19 @@ def new_output(p: Problem, q: torch.Tensor, heads_major: bool) -> torch.Tensor:
     return torch.empty((p.batch, p.seqlen_q, p.heads_q, p.head_dim_v), dtype=q.dtype, device=q.device)
 
 
-def choose_engine(c: Call, device: torch.device) -> str:
+def _device_arch(device: torch.device) -> str | None:
+    return arch_of(device) if device.type == "cuda" else None
+
+
+def choose_engine(c: Call, device: torch.device, functional: dict | None = None) -> str:
     """The forward's kernel (rules.ENGINES): the ``flash.forward`` table's choice where the
-    warp-specialized kernel computes the call (rules.ws_computes) and runs on the device's
-    architecture; else ``triton``. On CPU tensors the table is the interpreter's (triton)."""
-    functional = c.functional()
-    if not rules.ws_computes(functional):
-        return "triton"
-    engine = rules.config_for(rules.FORWARD, Functional.of(functional), device, **c.p.tuning_sizes)["engine"]
-    if engine == "ws" and device.type == "cuda" and not rules.ATTN_FWD_WS.runs_on(arch_of(device)):
-        return "triton"  # another architecture's table (the project's say triton there)
-    return engine
+    warp-specialized kernel serves the call on the device's architecture (rules.ws_serves),
+    else ``triton``. On CPU tensors the table is the interpreter's (triton).
+    ``functional``: the call's, when the caller has it at hand."""
+    functional = c.functional() if functional is None else functional
+    if not rules.ws_serves(functional, _device_arch(device)):
+        return "triton"  # the table of another architecture than the kernel's included
+    return rules.config_for(rules.FORWARD, Functional.of(functional), device, **c.p.tuning_sizes)["engine"]
 
 
 def forward_plan(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -250,14 +252,13 @@ def forward_plan(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
 
     ``engine`` (rules.ENGINES): which kernel; None, the table's choice (:func:`choose_engine`),
     or ``triton`` when a ``config`` is given without one (a configuration names one kernel's knobs)."""
-    p = c.p
+    p, functional = c.p, c.functional()
     if engine is None:
-        engine = "triton" if config is not None else choose_engine(c, q.device)
+        engine = "triton" if config is not None else choose_engine(c, q.device, functional)
     if engine == "ws":
         kernel = rules.ATTN_FWD_WS
-        functional = c.functional()
-        arch = arch_of(q.device) if q.device.type == "cuda" else None
-        if not rules.ws_computes(functional) or (arch is not None and not kernel.runs_on(arch)):
+        arch = _device_arch(q.device)
+        if not rules.ws_serves(functional, arch):
             raise ValueError(f"engine 'ws': {kernel.qualname} does not serve this call ({Functional.of(functional)}"
                              f"{' on ' + arch if arch else ''}); engine='triton' serves every call")
         left, right = p.kernel_window()
@@ -270,7 +271,7 @@ def forward_plan(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
                     **c.tile_strides(kernel, q=q, k=k, v=v, o=out), **c.lse_strides(kernel, lse), **c.scalars())
     else:
         raise ValueError(f"engine: expected one of {', '.join(rules.ENGINES)}, got {engine!r}")
-    return _plan(kernel, c.functional(), p, q.device, config,
+    return _plan(kernel, functional, p, q.device, config,
                  lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch), args)
 
 

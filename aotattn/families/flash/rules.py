@@ -206,7 +206,6 @@ ATTN_FWD = _attention_kernel(
 )
 
 
-
 def _ws_unserved(functional: Mapping[str, Any]) -> bool:
     """What the warp-specialized forward does not compute (kernels/forward_ws.py): fp32,
     head buckets below 64 (not built: small heads stay with the Triton kernel), unequal
@@ -250,14 +249,10 @@ ATTN_FWD_WS = KernelSpec(
 )
 
 
-def ws_computes(functional: Mapping[str, Any]) -> bool:
-    """Whether attn_fwd_ws computes this forward functional (on the architectures it has)."""
-    return not _disabled(functional) and not _ws_unserved(functional)
-
-
-def ws_serves(functional: Mapping[str, Any], arch: str) -> bool:
-    """Whether attn_fwd_ws computes this forward functional on ``arch``."""
-    return ATTN_FWD_WS.runs_on(arch) and ws_computes(functional)
+def ws_serves(functional: Mapping[str, Any], arch: str | None = None) -> bool:
+    """Whether attn_fwd_ws computes this forward functional on ``arch`` (None: on the
+    architectures it has; CPU tensors planned for a GPU's tables, the tuner's tasks)."""
+    return (arch is None or ATTN_FWD_WS.runs_on(arch)) and not _disabled(functional) and not _ws_unserved(functional)
 
 
 ATTN_BWD_PREPROCESS = KernelSpec(
