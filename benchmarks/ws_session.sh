@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# The warp-specialized forward (flash.attn_fwd_ws) on the H200 in one device call, no
-# PostgreSQL: its GPU tests; its cells tuned, then the forward table's (which kernel per
-# cell, timed with the kernel's tuned cells), exported into a copy of the tuning database;
-# then perfmon of the dense bf16 entries from images with that copy, beside the peers.
-# What comes back under $OUT: tuned.tgz (the copy's tables and patches: copy them into
-# tuning/ after `aotattn tuning lint`), the perfdb run, logs.
+# A warp-specialized kernel on the H200 in one device call, no PostgreSQL: its GPU tests;
+# its cells tuned, then its operator table's (which kernel or backend per cell, timed with
+# the kernel's tuned cells), exported into a copy of the tuning database; then perfmon of
+# the dense bf16 entries from images with that copy, beside the peers. What comes back
+# under $OUT: tuned.tgz (the copy's tables and patches: copy them into tuning/ after
+# `aotattn tuning lint`), the perfdb run, logs.
 #
-#   bash benchmarks/ws_session.sh
+#   bash benchmarks/ws_session.sh                   # the forward: attn_fwd_ws, flash.forward
+#   WS=backward bash benchmarks/ws_session.sh       # the backward: attn_bwd_ws, flash.backward
 #
-# Environment: WS_SEQLEN (1024,4096,16384: the kernel's cells), OP_SEQLEN (512..16384: the
-# forward table's), TEST_S / WS_S / OP_S / RUN_S (deadlines: 150 / 170 / 90 / 100 s),
-# SELECT (perfmon's selection, default "-g dense -m *bf16*"; empty: no perfmon),
-# TAG (h200-<date>-ws).
+# Environment: WS (forward | backward), WS_SEQLEN (1024,4096,16384: the kernel's cells),
+# OP_SEQLEN (512..16384: the operator table's), TEST_S / WS_S / OP_S / RUN_S (deadlines:
+# 150 / 170 / 90 / 100 s), SELECT (perfmon's selection, default "-g dense -m *bf16*";
+# empty: no perfmon), TAG (h200-<date>-ws).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -19,15 +20,21 @@ start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 aot() { python -m aotattn.cli "$@"; }
 
-stamp "GPU tests of the ws forward (JIT)"
+if [ "${WS:-forward}" = backward ]; then
+  kernel=attn_bwd_ws operator=backward where="--head-dim 64,128 --where DETERMINISTIC=False"
+  tests=tests/families/flash/test_backward_ws.py
+else
+  kernel=attn_fwd_ws operator=forward where="" tests=tests/families/flash/test_forward_ws.py
+fi
+stamp "GPU tests of flash.$kernel (JIT)"
 AOTATTN_MODE=jit timeout -s INT -k 20 "${TEST_S:-150}" python -m pytest -m gpu -q -n 8 -p no:cacheprovider \
-  tests/families/flash/test_forward_ws.py > "$OUT/ws-tests.log" 2>&1
+  "$tests" > "$OUT/ws-tests.log" 2>&1
 grep -E "^(FAILED|ERROR)" "$OUT/ws-tests.log" | head -n 10; tail -n 1 "$OUT/ws-tests.log"
 
 work=build/ws-session
 rm -rf "$work" && mkdir -p "$work" && cp -r tuning "$work/tuning"
-stamp "tune flash.attn_fwd_ws"
-aot tune plan -c flash,attn_fwd_ws --dtype fp16,bf16 --seqlen "${WS_SEQLEN:-1024,4096,16384}" --tuning-db "$work/tuning" \
+stamp "tune flash.$kernel"
+aot tune plan -c "flash,$kernel" --dtype fp16,bf16 --seqlen "${WS_SEQLEN:-1024,4096,16384}" --tuning-db "$work/tuning" \
   --out "$work/ws.jsonl" > "$OUT/plan.log" 2>&1
 OUT=$PWD/$work/s1 AOTATTN_TUNING_DB=$PWD/$work/tuning bash benchmarks/tune_session.sh "$work/ws.jsonl" "$work/img1" \
   "${WS_S:-170}" --compile > "$OUT/tune-ws.log" 2>&1
@@ -35,8 +42,9 @@ tail -n 1 "$OUT/tune-ws.log"
 aot tune export --arch sm_90 --tuning-db "$work/tuning" "$work/s1/results" > "$OUT/export-ws.log" 2>&1
 tail -n 4 "$OUT/export-ws.log"
 
-stamp "tune flash.forward (which kernel per cell)"
-aot tune plan -c flash,forward --dtype fp16,bf16 --seqlen "${OP_SEQLEN:-512,1024,2048,4096,8192,16384}" \
+stamp "tune flash.$operator (which kernel or backend per cell)"
+# shellcheck disable=SC2086  # $where: options, split on purpose
+aot tune plan -c "flash,$operator" $where --dtype fp16,bf16 --seqlen "${OP_SEQLEN:-512,1024,2048,4096,8192,16384}" \
   --tuning-db "$work/tuning" --out "$work/op.jsonl" >> "$OUT/plan.log" 2>&1
 OUT=$PWD/$work/s2 AOTATTN_TUNING_DB=$PWD/$work/tuning bash benchmarks/tune_session.sh "$work/op.jsonl" "$work/img2" \
   "${OP_S:-90}" --compile > "$OUT/tune-op.log" 2>&1

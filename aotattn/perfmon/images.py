@@ -75,13 +75,20 @@ def planning_entry(entry: Entry) -> Entry:
 
 def needed_jobs(entries: Iterable[Entry], arch: str, db: tuning.Database | None = None) -> list[Job]:
     """Every kernel variant the entries' calls (forward, backward under each backend) use on ``arch``."""
+    from aotattn.families.flash import rules
+
+    backends = [b for b in rules.BACKENDS if b != "ws" or rules.ATTN_BWD_WS.runs_on(arch)]
     with planning_for(arch, db) as jobs, torch.enable_grad():
         for entry in entries:
             small = dataclasses.replace(planning_entry(entry), passes=("fwd", "bwd"), training=False)
             x = P.make_inputs(small, torch.device("cpu"), 0, fill=False)
-            for backend in ("split", "fused"):
+            for backend in backends:
                 out = P.call_aotattn(small, x, backend)
-                torch.autograd.grad(out, x.leaves(), x.dout)
+                try:
+                    torch.autograd.grad(out, x.leaves(), x.dout)
+                except ValueError as exc:  # ws serves a narrower space (rules.ws_backward_serves)
+                    if backend != "ws" or not str(exc).startswith("backend 'ws'"):
+                        raise
     return sorted(jobs, key=lambda j: (j.table, str(j.functional), str(j.config)))
 
 

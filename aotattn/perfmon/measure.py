@@ -137,7 +137,8 @@ def provenance_note(lookups: list[Lookup], pass_: str, arch: str | None) -> str:
                and (lk.spec.name.startswith("attn_bwd") == backward)}
     tokens = []
     if backward:
-        tokens.append(f"choice={'fused' if 'attn_bwd_fused' in kernels else 'split'}")
+        backend = "ws" if "attn_bwd_ws" in kernels else "fused" if "attn_bwd_fused" in kernels else "split"
+        tokens.append(f"choice={backend}")
         operator = [lk for lk in lookups if not hasattr(lk.spec, "arguments")]
         if operator and arch is not None:
             tokens.append("cell=" + cell_of(arch, operator[-1].spec, operator[-1].functional, dict(operator[-1].sizes)))
@@ -155,6 +156,8 @@ def measure_pass(entry: Entry, x: P.Inputs, pass_: str, options: Options, device
         reason = P.unsupported(entry, provider, pass_, options.flex)
         if reason is None and provider in P.PEERS and not options.peers:
             reason = "peers not asked for (--no-peers)"
+        if reason is None and P.FORCED.get(provider) == "ws" and not P.ws_backward_runs_on(arch):
+            reason = f"the ws backend runs on sm_90 GPUs, not {arch or 'the interpreter'}"
         if reason is not None:
             notes[provider] = f"skipped: {reason}"
             continue

@@ -1,9 +1,9 @@
 """The implementations perfmon times on each entry, and the float64 reference they must match.
 
 ``aotattn`` is the public operator as users call it (the backward backend chosen by the
-tuning database); ``aotattn:split`` and ``aotattn:fused`` force the backward backend
-(``backend=``; forward passes are the same code under either, so only backward passes
-time them). The peers are PyTorch's SDPA backends (``torch.nn.attention.sdpa_kernel``)
+tuning database); ``aotattn:split``, ``aotattn:fused`` and ``aotattn:ws`` force the
+backward backend (``backend=``; forward passes are the same code under each, so only
+backward passes time them; ws only where it serves). The peers are PyTorch's SDPA backends (``torch.nn.attention.sdpa_kernel``)
 and FlexAttention through ``torch.compile``; a peer runs an entry only where it computes
 the same function (same mask and diagonal, no packed sequences), and says why not
 otherwise.
@@ -26,7 +26,7 @@ from aotattn import reference
 from aotattn.perfmon.entries import Entry
 
 AOTATTN = "aotattn"
-FORCED = {"aotattn:split": "split", "aotattn:fused": "fused"}
+FORCED = {"aotattn:split": "split", "aotattn:fused": "fused", "aotattn:ws": "ws"}
 SDPA = ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
 PEERS = (*SDPA, "flex")
 ALL = (AOTATTN, *FORCED, *PEERS)
@@ -180,6 +180,19 @@ def call(entry: Entry, x: Inputs, provider: str, dropout_p: float | None = None)
 FLEX_ALL = "all"  # the ``flex`` setting that times FlexAttention on every entry it supports
 
 
+def _ws_backward_serves(entry: Entry) -> bool:
+    """The entry's calls are ones the ws backward computes (rules.ws_backward_serves)."""
+    return (entry.dtype in ("fp16", "bf16") and entry.head_dim == entry.head_dim_v in (64, 128)
+            and entry.api != "varlen" and not entry.dropout_p and entry.bias == "none" and not entry.deterministic)
+
+
+def ws_backward_runs_on(arch: str | None) -> bool:
+    """Whether the ws backend's kernel exists for ``arch`` (None: CPU tensors, the interpreter)."""
+    from aotattn.families.flash import rules
+
+    return arch is not None and rules.ATTN_BWD_WS.runs_on(arch)
+
+
 def unsupported(entry: Entry, provider: str, pass_: str, flex: bool | str = True) -> str | None:
     """Why ``provider`` does not run this entry's pass (None: it runs). Limits of a kernel
     that only show at run time (a head dim, a dtype) are found by running it instead.
@@ -189,7 +202,11 @@ def unsupported(entry: Entry, provider: str, pass_: str, flex: bool | str = True
     if provider == AOTATTN:
         return None
     if provider in FORCED:
-        return None if pass_ != "fwd" else "a forward pass runs the same code under every backend"
+        if pass_ == "fwd":
+            return "a forward pass runs the same code under every backend"
+        if FORCED[provider] == "ws" and not _ws_backward_serves(entry):
+            return "the ws backend serves fp16/bf16 head dims 64 and 128, dense, not deterministic"
+        return None
     if entry.api == "varlen":
         return "no packed-sequence API"
     if entry.deterministic:

@@ -89,7 +89,9 @@ class Footprint:
             pipeliner, buffering as :func:`pipeline_depth` measured) or a kernel's own ring
             of shared-memory slots (``STAGES`` of a warp-specialized kernel: exactly that deep).
         budget: why a configuration exceeds a kernel's own limits beyond shared memory and
-            the thread's 255 registers (a warp-specialized partition's register budget), or None.
+            the thread's 255 registers (a warp-specialized partition's register budget), or
+            cannot run in the cell at all (an operator choice whose kernel does not serve it),
+            or None. It sees the functional, the configuration and ``arch`` (the target's name).
     """
 
     resident: tuple[Tile, ...] = ()
@@ -125,7 +127,7 @@ def shared_bytes(footprint: Footprint, functional: Functional, config: Config, t
     values = _values(functional, config)
     resident = sum(t.bytes(values) for t in footprint.resident if t.present(values))
     pipelined = sum(t.bytes(values) for t in footprint.pipelined if t.present(values))
-    return resident + pipeline_depth(footprint, values, tgt) * pipelined
+    return resident + (pipeline_depth(footprint, values, tgt) * pipelined if pipelined else 0)
 
 
 def accumulator_registers(footprint: Footprint, functional: Functional, config: Config, tgt: Arch) -> float:
@@ -141,7 +143,7 @@ def why_pruned(footprint: Footprint, functional: Functional, config: Config, tgt
     inert = footprint.inert(values)
     if inert is not None:
         return inert
-    over = footprint.budget(values)
+    over = footprint.budget({**values, "arch": tgt.name})
     if over is not None:
         return over
     smem = shared_bytes(footprint, functional, config, tgt)
@@ -210,8 +212,8 @@ def candidates(spec: Any, functional: Functional, arch: str, footprint: Footprin
     Configurations that cannot fit are pruned (:func:`why_pruned`); of the rest, with a
     ``limit``, the ``limit`` best by :func:`score` at ``sizes`` are kept (ties in
     declaration order). ``keep``: configurations kept whatever the estimates say (the
-    database's current choices), in addition to the limit. Without a footprint (an
-    operator table: its choices are not kernels) nothing is pruned.
+    database's current choices), in addition to the limit. Without a footprint nothing is
+    pruned; an operator table's (its choices are not kernels) has only a budget.
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit: expected at least 1 or None, got {limit}")
@@ -224,7 +226,8 @@ def candidates(spec: Any, functional: Functional, arch: str, footprint: Footprin
             fitting.append(config)
         elif config not in keep:
             pruned[config] = reason
-    if limit is not None and footprint is not None and len(fitting) > limit:
+    # an operator table's footprint has no tiles: its few choices are all kept, unranked
+    if limit is not None and footprint is not None and footprint.pipelined and len(fitting) > limit:
         ranked = sorted(fitting, key=lambda c: -score(footprint, functional, c, tgt, sizes or {}))
         for config in ranked[limit:]:
             pruned[config] = f"ranked below the best {limit} by the speed model"

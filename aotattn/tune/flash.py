@@ -60,6 +60,27 @@ def _ws_registers(values: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _ws_bwd_registers(values: Mapping[str, Any]) -> str | None:
+    """A consumer warpgroup of attn_bwd_ws holds its 64 keys' dK and dV and the step's
+    scores and dP in fp32; with ~32 registers for addresses, lse and loop state that must
+    fit its budget (kernels/backward_ws.consumer_regs: 240)."""
+    from aotattn.families.flash.kernels.backward_ws import consumer_regs  # noqa: PLC0415 (Gluon, on demand)
+
+    held = (2 * 64 * values["BLOCK_D"] + 2 * 64 * values["BLOCK_M"]) // 128
+    budget = consumer_regs(values["BLOCK_N"] // 64) - 32
+    if held > budget:
+        return f"a consumer's tiles ~{held} registers/thread > its budget {budget}"
+    return None
+
+
+def _backend_runs(values: Mapping[str, Any]) -> str | None:
+    """The backward operator's ws choice exists only where attn_bwd_ws serves the cell."""
+    kernel = {**values, "BLOCK_DV": values["BLOCK_D"]}  # an operator cell's heads are one bucket
+    if values["backend"] == "ws" and not rules.ws_backward_serves(kernel, values["arch"], values["DETERMINISTIC"]):
+        return "the ws backend does not serve this cell (fp16/bf16, d64/d128, dense, not deterministic, sm_90)"
+    return None
+
+
 FOOTPRINTS: dict[str, Footprint] = {
     # OVERLAP: the interior's first K tile is loaded outside the pipelined loop, and the
     # next block's scores are alive beside the current ones (TMA: the same tiles, through
@@ -70,6 +91,13 @@ FOOTPRINTS: dict[str, Footprint] = {
     # attn_fwd_ws: each consumer's Q tile resident, K and V in rings STAGES deep; its
     # accumulators are per consumer warpgroup (the budget), checked by _ws_registers
     "attn_fwd_ws": Footprint(resident=(_Q,), pipelined=(_K, _V), stages="STAGES", budget=_ws_registers, pads=_PADS),
+    # attn_bwd_ws: the program's K and V resident, q and dO in rings STAGES deep, two dS
+    # tiles (double-buffered) and the consumers' fp32 dQ columns staged for the bulk reduce
+    "attn_bwd_ws": Footprint(resident=(_K, _V, Tile("BLOCK_N", "BLOCK_M"), Tile("BLOCK_N", "BLOCK_M"),
+                                       Tile("BLOCK_M", "BLOCK_D", "fp32")),
+                             pipelined=(_Q, _DO), stages="STAGES", budget=_ws_bwd_registers, pads=_PADS),
+    # the operator: which backends can run in a cell
+    "backward": Footprint(budget=_backend_runs),
     "attn_bwd_dq": Footprint(resident=(_Q, _DO), pipelined=(_K, _V, _BIAS),
                              accumulators=(Tile("BLOCK_M", "BLOCK_D", "fp32"), *_SCORES, *_SCORES), pads=_PADS),
     "attn_bwd_dkdv": Footprint(resident=(_K, _V), pipelined=(_Q, _DO, *_ROWS, _BIAS),
@@ -85,7 +113,7 @@ FOOTPRINTS: dict[str, Footprint] = {
                                 mma_rows="BLOCK_N", mma_cols="BLOCK_M", pads=_PADS),
 }
 TABLES = ("flash.attn_fwd", "flash.attn_fwd_ws", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq", "flash.attn_bwd_fused",
-          "flash.forward", "flash.backward")
+          "flash.attn_bwd_ws", "flash.forward", "flash.backward")
 # the tables whose work is the forward pass (its output, the forward's FLOPs)
 FORWARD_TABLES = ("flash.attn_fwd", "flash.attn_fwd_ws", "flash.forward")
 _TORCH_DTYPES = {name: dtype for dtype, name in rules.DTYPES.items()}
@@ -139,6 +167,8 @@ def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = 
         return False
     if table in ("flash.attn_fwd_ws", "flash.forward") and not rules.ws_serves(f):
         return False  # the forward table's choice matters only where the warp-specialized kernel serves
+    if table == "flash.attn_bwd_ws" and not rules.ws_backward_serves(f):
+        return False
     return table in TABLES and not f.get("VARLEN") and not f.get("BIAS")
 
 
@@ -259,11 +289,12 @@ class Problem:
             return "fused", not f["ATOMIC_DQ"]
         if self.kernel == "backward":
             return "", bool(f["DETERMINISTIC"])
+        if self.kernel == "attn_bwd_ws":
+            return "ws", False
         return "split", False
 
     def _dq_dtype(self) -> torch.dtype:
-        backend, deterministic = self._backward_choice()
-        return torch.float32 if backend == "fused" and not deterministic else self.q.dtype
+        return torch.float32 if planning.dq_accumulates(*self._backward_choice()) else self.q.dtype
 
     def _check_functional(self) -> None:
         """The problem must select exactly the task's functional (else it times another kernel)."""
@@ -413,11 +444,15 @@ def auxiliary(table: str, functional: Functional) -> list[tuple[str, Functional]
     if kernel == "forward":  # both engines' kernels, with the database's configurations
         return [("flash.attn_fwd", functional), ("flash.attn_fwd_ws", functional)]
     pairs += [("flash.attn_fwd", forward), ("flash.attn_bwd_preprocess", pre)]
+    if rules.ws_serves(forward):  # the problem's forward runs the kernel flash.forward chooses
+        pairs.append(("flash.attn_fwd_ws", forward))
     if kernel == "attn_bwd_dkdv":  # the split backend's dQ kernel writes the stats dK/dV reads
         pairs.append(("flash.attn_bwd_dq", attention))
     if kernel == "backward":
         pairs += [("flash.attn_bwd_dkdv", attention), ("flash.attn_bwd_dq", attention),
                   ("flash.attn_bwd_fused", {**attention, "ATOMIC_DQ": not f["DETERMINISTIC"]})]
+        if rules.ws_backward_serves(attention, deterministic=f["DETERMINISTIC"]):
+            pairs.append(("flash.attn_bwd_ws", attention))
     return [(t, Functional.of(v)) for t, v in pairs] + _mask_kernel(f)
 
 

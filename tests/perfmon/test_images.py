@@ -31,8 +31,13 @@ def test_jobs_are_the_database_configurations_of_every_kernel_a_call_runs():
     forward = db.lookup("sm_90", rules.FORWARD, next(j.functional for j in jobs if j.table == "flash.attn_bwd_dq"),
                         {"seqlen_q": 4096, "seqlen_k": 4096})["engine"]
     assert forward == "ws"
+    # every backend's kernels (perfmon times each; the ws backend serves this dense bf16 d128 cell)
     assert {j.table for j in jobs} == {"flash.attn_fwd_ws", "flash.attn_bwd_preprocess", "flash.attn_bwd_dkdv",
-                                       "flash.attn_bwd_dq", "flash.attn_bwd_fused"}
+                                       "flash.attn_bwd_dq", "flash.attn_bwd_fused", "flash.attn_bwd_ws"}
+    # not where it does not serve (d256), nor on an architecture without the kernel
+    d256 = images.needed_jobs([BY_NAME["dense-bf16-d256-s4096-causal"]], "sm_90")
+    assert "flash.attn_bwd_ws" not in {j.table for j in d256} and "flash.attn_bwd_fused" in {j.table for j in d256}
+    assert "flash.attn_bwd_ws" not in {j.table for j in images.needed_jobs([entry], "sm_80")}
     for job in jobs:
         spec = families.tables()[job.table]
         assert job.arch == "sm_90"

@@ -26,15 +26,18 @@ def test_backward_tasks_need_their_auxiliary_kernels():
     jobs = ahead.task_jobs(dq, settings, db)
     tables = [j.table for j in jobs]
     assert 3 <= tables.count("flash.attn_bwd_dq") <= 4  # 3 ranked + the current choice
-    assert "flash.attn_fwd" in tables and "flash.attn_bwd_preprocess" in tables
+    # the problem's forward runs the kernel flash.forward chooses: both are built
+    assert {"flash.attn_fwd", "flash.attn_fwd_ws", "flash.attn_bwd_preprocess"} <= set(tables)
     fwd = next(j for j in jobs if j.table == "flash.attn_fwd")
     assert fwd.functional == Functional.of(f) and fwd.config == db.lookup("sm_90", fwd.spec(), fwd.functional,
                                                                           {"seqlen_q": 1024, "seqlen_k": 1024})
     op = Task("sm_90", "flash.backward", Functional.of(dict(dtype="bf16", BLOCK_D=64, PAD_HEAD=False, MASK=2, VARLEN=False, DROPOUT=False, BIAS=0, DETERMINISTIC=True)),
               (1024, 1024))
     op_tables = {j.table for j in ahead.task_jobs(op, settings, db)}
-    assert op_tables == {"flash.attn_fwd", "flash.attn_bwd_preprocess", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq",
-                         "flash.attn_bwd_fused"}
+    assert op_tables == {"flash.attn_fwd", "flash.attn_fwd_ws", "flash.attn_bwd_preprocess", "flash.attn_bwd_dkdv",
+                         "flash.attn_bwd_dq", "flash.attn_bwd_fused"}  # deterministic: not the ws backward
+    nondet = dataclasses.replace(op, functional=Functional.of({**op.functional.as_dict(), "DETERMINISTIC": False}))
+    assert "flash.attn_bwd_ws" in {j.table for j in ahead.task_jobs(nondet, settings, db)}
     fused = next(j for j in ahead.task_jobs(op, settings, db) if j.table == "flash.attn_bwd_fused")
     assert fused.functional["ATOMIC_DQ"] is False  # deterministic: no atomics
     both = ahead.plan([(dq, settings), (dq, settings), (op, settings)], db)

@@ -95,7 +95,7 @@ def test_every_configuration_the_sm90_database_uses_fits():
     """The hand-picked configurations ran on the H200: the estimates must not refuse them."""
     db = Database()
     for table, fp in (("flash." + k, v) for k, v in flash.FOOTPRINTS.items()):
-        spec = rules.KERNELS[table.split(".")[1]]
+        spec = next(s for s in rules.TABLES if s.qualname == table)
         effective = db.effective("sm_90", table)
         for functional, grid in effective.blocks.items():
             for name in {n for row in grid for n in row} - {"."}:
@@ -103,10 +103,19 @@ def test_every_configuration_the_sm90_database_uses_fits():
                 assert reason is None, f"{table} [{functional}] {name}: {reason}"
 
 
-def test_operator_tables_are_not_pruned_and_names():
-    kept, pruned = cand.candidates(rules.BACKWARD, Functional.of(dict(dtype="bf16", BLOCK_D=64, PAD_HEAD=False, MASK=0, VARLEN=False, DROPOUT=False,
-                                                                      BIAS=0, DETERMINISTIC=False)), "sm_90", None, limit=1)
-    assert [cand.config_name(c) for c in kept] == ["split", "fused"] and not pruned
+def test_operator_choices_are_pruned_only_where_their_kernel_cannot_run_and_names():
+    def backends(arch="sm_90", **axes):
+        f = Functional.of({**dict(dtype="bf16", BLOCK_D=64, PAD_HEAD=False, MASK=0, VARLEN=False, DROPOUT=False,
+                                  BIAS=0, DETERMINISTIC=False), **axes})
+        kept, pruned = cand.candidates(rules.BACKWARD, f, arch, flash.footprint("flash.backward"), limit=1)
+        assert set(kept) | set(pruned) == set(cand.space(rules.BACKWARD))
+        return [cand.config_name(c) for c in kept]
+
+    assert backends() == backends(BLOCK_D=128, MASK=2, dtype="fp16") == ["split", "fused", "ws"]
+    # ws: fp16/bf16, d64/d128, dense, not deterministic, sm_90 (rules.ws_backward_serves)
+    for other in (dict(DETERMINISTIC=True), dict(BLOCK_D=256), dict(BLOCK_D=32), dict(dtype="fp32"),
+                  dict(PAD_HEAD=True), dict(VARLEN=True), dict(DROPOUT=True), dict(BIAS=1), dict(arch="sm_80")):
+        assert backends(**other) == ["split", "fused"], other
     assert cand.config_name(_cfg(128, 64, 8, 3)) == "m128_n64_w8_s3"
     with pytest.raises(ValueError, match="arch"):
         cand.target("sm_99")

@@ -6,9 +6,9 @@ writes ``ROOT/nvidia/sm_90`` (every table in full), ``ROOT/nvidia/sm_80`` (``#! 
 sm_90``, overriding the blocks whose sm_90 choices need more than the A100's 163 KB of
 shared memory), sm_86 and sm_89 (``#! base sm_80``), ``ROOT/amd/gfx942`` (``#! base
 sm_90``) and gfx90a, gfx950, gfx1100 (``#! base gfx942``), nothing overridden yet.
-Two tables differ: ``flash.forward`` (which kernel computes the forward) is every
-architecture's own, ``triton`` everywhere, never inherited; ``flash.attn_fwd_ws`` (a Gluon
-kernel for sm_90) exists for sm_90 alone.
+Three tables differ: ``flash.forward`` (which kernel computes the forward) is every
+architecture's own, ``triton`` everywhere, never inherited; ``flash.attn_fwd_ws`` and
+``flash.attn_bwd_ws`` (Gluon kernels for sm_90) exist for sm_90 alone.
 The choices follow the H200 sweeps of 2026-11-29 (benchmarks/RESULTS.md) at s4096 and
 are used for every sequence length.
 """
@@ -52,6 +52,11 @@ def sm90(kernel, f: dict) -> Config:
             return Config.of(BLOCK_M=192, BLOCK_N=128, STAGES=3, PINGPONG=1, num_warps=4, num_stages=1)
         return Config.of(BLOCK_M=128, BLOCK_N=64, STAGES=3 if f["BLOCK_D"] == 128 else 2, PINGPONG=1, num_warps=4,
                          num_stages=1)
+    if kernel is rules.ATTN_BWD_WS:
+        if f["MASK"] == rules.MASK_TOP_LEFT:
+            return None  # falls back to bottom-right (rules._fallback)
+        # the prototype's tile at s4096-s16384 (RESULTS.md, fifteenth session)
+        return Config.of(BLOCK_M=64, BLOCK_N=128, STAGES=2, num_warps=4, num_stages=1)
     if kernel is rules.BACKWARD:
         return Config.of(backend="split")  # split beat fused-atomic at every benchmark shape
     if kernel is rules.ATTN_BWD_PREPROCESS:
@@ -92,7 +97,7 @@ def _name(config: Config) -> str:
     if "engine" in v:
         return v["engine"]
     if "STAGES" in v:
-        return f"m{v['BLOCK_M']}_n{v['BLOCK_N']}_s{v['STAGES']}" + ("_pp" if v["PINGPONG"] else "")
+        return f"m{v['BLOCK_M']}_n{v['BLOCK_N']}_s{v['STAGES']}" + ("_pp" if v.get("PINGPONG") else "")
     if "BLOCK" in v:
         return f"b{v['BLOCK']}_w{v['num_warps']}"
     if "BLOCK_N" not in v:

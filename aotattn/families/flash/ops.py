@@ -372,8 +372,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         bias: additive, broadcastable to ``(B, Hq, Sq, Sk)``, added to the scaled scores;
             differentiable (its gradient materialises a ``(B, Hq, Sq, Sk)`` fp32 buffer).
         backend: the backward pass: ``"split"`` (a dK/dV kernel, then a dQ kernel),
-            ``"fused"`` (one launch) or None to let aotattn choose. For tests and
-            measurement; both compute the same gradients.
+            ``"fused"`` (one launch), ``"ws"`` (one warp-specialized launch on sm_90:
+            fp16/bf16, head dims 64 and 128, dense, not deterministic) or None to let
+            aotattn choose. For tests and measurement; all compute the same gradients.
 
     Returns:
         ``out (B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.

@@ -288,10 +288,10 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                    dk: torch.Tensor, dv: torch.Tensor, dbias: torch.Tensor | None, backend: str,
                    deterministic: bool, configs: Mapping[str, Config] | None = None) -> list[LaunchPlan]:
     """The launches of one backward pass, in order: split, dQ (which also writes the
-    stats) then dK/dV; fused, the preprocess (the stats) then the fused kernel.
+    stats) then dK/dV; fused and ws, the preprocess (the stats) then the one kernel.
 
-    With ``backend="fused"`` and not ``deterministic``, ``dq`` must be a zeroed fp32
-    buffer that the kernel accumulates into with atomics.
+    With ``backend="ws"``, or ``"fused"`` and not ``deterministic``, ``dq`` must be a zeroed
+    fp32 buffer that the kernel accumulates into (:func:`dq_accumulates`).
     """
     if check_backend(backend) is None:
         raise ValueError("backend: backward_plans needs a backend, got None")
@@ -314,6 +314,12 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 bound.update(kernel.strides(name.lower(), c.rows(t)))
         return bound
 
+    if backend == "ws":
+        arch = _device_arch(dev)
+        if not rules.ws_backward_serves(f, arch, deterministic):
+            raise ValueError(f"backend 'ws': {rules.ATTN_BWD_WS.qualname} does not serve this call "
+                             f"({Functional.of(f)}{', deterministic' if deterministic else ''}"
+                             f"{' on ' + arch if arch else ''}); backend='split' serves every call")
     if backend == "split":
         dkdv, dq_kernel = rules.ATTN_BWD_DKDV, rules.ATTN_BWD_DQ
         # dQ first: its programs compute the stats of their rows, which dK/dV reads (without
@@ -335,6 +341,15 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                    dict(Out=out, DO=dout, Lse=lse, Stats=stats, CuSeqlensQ=c.sequences(dev)["CuSeqlensQ"],
                         **c.tile_strides(pre, o=out, do=dout), **c.lse_strides(pre, lse),
                         **c.stats_strides(pre, stats), max_seqlen_q=p.seqlen_q, head_dim_v=p.head_dim_v))]
+    if backend == "ws":
+        ws = rules.ATTN_BWD_WS
+        scalars = c.scalars(backward=True)
+        bound = dict(Q=q, K=k, V=v, DO=dout, DQ=dq, DK=dk, DV=dv, Stats=stats,
+                     **c.tile_strides(ws, q=q, k=k, v=v, do=dout, dq=dq, dk=dk, dv=dv), **c.stats_strides(ws, stats),
+                     **{arg.name: scalars[arg.name] for arg in ws.arguments if arg.name in scalars})
+        plans.append(_plan(ws, f, p, dev, configs.get(ws.name),
+                           lambda cfg: (_cdiv(p.seqlen_k, cfg["BLOCK_N"]), p.heads_k, p.batch), bound))
+        return plans
     fused = rules.ATTN_BWD_FUSED
 
     def grid(cfg: Config) -> tuple[int, int, int]:
@@ -352,9 +367,12 @@ def choose_backend(c: Call, deterministic: bool, device: torch.device) -> str:
     """The backend when the caller names none: the ``flash.backward`` table's choice on GPUs."""
     if device.type == "cpu":
         return "split"
-    functional = rules.operator_functional(c.functional(backward=True), deterministic)
-    config = rules.config_for(rules.BACKWARD, functional, device, **c.p.tuning_sizes)
-    return config["backend"]
+    kernel_functional = c.functional(backward=True)
+    functional = rules.operator_functional(kernel_functional, deterministic)
+    backend = rules.config_for(rules.BACKWARD, functional, device, **c.p.tuning_sizes)["backend"]
+    if backend == "ws" and not rules.ws_backward_serves(kernel_functional, _device_arch(device), deterministic):
+        return "split"  # the table of another architecture than the kernel's, or a cell it does not serve
+    return backend
 
 
 def backward_dout(c: Call, dout: torch.Tensor, pad_head: bool | None = None) -> torch.Tensor:
@@ -370,9 +388,9 @@ def backward_dout(c: Call, dout: torch.Tensor, pad_head: bool | None = None) -> 
 
 
 def dq_accumulates(backend: str, deterministic: bool) -> bool:
-    """Whether dQ is accumulated with atomics into a zeroed fp32 buffer (the fused backend
-    without ``deterministic``)."""
-    return backend == "fused" and not deterministic
+    """Whether dQ is accumulated with atomics into a zeroed fp32 buffer (the ws backend, and
+    the fused one without ``deterministic``)."""
+    return backend == "ws" or (backend == "fused" and not deterministic)
 
 
 def backward_buffers(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,

@@ -16,10 +16,12 @@ from aotattn.runtime.device import arch_of
 from aotattn.spec import Arg, ChosenBy, Config, Functional, KernelSpec, OperatorSpec
 
 FAMILY = "flash"
-BACKENDS = ("split", "fused")
+# the backward's backends: split (dQ, then dK/dV), fused (one Triton kernel), ws (one
+# warp-specialized Gluon kernel, sm_90, atomic dQ: never deterministic)
+BACKENDS = ("split", "fused", "ws")
 _KERNELS = "aotattn.families.flash.kernels"  # a package, one module per pass
-FORWARD_MODULE, FORWARD_WS_MODULE, BACKWARD_MODULE, DROPOUT_MODULE = (
-    f"{_KERNELS}.{m}" for m in ("forward", "forward_ws", "backward", "dropout"))
+FORWARD_MODULE, FORWARD_WS_MODULE, BACKWARD_MODULE, BACKWARD_WS_MODULE, DROPOUT_MODULE = (
+    f"{_KERNELS}.{m}" for m in ("forward", "forward_ws", "backward", "backward_ws", "dropout"))
 ENGINES = ("triton", "ws")  # the forward's kernels: attn_fwd (Triton), attn_fwd_ws (Gluon, sm_90)
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -313,6 +315,50 @@ ATTN_BWD_FUSED = _attention_kernel(
 )
 
 
+def _ws_bwd_unserved(functional: Mapping[str, Any]) -> bool:
+    """What the warp-specialized backward does not compute (kernels/backward_ws.py): the
+    forward's exclusions, and head dims other than 64 and 128 (d256's dK and dV
+    accumulators do not fit a consumer's registers in this design)."""
+    return _ws_unserved(functional) or functional["BLOCK_D"] not in (64, 128)
+
+
+def _ws_bwd_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The backward operator's functionals whose ws backend runs this kernel functional:
+    the non-deterministic ones (dQ is accumulated with atomics)."""
+    return [operator_functional(functional, False).as_dict()]
+
+
+# The warp-specialized backward (Gluon, sm_90 only): BLOCK_N keys per program, 64 per
+# consumer warpgroup (two); BLOCK_M query rows per step; STAGES slots in the q and dO rings.
+_WS_BWD_TUNING = (
+    ("BLOCK_M", (64, 128)),
+    ("BLOCK_N", (128,)),
+    ("STAGES", (2, 3)),
+    ("num_warps", (4,)),
+    ("num_stages", (1,)),
+)
+
+ATTN_BWD_WS = KernelSpec(
+    family=FAMILY, name="attn_bwd_ws", module=BACKWARD_WS_MODULE, function="attn_bwd_ws",
+    arguments=(
+        _tile("Q"), _tile("K"), _tile("V"), _tile("DO"), _tile("DQ", "*fp32"), _tile("DK"), _tile("DV"), _STATS,
+        *_QKV_DO_STRIDES, *_DQ_STRIDES, *_DKDV_STRIDES, *_STATS_STRIDES,
+        Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("num_heads_q", _I32), Arg("group_size", _I32),
+        Arg("sm_scale", _F32), Arg("qk_scale", _F32), Arg("window_left", _I32), Arg("window_right", _I32),
+    ),
+    functionals=_BWD_AXES, tuning_space=_WS_BWD_TUNING, disabled=lambda f: _disabled(f) or _ws_bwd_unserved(f),
+    tuning_keys=_SEQ_KEYS, fallback=_fallback, variant_of=_variant_of,
+    chosen_by=ChosenBy("flash.backward", "backend", "ws", _ws_bwd_calls), language="gluon", archs=("sm_90",),
+)
+
+
+def ws_backward_serves(functional: Mapping[str, Any], arch: str | None = None, deterministic: bool = False) -> bool:
+    """Whether attn_bwd_ws computes this backward functional on ``arch`` (None: on the
+    architectures it has); never a deterministic call."""
+    return ((arch is None or ATTN_BWD_WS.runs_on(arch)) and not deterministic and not _disabled(functional)
+            and not _ws_bwd_unserved(functional))
+
+
 DROPOUT_MASK = KernelSpec(
     family=FAMILY,
     name="dropout_mask",
@@ -393,7 +439,7 @@ def operator_functional(kernel_functional: Mapping[str, Any], deterministic: boo
     return Functional.of({**{n: kernel_functional[n] for n in names}, "DETERMINISTIC": deterministic})
 
 KERNELS = {spec.name: spec for spec in (ATTN_FWD, ATTN_FWD_WS, ATTN_BWD_PREPROCESS, ATTN_BWD_DKDV, ATTN_BWD_DQ,
-                                        ATTN_BWD_FUSED, DROPOUT_MASK, PHILOX_WORDS)}
+                                        ATTN_BWD_FUSED, ATTN_BWD_WS, DROPOUT_MASK, PHILOX_WORDS)}
 TABLES = (*KERNELS.values(), FORWARD, BACKWARD)
 
 

@@ -1,0 +1,278 @@
+"""The warp-specialized backward for Hopper (sm_90), written in Gluon: dK, dV and dQ in one
+launch, five products per block instead of the split backend's seven.
+
+Same math, masks and gradients as :mod:`.backward` (read its docstring first); a narrower
+functional space (rules.ws_serves: fp16/bf16, unpadded head dims 64 and 128, no varlen,
+dropout or bias; dQ accumulated with atomics, so not deterministic). The stats (delta and
+lse in base 2, :func:`.backward.attn_bwd_preprocess`) are computed before it, and dQ is
+added into a zeroed fp32 buffer shaped like q (:func:`..planning.finish_dq` converts it).
+
+One program owns ``BLOCK_N = 64 * CONSUMERS`` keys of one key/value head and loops over
+the query blocks of ``BLOCK_M`` rows that see them, for every query head of the group
+(key-major, as the split backend's dK/dV kernel):
+
+- A *loader* warp brings the program's K and V once, then streams Q and dO tiles through
+  the bulk tensor copy engine into ``STAGES``-deep rings (ready/empty mbarriers).
+- Each *consumer* warpgroup owns 64 of the keys and keeps their dK and dV accumulators in
+  registers. Per query block it issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` as async
+  wgmma, computes ``P^T`` (the scale folded into one FMA, lse in base 2) and
+  ``dS^T = P^T (dP^T - delta)``, and feeds both from registers into ``dV += P^T dO`` and
+  ``dK += dS^T Q`` (keys down, as the accumulators are: no transpose in registers).
+- dQ needs dS with queries down: each consumer writes its dS^T rows into a shared tile
+  (double-buffered), the consumers meet on an mbarrier, and each computes the dQ
+  columns ``D / CONSUMERS`` of its share, ``dS K[:, cols]`` over all the program's keys,
+  and adds them into dQ with one bulk tensor reduce (``cp.reduce.async.bulk``, the L2
+  does the adds: no per-element atomics).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton._C.libtriton import ir
+from triton.language.core import builtin
+
+from aotattn.families.flash.kernels.common import key_blocks, program_order
+# the MASK axis, a consumer's 64 rows (here keys) and the partitions' register budgets: the forward's
+from aotattn.families.flash.kernels.forward_ws import (LOADER_REGS, MASK_BOTTOM_RIGHT, MASK_NONE, WARPGROUP_ROWS,
+                                                       consumer_regs)
+
+
+@builtin
+def _reduce_add(desc, coord, value, _semantic=None):
+    """``value`` added into the tile of ``desc`` at ``coord`` by the bulk tensor copy engine
+    (Triton lowers it through shared memory: ``cp.reduce.async.bulk.tensor ... .add``)."""
+    offsets = _semantic._convert_to_ir_values(coord, require_i64=False)
+    return _semantic.builder.create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle,
+                                                      offsets)
+
+
+@gluon.jit
+def _step(i, lo, blocks, head0, BLOCK_M: gl.constexpr):
+    """Step i of a program's loop: (query head, first row of the query block); ``head0``:
+    the group's first query head (int32: a bulk copy's coordinates are)."""
+    g = i // blocks
+    return head0 + g, lo + (i - g * blocks) * BLOCK_M
+
+
+@gluon.jit
+def _loader(loads, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """The loader warp: the program's K and V, then Q and dO of every step into the rings."""
+    (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar, q_ready, do_ready, q_empty,
+     do_empty, start_n, lo, blocks, n_steps, head0) = loads
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_smem)
+    for i in range(n_steps):
+        slot = i % STAGES
+        free = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes the wait on parity 1
+        off_h, start_m = _step(i, lo, blocks, head0, BLOCK_M)
+        mbarrier.wait(q_empty.index(slot), free)
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_h, start_m, 0], q_ready.index(slot), q_smem.index(slot))
+        mbarrier.wait(do_empty.index(slot), free)
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [off_h, start_m, 0], do_ready.index(slot), do_smem.index(slot))
+
+
+@gluon.jit
+def _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right,
+                   MASKED: gl.constexpr, MASK: gl.constexpr):
+    """P^T of one step from the raw scores (keys down, queries across); MASKED: keys past
+    the sequence and outside the window are 0."""
+    p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+    if MASKED:
+        keep = keys[:, None] < seqlen_k
+        if MASK != MASK_NONE:
+            rel = keys[:, None] - (rows[None, :] + diag)
+            keep = keep & (rel >= -window_left) & (rel <= window_right)
+        p_t = gl.where(keep, p_t, 0.0)
+    return p_t
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Consumer warpgroup c: keys start_n + 64 c .. start_n + 64 c + 63 of the program."""
+    (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready, dq_desc,
+     stats_ptr, stride_sh, stride_sp, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
+     head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail) = work
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_D, 16])
+    DQ_COLS: gl.constexpr = HEAD_D // CONSUMERS
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    dtype: gl.constexpr = q_smem.dtype
+
+    first_key = start_n + c * WARPGROUP_ROWS
+    keys = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, s_layout))
+    k_mine = k_smem.slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
+    v_mine = v_smem.slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
+    k_cols = k_smem.slice(c * DQ_COLS, DQ_COLS, dim=1)  # dQ's columns of this consumer, every key
+    dk = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
+    dv = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
+    no_scores = gl.zeros([WARPGROUP_ROWS, BLOCK_M], gl.float32, s_layout)
+    no_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    mbarrier.wait(kv_bar, 0)
+    for i in range(n_steps):
+        slot = i % STAGES
+        phase = (i // STAGES) & 1
+        buf = i % 2
+        off_h, start_m = _step(i, lo, blocks, head0, BLOCK_M)
+        rows = start_m + offs_m
+        # the stats' rows are padded to a multiple of every BLOCK_M: no mask (padding: delta 0, lse +inf)
+        stats = stats_ptr + off_h * stride_sh + rows
+        delta = gl.load(stats)
+        lse2 = gl.load(stats + stride_sp)
+        q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+        do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+        mbarrier.wait(q_ready.index(slot), phase)
+        s_t = warpgroup_mma(k_mine, q_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(slot), phase)
+        # dP^T - delta: the product accumulates onto -delta (delta's registers die before it runs)
+        dp_t = warpgroup_mma(v_mine, do_tile.permute((1, 0)), no_scores - delta[None, :], is_async=True)
+        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+        if tail or start_m < a or start_m >= b:
+            p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, True,
+                                 MASK)
+        else:
+            p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, False,
+                                 MASK)
+        p_op = gl.convert_layout(p_t.to(dtype), op_layout)
+        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+        ds_t = (p_t * dp_t).to(dtype)
+        ds_op = gl.convert_layout(ds_t, op_layout)
+        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        # dS^T rows of this consumer into the shared tile; the other consumers' rows and
+        # this one's meet on ds_ready (the tile two steps back was read before any consumer
+        # arrived on the last one: double-buffered without an empty barrier)
+        ds_tile = ds_smem.index(buf)
+        ds_tile.slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0).store(ds_t)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        mbarrier.arrive(do_empty.index(slot), count=1)
+        mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+        dq = warpgroup_mma(ds_tile.permute((1, 0)), k_cols, no_dq, use_acc=False)
+        _reduce_add(dq_desc, [off_h, start_m, c * DQ_COLS], gl.reshape(dq * sm_scale, [1, BLOCK_M, DQ_COLS]))
+
+    out_rows = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+    keep = out_rows[:, None] < seqlen_k
+    gl.store(dk_ptr + out_rows[:, None].to(gl.int64) * stride_dkn + cols[None, :], (dk * sm_scale).to(dtype),
+             mask=keep)
+    gl.store(dv_ptr + out_rows[:, None].to(gl.int64) * stride_dvn + cols[None, :], dv.to(dtype), mask=keep)
+
+
+@gluon.jit
+def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+               CONSUMERS: gl.constexpr):
+    _consumer(0, work, MASK, HEAD_D, BLOCK_M, STAGES, CONSUMERS)
+
+
+@gluon.jit
+def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+               CONSUMERS: gl.constexpr):
+    _consumer(1, work, MASK, HEAD_D, BLOCK_M, STAGES, CONSUMERS)
+
+
+@gluon.jit
+def attn_bwd_ws(
+    Q, K, V, DO, DQ, DK, DV, Stats,
+    stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn, stride_doz, stride_doh, stride_dom,
+    stride_dqz, stride_dqh, stride_dqm,
+    stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
+    stride_sz, stride_sh, stride_sp,
+    max_seqlen_q, max_seqlen_k, num_heads_q, group_size, sm_scale, qk_scale, window_left, window_right,
+    MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
+    VARLEN: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):
+    """dK, dV of BLOCK_N keys of one key/value head and its programs' share of dQ; grid
+    (n blocks, Hk, B); compiled with num_warps=4 (the first consumer) and grows to 4 per
+    consumer plus the loader's. DQ: fp32, zeroed, q's shape (strides in elements)."""
+    gl.static_assert(BLOCK_DV == BLOCK_D and not PAD_HEAD and not VARLEN and not DROPOUT and BIAS == 0,
+                     "attn_bwd_ws: equal unpadded heads, no varlen, dropout or bias")
+    CONSUMERS: gl.constexpr = BLOCK_N // WARPGROUP_ROWS
+    gl.static_assert(CONSUMERS == 2, "BLOCK_N is 128: two consumer warpgroups")
+    qdo_bytes = gl.cast(max_seqlen_q, gl.int64) * (2 * BLOCK_D) * 2 * group_size
+    pid_n, off_hk, off_z = program_order(qdo_bytes, MASK)
+    head0 = off_hk * group_size
+    off_hk = off_hk.to(gl.int64)
+    off_z = off_z.to(gl.int64)
+    seqlen_q = max_seqlen_q
+    seqlen_k = max_seqlen_k
+    start_n = pid_n * BLOCK_N
+    if MASK == MASK_BOTTOM_RIGHT:
+        diag = seqlen_k - seqlen_q
+    else:
+        diag = 0
+    # the query blocks that see these keys (the window transposed); [a, b) sees all of them
+    lo, a, b, hi = key_blocks(start_n, gl.minimum(start_n + BLOCK_N, seqlen_k), seqlen_q, -diag, window_right,
+                              window_left, MASK, BLOCK_M)
+    blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    n_steps = group_size * blocks
+    tail = start_n + BLOCK_N > seqlen_k  # keys past the sequence: masked at every step
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    qdo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D // CONSUMERS], gl.float32)
+    # [query head, row, column]: rows past the sequence arrive as zeros, and dQ's are dropped
+    queries = gl.maximum(seqlen_q, 1)
+    q_desc = tma.make_tensor_descriptor(Q + off_z * stride_qz, shape=[num_heads_q, queries, BLOCK_D],
+                                        strides=[stride_qh, stride_qm, 1], block_shape=[1, BLOCK_M, BLOCK_D],
+                                        layout=qdo_layout)
+    do_desc = tma.make_tensor_descriptor(DO + off_z * stride_doz, shape=[num_heads_q, queries, BLOCK_D],
+                                         strides=[stride_doh, stride_dom, 1], block_shape=[1, BLOCK_M, BLOCK_D],
+                                         layout=qdo_layout)
+    dq_desc = tma.make_tensor_descriptor(DQ + off_z * stride_dqz, shape=[num_heads_q, queries, BLOCK_D],
+                                         strides=[stride_dqh, stride_dqm, 1],
+                                         block_shape=[1, BLOCK_M, BLOCK_D // CONSUMERS], layout=dq_layout)
+    keys = gl.maximum(seqlen_k, 1)
+    k_desc = tma.make_tensor_descriptor(K + off_z * stride_kz + off_hk * stride_kh, shape=[keys, BLOCK_D],
+                                        strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + off_z * stride_vz + off_hk * stride_vh, shape=[keys, BLOCK_D],
+                                        strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, BLOCK_D], qdo_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, BLOCK_D], qdo_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(slot), count=1)
+        mbarrier.init(do_ready.index(slot), count=1)
+        mbarrier.init(q_empty.index(slot), count=CONSUMERS)
+        mbarrier.init(do_empty.index(slot), count=CONSUMERS)
+    for buf in gl.static_range(2):
+        mbarrier.init(ds_ready.index(buf), count=CONSUMERS)
+    fence_async_shared()
+
+    stats_ptr = Stats + off_z * stride_sz
+    work = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready,
+            dq_desc, stats_ptr, stride_sh, stride_sp, DK + off_z * stride_dkz + off_hk * stride_dkh,
+            DV + off_z * stride_dvz + off_hk * stride_dvh, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
+            head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail)
+    loads = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar, q_ready, do_ready, q_empty,
+             do_empty, start_n, lo, blocks, n_steps, head0)
+    gl.warp_specialize([
+        (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS)),
+        (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS)),
+        (_loader, (loads, BLOCK_M, STAGES)),
+    ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])

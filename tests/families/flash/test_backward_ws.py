@@ -1,0 +1,288 @@
+"""The warp-specialized Hopper backward (kernels/backward_ws.py, ``flash.attn_bwd_ws``).
+
+CPU: which calls it serves, how the backward table's ``ws`` choice falls back where it
+does not, what the tuner may time, and what its sm_90 machine code holds. GPU: every
+fitting knob value against the float64 reference over the masks, GQA, tails, rows that
+see no key and keys no row sees, and through the plan cache in SDPA's layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+
+import pytest
+import torch
+
+import aotattn
+from aotattn import reference, tuning
+from aotattn.compiler import builder
+from aotattn.compiler.jobs import Job, compile_job
+from aotattn.families.flash import ops, planning, rules
+from aotattn.families.flash.checks import check_flash
+from aotattn.runtime import launch
+from aotattn.spec import Config, Functional
+from aotattn.tune import candidates
+from aotattn.tune import flash as tune_flash
+from tests.compiler.test_machine_code import CUOBJDUMP, sass
+from tests.families.flash.helpers import config_override, make_qkv, seed_from
+from tests.helpers import TOLERANCE, rel_err
+
+TABLE = rules.ATTN_BWD_WS.qualname
+
+
+def functional(dtype="bf16", d=128, mask=rules.MASK_NONE, **changes) -> dict:
+    return {"dtype": dtype, "BLOCK_D": d, "BLOCK_DV": d, "PAD_HEAD": False, "MASK": mask, "VARLEN": False,
+            "DROPOUT": False, "BIAS": rules.BIAS_NONE, **changes}
+
+
+def problem(q, k, v, **kwargs):
+    call = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
+            "diagonal": "bottom_right", **kwargs}
+    return check_flash(q, k, v, **call)
+
+
+def fitting(d: int) -> list[Config]:
+    kept, _ = candidates.candidates(rules.ATTN_BWD_WS, Functional.of(functional(d=d)), "sm_90",
+                                    tune_flash.footprint(TABLE))
+    return kept
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def test_it_serves_dense_fp16_bf16_heads_of_64_and_128_on_sm_90_only():
+    served = [f.as_dict() for f in rules.ATTN_BWD_WS.enumerate_functionals()]
+    assert {(f["dtype"], f["BLOCK_D"], f["MASK"]) for f in served} == {
+        (t, d, m) for t in ("fp16", "bf16") for d in (64, 128) for m in (0, 1, 2)}
+    assert all(f["BIAS"] == rules.BIAS_NONE and not f["DROPOUT"] and not f["VARLEN"] for f in served)
+    assert rules.ws_backward_serves(functional(), "sm_90") and rules.ws_backward_serves(functional(d=64))
+    assert not rules.ws_backward_serves(functional(), "sm_80")
+    assert not rules.ws_backward_serves(functional(), "sm_90", deterministic=True)  # dQ by atomics
+    for change in ({"dtype": "fp32"}, {"BLOCK_D": 256, "BLOCK_DV": 256}, {"BLOCK_D": 32, "BLOCK_DV": 32},
+                   {"BLOCK_DV": 64}, {"PAD_HEAD": True}, {"VARLEN": True}, {"DROPOUT": True},
+                   {"BIAS": rules.BIAS_ADD}, {"BIAS": rules.BIAS_GRAD}):
+        assert not rules.ws_backward_serves(functional(**change), "sm_90"), change
+    assert rules.ATTN_BWD_WS.language == "gluon" and rules.ATTN_BWD_WS.archs == ("sm_90",)
+    assert rules.ATTN_BWD_WS.chosen_by.operator == rules.BACKWARD.qualname
+    assert "ws" in rules.BACKENDS and set(rules.BACKENDS) == set(dict(rules.BACKWARD.tuning_space)["backend"])
+
+
+def test_explicit_ws_where_it_does_not_serve_says_what_does_in_one_line():
+    q, k, v = make_qkv(1, 70, 90, 2, 2, 72, 72, torch.bfloat16, "cpu", requires_grad=True)  # padded heads
+    out = aotattn.flash_attn_func(q, k, v, backend="ws")
+    with pytest.raises(ValueError, match=r"^backend 'ws': flash.attn_bwd_ws does not serve .*backend='split' serves"):
+        out.sum().backward()
+    q, k, v = make_qkv(1, 70, 90, 2, 2, 64, 64, torch.bfloat16, "cpu", requires_grad=True)
+    out = aotattn.flash_attn_func(q, k, v, backend="ws", deterministic=True)
+    with pytest.raises(ValueError, match="deterministic"):
+        out.sum().backward()
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        aotattn.flash_attn_func(q, k, v, backend="cudnn")
+
+
+def test_cpu_tensors_plan_it_but_the_interpreter_refuses_to_run_it():
+    """perfmon plans calls on CPU tensors for a GPU's tables: the plan is made (dQ zeroed
+    fp32, the stats first), and a launch of it on CPU is refused in one line."""
+    q, k, v = make_qkv(2, 300, 500, 4, 2, 64, 64, torch.bfloat16, "cpu")
+    c = planning.new_call(problem(q, k, v, causal=True), q, k, v)
+    out, dout = torch.empty_like(q), torch.randn_like(q)
+    lse = torch.zeros(2, 4, 300)
+    stats, dq, dk, dv, _ = planning.backward_buffers(c, q, k, v, "ws", False)
+    assert dq.dtype == torch.float32 and not dq.any() and planning.dq_accumulates("ws", False)
+    config = Config.of(BLOCK_M=64, BLOCK_N=128, STAGES=2, num_warps=4, num_stages=1)
+    plans = planning.backward_plans(c, dout, q, k, v, out, lse, stats, dq, dk, dv, None, "ws", False,
+                                    {rules.ATTN_BWD_WS.name: config})
+    assert [p.kernel for p in plans] == [rules.ATTN_BWD_PREPROCESS, rules.ATTN_BWD_WS]
+    assert plans[1].grid == (4, 2, 2)  # key blocks of 128, key heads, batch
+    assert planning.choose_backend(c, False, q.device) == "split"  # CPU: the interpreter's backend
+    with pytest.raises(ValueError, match="Gluon kernel: Triton's interpreter cannot run it"):
+        launch(plans[1])
+
+
+def test_the_tables_ws_choice_falls_back_where_the_kernel_does_not_serve(monkeypatch):
+    """A backward table saying ws (sm_80 inherits sm_90's cells) runs split for
+    deterministic calls, other head dims, and on other architectures."""
+    monkeypatch.setattr(planning, "_device_arch", lambda device: arch)
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(rules, "config_for", lambda kernel, f, device, **sizes: Config.of(backend="ws"))
+    for arch, d, deterministic, expected in (("sm_90", 128, False, "ws"), ("sm_90", 64, False, "ws"),
+                                            ("sm_90", 128, True, "split"), ("sm_90", 256, False, "split"),
+                                            ("sm_90", 96, False, "split"), ("sm_80", 128, False, "split")):
+        q, k, v = make_qkv(1, 64, 64, 2, 2, d, d, torch.float16, "cpu")
+        c = planning.new_call(problem(q, k, v), q, k, v)
+        assert planning.choose_backend(c, deterministic, gpu) == expected, (arch, d, deterministic)
+
+
+def test_the_tuner_times_it_where_it_serves_within_its_budgets():
+    assert {c["STAGES"] for c in fitting(128)} == {2, 3} and {c["BLOCK_M"] for c in fitting(128)} == {64}
+    assert {(c["BLOCK_M"], c["STAGES"]) for c in fitting(64)} == {(64, 2), (64, 3), (128, 2), (128, 3)}
+    f = Functional.of(functional())
+    assert tune_flash.supports(TABLE, f) and not tune_flash.supports(TABLE, Functional.of(functional(d=256)))
+    shape = tune_flash.Shape(2, 4, 100, 100, 128)
+    assert tune_flash.flops(TABLE, shape, f) == tune_flash.flops("flash.attn_bwd_dkdv", shape, f)
+    operator = Functional.of({**{n: v for n, v in functional().items() if n != "BLOCK_DV"}, "DETERMINISTIC": False})
+    assert (TABLE, Functional.of(functional())) in tune_flash.auxiliary("flash.backward", operator)
+    det = Functional.of({**operator.as_dict(), "DETERMINISTIC": True})
+    assert TABLE not in {t for t, _ in tune_flash.auxiliary("flash.backward", det)}
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton package carries no cuobjdump")
+@pytest.mark.parametrize("d", [64, 128])
+def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies_and_reduces(d):
+    """In the sm_90 machine code: the partitions (more warps than compiled with, setmaxnreg),
+    wgmma with a register A operand (dV, dK: P and dS from registers) and both operands
+    transposed from shared memory (dQ), tensor-map loads and the bulk reduce that adds dQ."""
+    config = fitting(d)[0]
+    entry, cubin = compile_job(Job("sm_90", TABLE, Functional.of(functional(d=d, mask=rules.MASK_BOTTOM_RIGHT)),
+                                   config))
+    assert entry.num_warps == 12  # two consumer warpgroups and the loader's
+    code = sass(cubin)
+    assert re.search(rf"HGMMA\.64x{d}x16\.F32\.BF16 R\d+, R\d+, gdesc", code)  # A from registers
+    assert "tnspA.tnspB" in code
+    assert "UTMALDG" in code and "UTMAREDG" in code and "USETMAXREG" in code
+
+
+WS_PATCH = """#! aotattn-patch 1
+#! table flash.backward
+
+[configs]
+ws = backend=ws
+
+[dtype=bf16 BLOCK_D=128 PAD_HEAD=False MASK=0 VARLEN=False DROPOUT=False BIAS=0 DETERMINISTIC=False]
+seqlen_q=4096 seqlen_k=4096: ws
+"""
+
+
+def test_where_the_backward_table_chooses_it_the_build_compiles_it(tmp_path):
+    root = tmp_path / "db"
+    shutil.copytree(tuning.database().root, root)
+    for tuned in (root / "nvidia" / "sm_90").glob("flash.backward.*.dbpatch"):
+        tuned.unlink()  # the seed alone (split everywhere), then one cell of ws
+    (root / "nvidia" / "sm_90" / "flash.backward.0900-ws.dbpatch").write_text(WS_PATCH)
+    db = tuning.Database(root)
+    assert db.lint() == []
+    jobs = builder.enumerate_jobs(db, ["sm_90"], [TABLE])
+    assert {(j.functional["dtype"], j.functional["BLOCK_D"], j.functional["MASK"]) for j in jobs} == {("bf16", 128, 0)}
+    assert not builder.enumerate_jobs(db, [a for a in db.archs() if a != "sm_90"], [TABLE], forced=True)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    shape: tuple[int, ...]  # batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim (= head_dim_v)
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    dtype: torch.dtype = torch.bfloat16
+    scale_q: float = 1.0  # q multiplied by it: large scores make rows see one key
+
+
+CASES = [
+    Case("full-tails", (2, 1000, 1777, 8, 8, 128)),
+    Case("full-gqa-fp16", (2, 1024, 4096, 16, 4, 64), dtype=torch.float16),
+    Case("causal", (2, 4096, 4096, 8, 8, 128), {"causal": True}),
+    Case("causal-fp16", (1, 2000, 2000, 4, 4, 128), {"causal": True}, torch.float16),
+    Case("causal-top-left", (1, 1500, 3000, 8, 8, 64), {"causal": True, "diagonal": "top_left"}),
+    Case("causal-sq-longer", (1, 3000, 1500, 8, 8, 64), {"causal": True}),  # rows that see no key
+    Case("window", (2, 2048, 2048, 8, 8, 128), {"window_size": (40, 7)}),
+    Case("narrow-window-gqa", (1, 2048, 2048, 8, 2, 64), {"window_size": (3, 0)}),
+    Case("one-key", (2, 2048, 3001, 8, 2, 128), {"window_size": (0, 0)}),
+    Case("one-key-peaked-fp16", (1, 1000, 1000, 4, 4, 128), {"causal": True}, torch.float16, scale_q=12.0),
+    Case("shorter-than-a-block", (2, 40, 50, 4, 4, 64)),
+    Case("one-query", (3, 1, 333, 4, 4, 128), {"causal": True}),
+    Case("one-key-column", (2, 300, 1, 4, 4, 128)),
+    Case("negative-scale", (1, 1000, 2000, 4, 2, 64), {"softmax_scale": -0.2}),
+    Case("long", (1, 8192, 8192, 2, 2, 128), {"causal": True}),
+]
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    """``use(config)``: from then on every backward the ws kernel serves runs it with ``config``."""
+    override = config_override(monkeypatch)
+
+    def use(config: Config) -> None:
+        def change(kernel, f, chosen):
+            if kernel is rules.BACKWARD:
+                return Config.of(backend="ws")
+            return config if kernel is rules.ATTN_BWD_WS else chosen
+
+        override(change)
+
+    yield use
+    ops._PLANS.entries.clear()
+
+
+def _reference_grads(q, k, v, dout, **kwargs):
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference.attention(*ref_in, **kwargs)
+    return torch.autograd.grad(ref, ref_in, dout.double())
+
+
+def _assert_grads(grads, ref_grads, dtype, what):
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert g.dtype == dtype and torch.isfinite(g).all(), f"{what}: d{name} not finite"
+        err = rel_err(g, r)
+        if r.norm() > 1e-6:  # one key column: dq and dk are exactly 0 in the reference
+            assert err < 2 * TOLERANCE[dtype], f"{what}: d{name} {err:.2e}"
+        else:
+            assert g.abs().max() < 1e-3, f"{what}: d{name} should be 0"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_it_matches_the_reference_with_every_knob_value(case, backend, request):
+    seed_from(request.node.name)
+    q, k, v = make_qkv(*case.shape, case.shape[5], case.dtype, "cuda")
+    q = (q.float() * case.scale_q).to(case.dtype)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    dout = torch.randn(q.shape[:3] + (v.shape[-1],), dtype=case.dtype, device="cuda")
+    ref_grads = _reference_grads(q, k, v, dout, **case.kwargs)
+    for config in fitting(case.shape[5]):
+        backend(config)
+        c = planning.new_call(problem(q, k, v, **case.kwargs), q, k, v)
+        assert planning.choose_backend(c, False, q.device) == "ws"
+        out = aotattn.flash_attn_func(q, k, v, **case.kwargs)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        _assert_grads(grads, ref_grads, case.dtype, candidates.config_name(config))
+
+
+@pytest.mark.gpu
+def test_sdpa_layout_cached_plans_and_deterministic_calls(backend):
+    """SDPA's (B, H, S, D) views through the plan cache, twice with fresh inputs (dQ's fp32
+    buffer zeroed for each call); a deterministic call runs split instead."""
+    backend(fitting(128)[0])
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        q = torch.randn(2, 16, 1500, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(2, 4, 1500, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        dout = torch.randn_like(q)
+        out = aotattn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        t = lambda x: x.detach().transpose(1, 2)  # noqa: E731
+        ref = _reference_grads(t(q), t(k), t(v), t(dout), causal=True)
+        _assert_grads([g.transpose(1, 2) for g in grads], ref, torch.bfloat16, f"sdpa seed {seed}")
+    q, k, v = make_qkv(1, 512, 512, 4, 4, 128, 128, torch.bfloat16, "cuda", requires_grad=True)
+    c = planning.new_call(problem(q, k, v), q, k, v)
+    assert planning.choose_backend(c, True, q.device) == "split"
+    first, second = (torch.autograd.grad(aotattn.flash_attn_func(q, k, v, deterministic=True).sum(), (q,))[0]
+                     for _ in range(2))
+    assert torch.equal(first, second)
+
+
+def test_perfmon_forces_it_only_where_it_runs():
+    from aotattn.perfmon import providers as P
+    from aotattn.perfmon.entries import declared
+
+    BY_NAME = {e.name: e for e in declared()}  # noqa: N806
+
+    assert P.FORCED["aotattn:ws"] == "ws"
+    assert P.unsupported(BY_NAME["dense-bf16-d128-s4096-causal"], "aotattn:ws", "bwd") is None
+    assert P.unsupported(BY_NAME["dense-bf16-d128-s4096-causal"], "aotattn:ws", "fwd") is not None
+    assert "serves" in P.unsupported(BY_NAME["dense-bf16-d256-s4096-causal"], "aotattn:ws", "bwd")
+    assert P.ws_backward_runs_on("sm_90") and not P.ws_backward_runs_on("sm_80")
+    assert not P.ws_backward_runs_on(None)
