@@ -19,6 +19,11 @@ from types import ModuleType
 from typing import Any
 
 import triton
+# Imported before any kernel is interpreted: Triton 3.6's interpreter first imports Gluon
+# from inside a launch (jit.mangle_type, while it has patched triton.language's builtins),
+# and Gluon's builtins then wrap the patched functions for good: every later Gluon compile
+# in the process fails ("Did you forget to add @triton.gluon.jit ?").
+import triton.experimental.gluon  # noqa: F401
 from triton.runtime.jit import JITFunction
 
 _lock = threading.RLock()  # a module's copy loads the copies of the modules it imports from
