@@ -236,25 +236,38 @@ _WS_TUNING = (
     ("num_stages", (1,)),
 )
 
-ATTN_FWD_WS = KernelSpec(
-    family=FAMILY, name="attn_fwd_ws", module=FORWARD_WS_MODULE, function="attn_fwd_ws",
-    arguments=(
+def _ws_kernel(name: str, module: str, arguments: tuple[Arg, ...], functionals, tuning_space,
+               unserved, chosen_by: ChosenBy) -> KernelSpec:
+    """A warp-specialized Gluon kernel for sm_90, run only where its operator table chooses
+    it; ``unserved(functional)``: what it does not compute (those calls run a Triton kernel)."""
+    return KernelSpec(family=FAMILY, name=name, module=module, function=name, arguments=arguments,
+                      functionals=functionals, tuning_space=tuning_space,
+                      disabled=lambda f: _disabled(f) or unserved(f), tuning_keys=_SEQ_KEYS, fallback=_fallback,
+                      variant_of=_variant_of, chosen_by=chosen_by, language="gluon", archs=("sm_90",))
+
+
+def _ws_computes(kernel: KernelSpec, functional: Mapping[str, Any], arch: str | None) -> bool:
+    """Whether ``kernel`` computes ``functional`` on ``arch`` (None: on the architectures it
+    has; CPU tensors planned for a GPU's tables, the tuner's tasks)."""
+    return (arch is None or kernel.runs_on(arch)) and not kernel.disabled(functional)
+
+
+ATTN_FWD_WS = _ws_kernel(
+    "attn_fwd_ws", FORWARD_WS_MODULE,
+    (
         _tile("Q"), _tile("K"), _tile("V"), _tile("Out"), Arg("Lse", "*fp32"),
         *_tile_strides("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn",
                        "stride_vz", "stride_vh", "stride_vn", "stride_oz", "stride_oh", "stride_om"),
         *_LSE_STRIDES, Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("group_size", _I32),
         Arg("qk_scale", _F32), Arg("window_left", _I32), Arg("window_right", _I32),
     ),
-    functionals=_FWD_AXES, tuning_space=_WS_TUNING, disabled=lambda f: _disabled(f) or _ws_unserved(f),
-    tuning_keys=_SEQ_KEYS, fallback=_fallback, variant_of=_variant_of,
-    chosen_by=ChosenBy("flash.forward", "engine", "ws", _ws_calls), language="gluon", archs=("sm_90",),
+    _FWD_AXES, _WS_TUNING, _ws_unserved, ChosenBy("flash.forward", "engine", "ws", _ws_calls),
 )
 
 
 def ws_serves(functional: Mapping[str, Any], arch: str | None = None) -> bool:
-    """Whether attn_fwd_ws computes this forward functional on ``arch`` (None: on the
-    architectures it has; CPU tensors planned for a GPU's tables, the tuner's tasks)."""
-    return (arch is None or ATTN_FWD_WS.runs_on(arch)) and not _disabled(functional) and not _ws_unserved(functional)
+    """Whether attn_fwd_ws computes this forward functional on ``arch`` (_ws_computes)."""
+    return _ws_computes(ATTN_FWD_WS, functional, arch)
 
 
 ATTN_BWD_PREPROCESS = KernelSpec(
@@ -338,25 +351,22 @@ _WS_BWD_TUNING = (
     ("num_stages", (1,)),
 )
 
-ATTN_BWD_WS = KernelSpec(
-    family=FAMILY, name="attn_bwd_ws", module=BACKWARD_WS_MODULE, function="attn_bwd_ws",
-    arguments=(
+ATTN_BWD_WS = _ws_kernel(
+    "attn_bwd_ws", BACKWARD_WS_MODULE,
+    (
         _tile("Q"), _tile("K"), _tile("V"), _tile("DO"), _tile("DQ", "*fp32"), _tile("DK"), _tile("DV"), _STATS,
         *_QKV_DO_STRIDES, *_DQ_STRIDES, *_DKDV_STRIDES, *_STATS_STRIDES,
         Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("num_heads_q", _I32), Arg("group_size", _I32),
         Arg("sm_scale", _F32), Arg("qk_scale", _F32), Arg("window_left", _I32), Arg("window_right", _I32),
     ),
-    functionals=_BWD_AXES, tuning_space=_WS_BWD_TUNING, disabled=lambda f: _disabled(f) or _ws_bwd_unserved(f),
-    tuning_keys=_SEQ_KEYS, fallback=_fallback, variant_of=_variant_of,
-    chosen_by=ChosenBy("flash.backward", "backend", "ws", _ws_bwd_calls), language="gluon", archs=("sm_90",),
+    _BWD_AXES, _WS_BWD_TUNING, _ws_bwd_unserved, ChosenBy("flash.backward", "backend", "ws", _ws_bwd_calls),
 )
 
 
 def ws_backward_serves(functional: Mapping[str, Any], arch: str | None = None, deterministic: bool = False) -> bool:
-    """Whether attn_bwd_ws computes this backward functional on ``arch`` (None: on the
-    architectures it has); never a deterministic call."""
-    return ((arch is None or ATTN_BWD_WS.runs_on(arch)) and not deterministic and not _disabled(functional)
-            and not _ws_bwd_unserved(functional))
+    """Whether attn_bwd_ws computes this backward functional on ``arch`` (_ws_computes);
+    never a deterministic call."""
+    return not deterministic and _ws_computes(ATTN_BWD_WS, functional, arch)
 
 
 DROPOUT_MASK = KernelSpec(

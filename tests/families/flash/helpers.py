@@ -9,6 +9,8 @@ import torch
 
 from aotattn import reference
 from aotattn.families.flash import ops, rules
+from aotattn.families.flash.checks import check_flash
+from aotattn.spec import Config
 from tests.helpers import TOLERANCE, rel_err
 
 
@@ -26,6 +28,31 @@ def config_override(monkeypatch) -> Callable[[Callable], None]:
         ops._PLANS.entries.clear()
 
     return use
+
+
+def forced_kernel(monkeypatch, operator, choice: Config, kernel) -> Callable[[Config], None]:
+    """``use(config)``: from then on the ``operator`` table says ``choice`` in every cell and
+    ``kernel`` runs with ``config`` wherever it serves (a warp-specialized kernel under
+    test: ``flash.forward`` engine=ws, ``flash.backward`` backend=ws)."""
+    override = config_override(monkeypatch)
+
+    def use(config: Config) -> None:
+        override(lambda k, functional, chosen: choice if k is operator else config if k is kernel else chosen)
+
+    return use
+
+
+def problem(q, k, v, **kwargs):
+    """The validated problem of ``flash_attn_func(q, k, v, **kwargs)``."""
+    call = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
+            "diagonal": "bottom_right", **kwargs}
+    return check_flash(q, k, v, **call)
+
+
+def dense_functional(dtype="bf16", d=128, mask=rules.MASK_NONE, **changes) -> dict:
+    """A kernel functional of equal unpadded heads, no varlen, dropout or bias."""
+    return {"dtype": dtype, "BLOCK_D": d, "BLOCK_DV": d, "PAD_HEAD": False, "MASK": mask, "VARLEN": False,
+            "DROPOUT": False, "BIAS": rules.BIAS_NONE, **changes}
 
 
 def seed_from(name: str) -> None:

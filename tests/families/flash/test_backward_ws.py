@@ -20,27 +20,18 @@ from aotattn import reference, tuning
 from aotattn.compiler import builder
 from aotattn.compiler.jobs import Job, compile_job
 from aotattn.families.flash import ops, planning, rules
-from aotattn.families.flash.checks import check_flash
 from aotattn.runtime import launch
 from aotattn.spec import Config, Functional
 from aotattn.tune import candidates
 from aotattn.tune import flash as tune_flash
 from tests.compiler.test_machine_code import CUOBJDUMP, sass
-from tests.families.flash.helpers import config_override, make_qkv, seed_from
+from tests.families.flash.helpers import dense_functional, forced_kernel, make_qkv, problem, seed_from
 from tests.helpers import TOLERANCE, rel_err
 
 TABLE = rules.ATTN_BWD_WS.qualname
 
 
-def functional(dtype="bf16", d=128, mask=rules.MASK_NONE, **changes) -> dict:
-    return {"dtype": dtype, "BLOCK_D": d, "BLOCK_DV": d, "PAD_HEAD": False, "MASK": mask, "VARLEN": False,
-            "DROPOUT": False, "BIAS": rules.BIAS_NONE, **changes}
-
-
-def problem(q, k, v, **kwargs):
-    call = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
-            "diagonal": "bottom_right", **kwargs}
-    return check_flash(q, k, v, **call)
+functional = dense_functional
 
 
 def fitting(d: int) -> list[Config]:
@@ -202,16 +193,7 @@ CASES = [
 @pytest.fixture
 def backend(monkeypatch):
     """``use(config)``: from then on every backward the ws kernel serves runs it with ``config``."""
-    override = config_override(monkeypatch)
-
-    def use(config: Config) -> None:
-        def change(kernel, f, chosen):
-            if kernel is rules.BACKWARD:
-                return Config.of(backend="ws")
-            return config if kernel is rules.ATTN_BWD_WS else chosen
-
-        override(change)
-
+    use = forced_kernel(monkeypatch, rules.BACKWARD, Config.of(backend="ws"), rules.ATTN_BWD_WS)
     yield use
     ops._PLANS.entries.clear()
 

@@ -22,29 +22,20 @@ from aotattn import tuning
 from aotattn.compiler import builder
 from aotattn.compiler.jobs import Job, compile_job
 from aotattn.families.flash import ops, planning, rules
-from aotattn.families.flash.checks import check_flash
 from aotattn.runtime import launch
 from aotattn.spec import Config, Functional
 from aotattn.tune import candidates
 from aotattn.tune import flash as tune_flash
 from tests.compiler.test_machine_code import CUOBJDUMP, sass
-from tests.families.flash.helpers import assert_forward_matches, config_override, make_qkv, seed_from
+from tests.families.flash.helpers import (assert_forward_matches, dense_functional, forced_kernel, make_qkv, problem,
+                                         seed_from)
 from tests.helpers import TOLERANCE, rel_err
 
 TABLE = "flash.attn_fwd_ws"
 SM_90 = candidates.target("sm_90")
 
 
-def problem(q, k, v, **kwargs):
-    """The validated problem of ``flash_attn_func(q, k, v, **kwargs)``."""
-    call = {"dropout_p": 0.0, "softmax_scale": None, "causal": False, "window_size": (-1, -1),
-            "diagonal": "bottom_right", **kwargs}
-    return check_flash(q, k, v, **call)
-
-
-def functional(dtype="bf16", d=128, mask=rules.MASK_NONE, **changes) -> dict:
-    return {"dtype": dtype, "BLOCK_D": d, "BLOCK_DV": d, "PAD_HEAD": False, "MASK": mask, "VARLEN": False,
-            "DROPOUT": False, "BIAS": rules.BIAS_NONE, **changes}
+functional = dense_functional
 
 
 def fitting(d: int, dtype: str = "bf16") -> list[Config]:
@@ -211,16 +202,7 @@ CASES = [
 def engine(monkeypatch):
     """``use(config)``: from then on every forward the table lets the ws kernel serve runs
     it, with ``config``."""
-    override = config_override(monkeypatch)
-
-    def use(config: Config) -> None:
-        def change(kernel, functional, chosen):
-            if kernel is rules.FORWARD:
-                return Config.of(engine="ws")
-            return config if kernel is rules.ATTN_FWD_WS else chosen
-
-        override(change)
-
+    use = forced_kernel(monkeypatch, rules.FORWARD, Config.of(engine="ws"), rules.ATTN_FWD_WS)
     yield use
     ops._PLANS.entries.clear()
 
