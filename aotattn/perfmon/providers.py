@@ -180,7 +180,7 @@ def call(entry: Entry, x: Inputs, provider: str, dropout_p: float | None = None)
 FLEX_ALL = "all"  # the ``flex`` setting that times FlexAttention on every entry it supports
 
 
-def _ws_backward_serves(entry: Entry) -> bool:
+def ws_backward_serves(entry: Entry) -> bool:
     """The entry's calls are ones the ws backward computes (rules.ws_backward_serves)."""
     return (entry.dtype in ("fp16", "bf16") and entry.head_dim == entry.head_dim_v in (64, 128)
             and entry.api != "varlen" and not entry.dropout_p and entry.bias == "none" and not entry.deterministic)
@@ -204,7 +204,7 @@ def unsupported(entry: Entry, provider: str, pass_: str, flex: bool | str = True
     if provider in FORCED:
         if pass_ == "fwd":
             return "a forward pass runs the same code under every backend"
-        if FORCED[provider] == "ws" and not _ws_backward_serves(entry):
+        if FORCED[provider] == "ws" and not ws_backward_serves(entry):
             return "the ws backend serves fp16/bf16 head dims 64 and 128, dense, not deterministic"
         return None
     if entry.api == "varlen":
