@@ -23,6 +23,7 @@ def _choice(monkeypatch, q, k, v, *, bias=None, bias_grad=False, deterministic=F
         return tuning.database().lookup("sm_90", kernel, functional, sizes)
 
     monkeypatch.setattr(rules, "config_for", recorded)
+    monkeypatch.setattr(planning, "_device_arch", lambda device: "sm_90")  # the architecture looked up
     p = check_flash(q, k, v, dropout_p=mask.pop("dropout_p", 0.0), softmax_scale=None,
                     window_size=mask.pop("window_size", (-1, -1)), causal=mask.pop("causal", False),
                     diagonal=mask.pop("diagonal", "bottom_right"))
