@@ -39,12 +39,12 @@ from aotattn.families.flash.kernels.forward_ws import (LOADER_REGS, MASK_BOTTOM_
 
 
 @builtin
-def _reduce_add(desc, coord, value, _semantic=None):
-    """``value`` added into the tile of ``desc`` at ``coord`` by the bulk tensor copy engine
-    (Triton lowers it through shared memory: ``cp.reduce.async.bulk.tensor ... .add``)."""
+def _reduce_add(desc, coord, src, _semantic=None):
+    """The shared tile ``src`` added into the tile of ``desc`` at ``coord`` by the bulk tensor
+    copy engine (``cp.reduce.async.bulk.tensor ... .add``), asynchronously: ``tma.store_wait``
+    waits for its read of ``src``, as for a bulk store. (Gluon 3.6 has the op, not the builtin.)"""
     offsets = _semantic._convert_to_ir_values(coord, require_i64=False)
-    return _semantic.builder.create_descriptor_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle,
-                                                      offsets)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, offsets, src.handle)
 
 
 @gluon.jit
@@ -57,9 +57,10 @@ def _step(i, lo, blocks, head0, BLOCK_M: gl.constexpr):
 
 @gluon.jit
 def _loader(loads, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """The loader warp: the program's K and V, then Q and dO of every step into the rings."""
-    (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar, q_ready, do_ready, q_empty,
-     do_empty, start_n, lo, blocks, n_steps, head0) = loads
+    """The loader warp: the program's K and V, then Q (with its rows' delta and lse) and dO
+    of every step into the rings."""
+    (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem, v_smem, do_smem, stats_smem, kv_bar, q_ready,
+     do_ready, q_empty, do_empty, start_n, lo, blocks, n_steps, head0) = loads
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_smem)
@@ -68,8 +69,9 @@ def _loader(loads, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
         free = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes the wait on parity 1
         off_h, start_m = _step(i, lo, blocks, head0, BLOCK_M)
         mbarrier.wait(q_empty.index(slot), free)
-        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [off_h, start_m, 0], q_ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(stats_desc, [0, off_h, start_m], q_ready.index(slot), stats_smem.index(slot))
         mbarrier.wait(do_empty.index(slot), free)
         mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [off_h, start_m, 0], do_ready.index(slot), do_smem.index(slot))
@@ -94,8 +96,8 @@ def _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left,
 def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     """Consumer warpgroup c: keys start_n + 64 c .. start_n + 64 c + 63 of the program."""
-    (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready, dq_desc,
-     stats_ptr, stride_sh, stride_sp, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
+    (q_smem, k_smem, v_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
+     ds_ready, dq_desc, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
      head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail) = work
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -106,17 +108,21 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
                                                         instr_shape=[16, DQ_COLS, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     dtype: gl.constexpr = q_smem.dtype
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    # the stats ring as rows of BLOCK_M floats: (slot, plane) -> 2 slot + plane
+    stats_rows = stats_smem._reinterpret(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     first_key = start_n + c * WARPGROUP_ROWS
     keys = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, s_layout))
     k_mine = k_smem.slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
     v_mine = v_smem.slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
     k_cols = k_smem.slice(c * DQ_COLS, DQ_COLS, dim=1)  # dQ's columns of this consumer, every key
+    dq_tile = dq_smem.index(c)
     dk = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
     dv = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
     no_scores = gl.zeros([WARPGROUP_ROWS, BLOCK_M], gl.float32, s_layout)
     no_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
     mbarrier.wait(kv_bar, 0)
     for i in range(n_steps):
         slot = i % STAGES
@@ -124,17 +130,15 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
         buf = i % 2
         off_h, start_m = _step(i, lo, blocks, head0, BLOCK_M)
         rows = start_m + offs_m
-        # the stats' rows are padded to a multiple of every BLOCK_M: no mask (padding: delta 0, lse +inf)
-        stats = stats_ptr + off_h * stride_sh + rows
-        delta = gl.load(stats)
-        lse2 = gl.load(stats + stride_sp)
         q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
         mbarrier.wait(q_ready.index(slot), phase)
         s_t = warpgroup_mma(k_mine, q_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+        delta = stats_rows.index(2 * slot).load(row_layout)
         mbarrier.wait(do_ready.index(slot), phase)
         # dP^T - delta: the product accumulates onto -delta (delta's registers die before it runs)
         dp_t = warpgroup_mma(v_mine, do_tile.permute((1, 0)), no_scores - delta[None, :], is_async=True)
+        lse2 = stats_rows.index(2 * slot + 1).load(row_layout)
         s_t = warpgroup_mma_wait(1, deps=(s_t, ))
         if tail or start_m < a or start_m >= b:
             p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, True,
@@ -160,7 +164,12 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
         mbarrier.arrive(do_empty.index(slot), count=1)
         mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
         dq = warpgroup_mma(ds_tile.permute((1, 0)), k_cols, no_dq, use_acc=False)
-        _reduce_add(dq_desc, [off_h, start_m, c * DQ_COLS], gl.reshape(dq * sm_scale, [1, BLOCK_M, DQ_COLS]))
+        # the last step's reduce has read the staging tile by now (a whole step ago): rarely a wait
+        tma.store_wait(0)
+        dq_tile.store(gl.reshape(dq * sm_scale, [1, BLOCK_M, DQ_COLS]))
+        fence_async_shared()
+        _reduce_add(dq_desc, [off_h, start_m, c * DQ_COLS], dq_tile)
+    tma.store_wait(0)
 
     out_rows = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
@@ -226,6 +235,7 @@ def attn_bwd_ws(
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D // CONSUMERS], gl.float32)
+    stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
     # [query head, row, column]: rows past the sequence arrive as zeros, and dQ's are dropped
     queries = gl.maximum(seqlen_q, 1)
     q_desc = tma.make_tensor_descriptor(Q + off_z * stride_qz, shape=[num_heads_q, queries, BLOCK_D],
@@ -237,6 +247,11 @@ def attn_bwd_ws(
     dq_desc = tma.make_tensor_descriptor(DQ + off_z * stride_dqz, shape=[num_heads_q, queries, BLOCK_D],
                                          strides=[stride_dqh, stride_dqm, 1],
                                          block_shape=[1, BLOCK_M, BLOCK_D // CONSUMERS], layout=dq_layout)
+    # [plane, query head, row] (delta, lse in base 2): rows padded to a multiple of every
+    # BLOCK_M (delta 0, lse +inf), and contiguous: a head's stride is its row count
+    stats_desc = tma.make_tensor_descriptor(Stats + off_z * stride_sz, shape=[2, num_heads_q, stride_sh],
+                                            strides=[stride_sp, stride_sh, 1], block_shape=[2, 1, BLOCK_M],
+                                            layout=stats_layout)
     keys = gl.maximum(seqlen_k, 1)
     k_desc = tma.make_tensor_descriptor(K + off_z * stride_kz + off_hk * stride_kh, shape=[keys, BLOCK_D],
                                         strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
@@ -245,9 +260,11 @@ def attn_bwd_ws(
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, BLOCK_D], qdo_layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, BLOCK_D], qdo_layout)
+    stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 2, 1, BLOCK_M], stats_layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 1, BLOCK_M, BLOCK_D // CONSUMERS], dq_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -264,13 +281,12 @@ def attn_bwd_ws(
         mbarrier.init(ds_ready.index(buf), count=CONSUMERS)
     fence_async_shared()
 
-    stats_ptr = Stats + off_z * stride_sz
-    work = (q_smem, k_smem, v_smem, do_smem, ds_smem, kv_bar, q_ready, do_ready, q_empty, do_empty, ds_ready,
-            dq_desc, stats_ptr, stride_sh, stride_sp, DK + off_z * stride_dkz + off_hk * stride_dkh,
+    work = (q_smem, k_smem, v_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
+            do_empty, ds_ready, dq_desc, DK + off_z * stride_dkz + off_hk * stride_dkh,
             DV + off_z * stride_dvz + off_hk * stride_dvh, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
             head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail)
-    loads = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar, q_ready, do_ready, q_empty,
-             do_empty, start_n, lo, blocks, n_steps, head0)
+    loads = (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem, v_smem, do_smem, stats_smem, kv_bar,
+             q_ready, do_ready, q_empty, do_empty, start_n, lo, blocks, n_steps, head0)
     gl.warp_specialize([
         (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS)),
         (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS)),
