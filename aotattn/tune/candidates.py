@@ -34,7 +34,7 @@ from aotattn import arch as arches
 from aotattn.arch import Arch
 from aotattn.spec import Config, Functional
 
-ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1, "int64": 8}  # int64: an mbarrier
 
 
 def target(name: str) -> Arch:

@@ -91,11 +91,13 @@ FOOTPRINTS: dict[str, Footprint] = {
     # attn_fwd_ws: each consumer's Q tile resident, K and V in rings STAGES deep; its
     # accumulators are per consumer warpgroup (the budget), checked by _ws_registers
     "attn_fwd_ws": Footprint(resident=(_Q,), pipelined=(_K, _V), stages="STAGES", budget=_ws_registers, pads=_PADS),
-    # attn_bwd_ws: the program's K and V resident, q and dO in rings STAGES deep, two dS
-    # tiles (double-buffered) and the consumers' fp32 dQ columns staged for the bulk reduce
+    # attn_bwd_ws: the program's K and V resident, q, dO and their rows' stats in rings
+    # STAGES deep, two dS tiles (double-buffered) and the consumers' fp32 dQ columns staged
+    # for the bulk reduce; its mbarriers count at its largest tiles (3, and 4 per stage)
     "attn_bwd_ws": Footprint(resident=(_K, _V, Tile("BLOCK_N", "BLOCK_M"), Tile("BLOCK_N", "BLOCK_M"),
-                                       Tile("BLOCK_M", "BLOCK_D", "fp32")),
-                             pipelined=(_Q, _DO), stages="STAGES", budget=_ws_bwd_registers, pads=_PADS),
+                                       Tile("BLOCK_M", "BLOCK_D", "fp32"), Tile(1, 3, "int64")),
+                             pipelined=(_Q, _DO, *_ROWS, Tile(1, 4, "int64")), stages="STAGES",
+                             budget=_ws_bwd_registers, pads=_PADS),
     # the operator: which backends can run in a cell
     "backward": Footprint(budget=_backend_runs),
     "attn_bwd_dq": Footprint(resident=(_Q, _DO), pipelined=(_K, _V, _BIAS),
