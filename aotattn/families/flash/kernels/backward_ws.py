@@ -56,7 +56,7 @@ def _step(i, lo, blocks, head0, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _loader(loads, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+def _loader(loads, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
     """The loader warp: the program's K and V, then Q (with its rows' delta and lse) and dO
     of every step into the rings."""
     (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem, v_smem, do_smem, stats_smem, kv_bar, q_ready,
@@ -67,14 +67,17 @@ def _loader(loads, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
     for i in range(n_steps):
         slot = i % STAGES
         free = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes the wait on parity 1
+        do_slot = i % DO_STAGES
+        do_free = ((i // DO_STAGES) & 1) ^ 1
         off_h, start_m = _step(i, lo, blocks, head0, BLOCK_M)
         mbarrier.wait(q_empty.index(slot), free)
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [off_h, start_m, 0], q_ready.index(slot), q_smem.index(slot))
         tma.async_copy_global_to_shared(stats_desc, [0, off_h, start_m], q_ready.index(slot), stats_smem.index(slot))
-        mbarrier.wait(do_empty.index(slot), free)
-        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [off_h, start_m, 0], do_ready.index(slot), do_smem.index(slot))
+        mbarrier.wait(do_empty.index(do_slot), do_free)
+        mbarrier.expect(do_ready.index(do_slot), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [off_h, start_m, 0], do_ready.index(do_slot),
+                                        do_smem.index(do_slot))
 
 
 @gluon.jit
@@ -93,11 +96,11 @@ def _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left,
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Consumer warpgroup c: keys start_n + 64 c .. start_n + 64 c + 63 of the program."""
-    (q_smem, k_smem, v_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty, do_empty,
-     ds_ready, dq_desc, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
+def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Consumer warpgroup c of a 128-key program: keys start_n + 64 c .. start_n + 64 c + 63."""
+    (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
+     do_empty, ds_ready, dq_desc, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
      head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail) = work
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -180,15 +183,107 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
 
 
 @gluon.jit
+def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+                      STAGES: gl.constexpr, DQ_COLS: gl.constexpr):
+    """Consumer warpgroup c of a 64-key program: columns c D/2 .. (c + 1) D/2 - 1 of the
+    keys' dK and dV, and of every step's dQ; half of the step's queries for S^T and dP^T."""
+    (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
+     do_empty, ds_ready, dq_desc, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
+     head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail) = work
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    COLS: gl.constexpr = HEAD_D // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, COLS, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQ_COLS, 16])
+    dtype: gl.constexpr = q_smem.dtype
+    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    stats_rows = stats_smem._reinterpret(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+    col0: gl.constexpr = c * COLS
+    keys = start_n + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, s_layout))
+    dq_tile = dq_smem.index(c)
+    dk = gl.zeros([WARPGROUP_ROWS, COLS], gl.float32, acc_layout)
+    dv = gl.zeros([WARPGROUP_ROWS, COLS], gl.float32, acc_layout)
+    no_scores = gl.zeros([WARPGROUP_ROWS, HALF_M], gl.float32, s_layout)
+    no_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+    offs_m = c * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
+    mbarrier.wait(kv_bar, 0)
+    for i in range(n_steps):
+        slot = i % STAGES
+        phase = (i // STAGES) & 1
+        buf = i % 2
+        off_h, start_m = _step(i, lo, blocks, head0, BLOCK_M)
+        rows = start_m + offs_m
+        q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+        do_tile = do_smem.index(0).reshape([BLOCK_M, HEAD_D])  # dO: one slot (shared memory)
+        mbarrier.wait(q_ready.index(slot), phase)
+        s_t = warpgroup_mma(k_smem, q_tile.slice(c * HALF_M, HALF_M, dim=0).permute((1, 0)), no_scores,
+                            use_acc=False, is_async=True)
+        delta = stats_rows.index(2 * slot).slice(c * HALF_M, HALF_M).load(row_layout)
+        mbarrier.wait(do_ready.index(0), i & 1)
+        dp_t = warpgroup_mma(v_smem, do_tile.slice(c * HALF_M, HALF_M, dim=0).permute((1, 0)),
+                             no_scores - delta[None, :], is_async=True)
+        lse2 = stats_rows.index(2 * slot + 1).slice(c * HALF_M, HALF_M).load(row_layout)
+        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+        if tail or start_m < a or start_m >= b:
+            p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, True,
+                                 MASK)
+        else:
+            p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, False,
+                                 MASK)
+        # P^T and dS^T of this consumer's queries into the shared tiles (double-buffered, as
+        # in the key split: the tiles two steps back were read before either consumer arrived
+        # on the last ones); dV and dK need every query of the step
+        pt_tile = pt_smem.index(buf)
+        ds_tile = ds_smem.index(buf)
+        pt_tile.slice(c * HALF_M, HALF_M, dim=1).store(p_t.to(dtype))
+        dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
+        ds_tile.slice(c * HALF_M, HALF_M, dim=1).store((p_t * dp_t).to(dtype))
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+        mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+        dv = warpgroup_mma(pt_tile, do_tile.slice(col0, COLS, dim=1), dv, is_async=True)
+        dk = warpgroup_mma(ds_tile, q_tile.slice(col0, COLS, dim=1), dk, is_async=True)
+        dv = warpgroup_mma_wait(1, deps=(dv, ))
+        mbarrier.arrive(do_empty.index(0), count=1)  # the loader brings the next dO during dK and dQ
+        dk = warpgroup_mma_wait(0, deps=(dk, ))
+        mbarrier.arrive(q_empty.index(slot), count=1)
+        for j in gl.static_range(COLS // DQ_COLS):
+            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(col0 + j * DQ_COLS, DQ_COLS, dim=1), no_dq,
+                               use_acc=False)
+            tma.store_wait(0)
+            dq_tile.store(gl.reshape(dq * sm_scale, [1, BLOCK_M, DQ_COLS]))
+            fence_async_shared()
+            _reduce_add(dq_desc, [off_h, start_m, col0 + j * DQ_COLS], dq_tile)
+    tma.store_wait(0)
+
+    out_rows = start_n + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
+    cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
+    keep = out_rows[:, None] < seqlen_k
+    gl.store(dk_ptr + out_rows[:, None].to(gl.int64) * stride_dkn + cols[None, :], (dk * sm_scale).to(dtype),
+             mask=keep)
+    gl.store(dv_ptr + out_rows[:, None].to(gl.int64) * stride_dvn + cols[None, :], dv.to(dtype), mask=keep)
+
+
+@gluon.jit
 def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-               CONSUMERS: gl.constexpr):
-    _consumer(0, work, MASK, HEAD_D, BLOCK_M, STAGES, CONSUMERS)
+               CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr):
+    if COLUMNS:
+        _columns_consumer(0, work, MASK, HEAD_D, BLOCK_M, STAGES, DQ_COLS)
+    else:
+        _keys_consumer(0, work, MASK, HEAD_D, BLOCK_M, STAGES, CONSUMERS)
 
 
 @gluon.jit
 def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-               CONSUMERS: gl.constexpr):
-    _consumer(1, work, MASK, HEAD_D, BLOCK_M, STAGES, CONSUMERS)
+               CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr):
+    if COLUMNS:
+        _columns_consumer(1, work, MASK, HEAD_D, BLOCK_M, STAGES, DQ_COLS)
+    else:
+        _keys_consumer(1, work, MASK, HEAD_D, BLOCK_M, STAGES, CONSUMERS)
 
 
 @gluon.jit
@@ -209,8 +304,13 @@ def attn_bwd_ws(
     consumer plus the loader's. DQ: fp32, zeroed, q's shape (strides in elements)."""
     gl.static_assert(BLOCK_DV == BLOCK_D and not PAD_HEAD and not VARLEN and not DROPOUT and BIAS == 0,
                      "attn_bwd_ws: equal unpadded heads, no varlen, dropout or bias")
-    CONSUMERS: gl.constexpr = BLOCK_N // WARPGROUP_ROWS
-    gl.static_assert(CONSUMERS == 2, "BLOCK_N is 128: two consumer warpgroups")
+    CONSUMERS: gl.constexpr = 2
+    gl.static_assert(BLOCK_N == WARPGROUP_ROWS or BLOCK_N == CONSUMERS * WARPGROUP_ROWS, "BLOCK_N is 64 or 128")
+    # 64 keys: the consumers split the columns (dK, dV, dQ) and the step's queries (S, dP);
+    # one dO slot (at d256 a second does not fit beside the q ring)
+    COLUMNS: gl.constexpr = BLOCK_N == WARPGROUP_ROWS
+    DO_STAGES: gl.constexpr = 1 if COLUMNS else STAGES
+    DQ_COLS: gl.constexpr = 64 if BLOCK_D > 128 else BLOCK_D // CONSUMERS  # one bulk reduce's columns
     qdo_bytes = gl.cast(max_seqlen_q, gl.int64) * (2 * BLOCK_D) * 2 * group_size
     pid_n, off_hk, off_z = program_order(qdo_bytes, MASK)
     head0 = off_hk * group_size
@@ -233,8 +333,12 @@ def attn_bwd_ws(
     dtype: gl.constexpr = Q.dtype.element_ty
     qdo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D // CONSUMERS], gl.float32)
+    if COLUMNS:  # each consumer writes half of the columns: swizzled in halves
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_M, element_bitwidth=16,
+                                                       rank=2)
+    else:
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, DQ_COLS], gl.float32)
     stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
     # [query head, row, column]: rows past the sequence arrive as zeros, and dQ's are dropped
     queries = gl.maximum(seqlen_q, 1)
@@ -246,7 +350,7 @@ def attn_bwd_ws(
                                          layout=qdo_layout)
     dq_desc = tma.make_tensor_descriptor(DQ + off_z * stride_dqz, shape=[num_heads_q, queries, BLOCK_D],
                                          strides=[stride_dqh, stride_dqm, 1],
-                                         block_shape=[1, BLOCK_M, BLOCK_D // CONSUMERS], layout=dq_layout)
+                                         block_shape=[1, BLOCK_M, DQ_COLS], layout=dq_layout)
     # [plane, query head, row] (delta, lse in base 2): rows padded to a multiple of every
     # BLOCK_M (delta 0, lse +inf), and contiguous: a head's stride is its row count
     stats_desc = tma.make_tensor_descriptor(Stats + off_z * stride_sz, shape=[2, num_heads_q, stride_sh],
@@ -259,36 +363,41 @@ def attn_bwd_ws(
                                         strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, BLOCK_D], qdo_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, BLOCK_D], qdo_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES, 1, BLOCK_M, BLOCK_D], qdo_layout)
     stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 2, 1, BLOCK_M], stats_layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 1, BLOCK_M, BLOCK_D // CONSUMERS], dq_layout)
+    if COLUMNS:
+        pt_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    else:
+        pt_smem = ds_smem  # P^T stays in registers
+    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 1, BLOCK_M, DQ_COLS], dq_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(slot), count=1)
-        mbarrier.init(do_ready.index(slot), count=1)
         mbarrier.init(q_empty.index(slot), count=CONSUMERS)
+    for slot in gl.static_range(DO_STAGES):
+        mbarrier.init(do_ready.index(slot), count=1)
         mbarrier.init(do_empty.index(slot), count=CONSUMERS)
     for buf in gl.static_range(2):
         mbarrier.init(ds_ready.index(buf), count=CONSUMERS)
     fence_async_shared()
 
-    work = (q_smem, k_smem, v_smem, do_smem, stats_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
+    work = (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
             do_empty, ds_ready, dq_desc, DK + off_z * stride_dkz + off_hk * stride_dkh,
             DV + off_z * stride_dvz + off_hk * stride_dvh, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
             head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail)
     loads = (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem, v_smem, do_smem, stats_smem, kv_bar,
              q_ready, do_ready, q_empty, do_empty, start_n, lo, blocks, n_steps, head0)
     gl.warp_specialize([
-        (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS)),
-        (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS)),
-        (_loader, (loads, BLOCK_M, STAGES)),
+        (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS, COLUMNS, DQ_COLS)),
+        (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS, COLUMNS, DQ_COLS)),
+        (_loader, (loads, BLOCK_M, STAGES, DO_STAGES)),
     ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])
