@@ -21,7 +21,7 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 aot() { python -m aotattn.cli "$@"; }
 
 if [ "${WS:-forward}" = backward ]; then
-  kernel=attn_bwd_ws operator=backward where="--head-dim 64,128 --where DETERMINISTIC=False"
+  kernel=attn_bwd_ws operator=backward where="--head-dim 64,128,256 --where DETERMINISTIC=False"
   tests=tests/families/flash/test_backward_ws.py
 else
   kernel=attn_fwd_ws operator=forward where="" tests=tests/families/flash/test_forward_ws.py

@@ -48,13 +48,14 @@ class Tile:
 
     ``element``: ``"input"`` (the functional's dtype) or a dtype name (``"fp32"``).
     ``when``: an axis that must be truthy in the functional for the tile to exist
-    (``BIAS``).
+    (``BIAS``), or a predicate of the functional's and configuration's values (a kernel
+    whose knobs change what it keeps).
     """
 
     rows: str | int
     cols: str | int
     element: str = "input"
-    when: str | None = None
+    when: str | Callable[[Mapping[str, Any]], bool] | None = None
 
     def elements(self, values: Mapping[str, Any]) -> int:
         size = 1
@@ -63,6 +64,8 @@ class Tile:
         return size
 
     def present(self, values: Mapping[str, Any]) -> bool:
+        if callable(self.when):
+            return self.when(values)
         return self.when is None or bool(values.get(self.when))
 
     def bytes(self, values: Mapping[str, Any]) -> int:

@@ -61,23 +61,38 @@ def _ws_registers(values: Mapping[str, Any]) -> str | None:
 
 
 def _ws_bwd_registers(values: Mapping[str, Any]) -> str | None:
-    """A consumer warpgroup of attn_bwd_ws holds its 64 keys' dK and dV and the step's
-    scores and dP in fp32; with ~32 registers for addresses, lse and loop state that must
-    fit its budget (kernels/backward_ws.consumer_regs: 240)."""
+    """A consumer warpgroup of attn_bwd_ws holds dK and dV of its keys (BLOCK_N=128: 64
+    keys, every column) or of its columns (BLOCK_N=64: every key, half the columns) and the
+    step's scores and dP of its queries in fp32; with ~32 registers for addresses, lse and
+    loop state that must fit its budget (kernels/backward_ws.consumer_regs: 240). The column
+    split is for head dim 256 alone: at 64 and 128 it ran 0.63-0.73x the key split (RESULTS.md,
+    sixteenth session)."""
     from aotattn.families.flash.kernels.backward_ws import consumer_regs  # noqa: PLC0415 (Gluon, on demand)
 
-    held = (2 * 64 * values["BLOCK_D"] + 2 * 64 * values["BLOCK_M"]) // 128
-    budget = consumer_regs(values["BLOCK_N"] // 64) - 32
+    columns = values["BLOCK_N"] == 64
+    if columns != (values["BLOCK_D"] == 256):
+        return "the column split (BLOCK_N=64) serves head dim 256, the key split (BLOCK_N=128) 64 and 128"
+    held = (2 * 64 * values["BLOCK_D"] + 2 * 64 * values["BLOCK_M"]) // (2 if columns else 1) // 128
+    budget = consumer_regs(2) - 32
     if held > budget:
         return f"a consumer's tiles ~{held} registers/thread > its budget {budget}"
     return None
+
+
+def _ws_columns(values: Mapping[str, Any]) -> bool:
+    """attn_bwd_ws with BLOCK_N=64: the consumers split the columns (kernels/backward_ws.py)."""
+    return values["BLOCK_N"] == 64
+
+
+def _ws_keys(values: Mapping[str, Any]) -> bool:
+    return not _ws_columns(values)
 
 
 def _backend_runs(values: Mapping[str, Any]) -> str | None:
     """The backward operator's ws choice exists only where attn_bwd_ws serves the cell."""
     kernel = {**values, "BLOCK_DV": values["BLOCK_D"]}  # an operator cell's heads are one bucket
     if values["backend"] == "ws" and not rules.ws_backward_serves(kernel, values["arch"], values["DETERMINISTIC"]):
-        return "the ws backend does not serve this cell (fp16/bf16, d64/d128, dense, not deterministic, sm_90)"
+        return "the ws backend does not serve this cell (fp16/bf16, d64/d128/d256, dense, not deterministic, sm_90)"
     return None
 
 
@@ -91,13 +106,19 @@ FOOTPRINTS: dict[str, Footprint] = {
     # attn_fwd_ws: each consumer's Q tile resident, K and V in rings STAGES deep; its
     # accumulators are per consumer warpgroup (the budget), checked by _ws_registers
     "attn_fwd_ws": Footprint(resident=(_Q,), pipelined=(_K, _V), stages="STAGES", budget=_ws_registers, pads=_PADS),
-    # attn_bwd_ws: the program's K and V resident, q, dO and their rows' stats in rings
-    # STAGES deep, two dS tiles (double-buffered) and the consumers' fp32 dQ columns staged
-    # for the bulk reduce; its mbarriers count at its largest tiles (3, and 4 per stage)
+    # attn_bwd_ws: the program's K and V resident, q and its rows' stats in a ring STAGES
+    # deep, dO in one too (the key split) or in one slot (the column split), dS^T tiles
+    # double-buffered (and P^T's, in the column split) and the consumers' fp32 dQ columns
+    # staged for the bulk reduce (D/2 each, or 64 of them at a time in the column split);
+    # its mbarriers count at its largest tiles (3, and 4 per stage)
     "attn_bwd_ws": Footprint(resident=(_K, _V, Tile("BLOCK_N", "BLOCK_M"), Tile("BLOCK_N", "BLOCK_M"),
-                                       Tile("BLOCK_M", "BLOCK_D", "fp32"), Tile(1, 3, "int64")),
-                             pipelined=(_Q, _DO, *_ROWS, Tile(1, 4, "int64")), stages="STAGES",
-                             budget=_ws_bwd_registers, pads=_PADS),
+                                       Tile("BLOCK_N", "BLOCK_M", when=_ws_columns),
+                                       Tile("BLOCK_N", "BLOCK_M", when=_ws_columns),
+                                       Tile("BLOCK_M", "BLOCK_D", "fp32", when=_ws_keys),
+                                       Tile("BLOCK_M", 128, "fp32", when=_ws_columns),
+                                       Tile("BLOCK_M", "BLOCK_DV", when=_ws_columns), Tile(1, 3, "int64")),
+                             pipelined=(_Q, Tile("BLOCK_M", "BLOCK_DV", when=_ws_keys), *_ROWS, Tile(1, 4, "int64")),
+                             stages="STAGES", budget=_ws_bwd_registers, pads=_PADS),
     # the operator: which backends can run in a cell
     "backward": Footprint(budget=_backend_runs),
     "attn_bwd_dq": Footprint(resident=(_Q, _DO), pipelined=(_K, _V, _BIAS),

@@ -117,9 +117,10 @@ def test_operator_choices_are_pruned_only_where_their_kernel_cannot_run_and_name
         assert set(kept) | set(pruned) == set(cand.space(rules.BACKWARD))
         return [cand.config_name(c) for c in kept]
 
-    assert backends() == backends(BLOCK_D=128, MASK=2, dtype="fp16") == ["split", "fused", "ws"]
-    # ws: fp16/bf16, d64/d128, dense, not deterministic, sm_90 (rules.ws_backward_serves)
-    for other in (dict(DETERMINISTIC=True), dict(BLOCK_D=256), dict(BLOCK_D=32), dict(dtype="fp32"),
+    assert backends() == backends(BLOCK_D=128, MASK=2, dtype="fp16") == backends(BLOCK_D=256) == ["split", "fused",
+                                                                                                  "ws"]
+    # ws: fp16/bf16, d64/d128/d256, dense, not deterministic, sm_90 (rules.ws_backward_serves)
+    for other in (dict(DETERMINISTIC=True), dict(BLOCK_D=96), dict(BLOCK_D=32), dict(dtype="fp32"),
                   dict(PAD_HEAD=True), dict(VARLEN=True), dict(DROPOUT=True), dict(BIAS=1), dict(arch="sm_80")):
         assert backends(**other) == ["split", "fused"], other
     assert cand.config_name(_cfg(128, 64, 8, 3)) == "m128_n64_w8_s3"

@@ -55,8 +55,10 @@ def sm90(kernel, f: dict) -> Config:
     if kernel is rules.ATTN_BWD_WS:
         if f["MASK"] == rules.MASK_TOP_LEFT:
             return None  # falls back to bottom-right (rules._fallback)
-        # the prototype's tile at s4096-s16384 (RESULTS.md, fifteenth session)
-        return Config.of(BLOCK_M=64, BLOCK_N=128, STAGES=2, num_warps=4, num_stages=1)
+        # the prototypes' tiles at s4096-s16384 (RESULTS.md, fifteenth and sixteenth sessions):
+        # at d256 one 64-key program whose consumers split the columns
+        return Config.of(BLOCK_M=64, BLOCK_N=64 if f["BLOCK_D"] == 256 else 128, STAGES=2, num_warps=4,
+                         num_stages=1)
     if kernel is rules.BACKWARD:
         return Config.of(backend="split")  # split beat fused-atomic at every benchmark shape
     if kernel is rules.ATTN_BWD_PREPROCESS:

@@ -330,9 +330,8 @@ ATTN_BWD_FUSED = _attention_kernel(
 
 def _ws_bwd_unserved(functional: Mapping[str, Any]) -> bool:
     """What the warp-specialized backward does not compute (kernels/backward_ws.py): the
-    forward's exclusions, and head dims other than 64 and 128 (d256's dK and dV
-    accumulators do not fit a consumer's registers in this design)."""
-    return _ws_unserved(functional) or functional["BLOCK_D"] not in (64, 128)
+    forward's exclusions, and head dims other than 64, 128 and 256."""
+    return _ws_unserved(functional) or functional["BLOCK_D"] not in (64, 128, 256)
 
 
 def _ws_bwd_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -345,7 +344,7 @@ def _ws_bwd_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
 # consumer warpgroup (two); BLOCK_M query rows per step; STAGES slots in the q and dO rings.
 _WS_BWD_TUNING = (
     ("BLOCK_M", (64, 128)),
-    ("BLOCK_N", (128,)),
+    ("BLOCK_N", (64, 128)),  # 128: the consumers split the keys (d64, d128); 64: the columns (d256)
     ("STAGES", (2, 3)),
     ("num_warps", (4,)),
     ("num_stages", (1,)),

@@ -43,15 +43,16 @@ def fitting(d: int) -> list[Config]:
 # ----------------------------------------------------------------------------- CPU
 
 
-def test_it_serves_dense_fp16_bf16_heads_of_64_and_128_on_sm_90_only():
+def test_it_serves_dense_fp16_bf16_heads_of_64_128_and_256_on_sm_90_only():
     served = [f.as_dict() for f in rules.ATTN_BWD_WS.enumerate_functionals()]
     assert {(f["dtype"], f["BLOCK_D"], f["MASK"]) for f in served} == {
-        (t, d, m) for t in ("fp16", "bf16") for d in (64, 128) for m in (0, 1, 2)}
+        (t, d, m) for t in ("fp16", "bf16") for d in (64, 128, 256) for m in (0, 1, 2)}
     assert all(f["BIAS"] == rules.BIAS_NONE and not f["DROPOUT"] and not f["VARLEN"] for f in served)
     assert rules.ws_backward_serves(functional(), "sm_90") and rules.ws_backward_serves(functional(d=64))
     assert not rules.ws_backward_serves(functional(), "sm_80")
     assert not rules.ws_backward_serves(functional(), "sm_90", deterministic=True)  # dQ by atomics
-    for change in ({"dtype": "fp32"}, {"BLOCK_D": 256, "BLOCK_DV": 256}, {"BLOCK_D": 32, "BLOCK_DV": 32},
+    assert rules.ws_backward_serves(functional(d=256), "sm_90")
+    for change in ({"dtype": "fp32"}, {"BLOCK_D": 96, "BLOCK_DV": 96}, {"BLOCK_D": 32, "BLOCK_DV": 32},
                    {"BLOCK_DV": 64}, {"PAD_HEAD": True}, {"VARLEN": True}, {"DROPOUT": True},
                    {"BIAS": rules.BIAS_ADD}, {"BIAS": rules.BIAS_GRAD}):
         assert not rules.ws_backward_serves(functional(**change), "sm_90"), change
@@ -99,7 +100,7 @@ def test_the_tables_ws_choice_falls_back_where_the_kernel_does_not_serve(monkeyp
     gpu = torch.device("cuda")
     monkeypatch.setattr(rules, "config_for", lambda kernel, f, device, **sizes: Config.of(backend="ws"))
     for arch, d, deterministic, expected in (("sm_90", 128, False, "ws"), ("sm_90", 64, False, "ws"),
-                                            ("sm_90", 128, True, "split"), ("sm_90", 256, False, "split"),
+                                            ("sm_90", 128, True, "split"), ("sm_90", 256, False, "ws"),
                                             ("sm_90", 96, False, "split"), ("sm_80", 128, False, "split")):
         q, k, v = make_qkv(1, 64, 64, 2, 2, d, d, torch.float16, "cpu")
         c = planning.new_call(problem(q, k, v), q, k, v)
@@ -110,8 +111,12 @@ def test_the_tuner_times_it_where_it_serves_within_its_budgets():
     assert {c["STAGES"] for c in fitting(128)} == {2, 3} and {c["BLOCK_M"] for c in fitting(128)} == {64}
     # 128 rows in 3 stages would need 232448 bytes of tiles, and the mbarriers beside them
     assert {(c["BLOCK_M"], c["STAGES"]) for c in fitting(64)} == {(64, 2), (64, 3), (128, 2)}
+    assert {c["BLOCK_N"] for d in (64, 128) for c in fitting(d)} == {128}  # the key split
+    # d256: the column split, its one fitting tile (q in 2 slots, dO in 1, P^T and dS^T twice)
+    assert [(c["BLOCK_M"], c["BLOCK_N"], c["STAGES"]) for c in fitting(256)] == [(64, 64, 2)]
     f = Functional.of(functional())
-    assert tune_flash.supports(TABLE, f) and not tune_flash.supports(TABLE, Functional.of(functional(d=256)))
+    assert tune_flash.supports(TABLE, f) and tune_flash.supports(TABLE, Functional.of(functional(d=256)))
+    assert not tune_flash.supports(TABLE, Functional.of(functional(d=96)))
     shape = tune_flash.Shape(2, 4, 100, 100, 128)
     assert tune_flash.flops(TABLE, shape, f) == tune_flash.flops("flash.attn_bwd_dkdv", shape, f)
     operator = Functional.of({**{n: v for n, v in functional().items() if n != "BLOCK_DV"}, "DETERMINISTIC": False})
@@ -121,12 +126,13 @@ def test_the_tuner_times_it_where_it_serves_within_its_budgets():
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton package carries no cuobjdump")
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies_and_reduces(d):
     """In the sm_90 machine code: the partitions (more warps than compiled with, setmaxnreg),
-    wgmma with a register A operand (dV, dK: P and dS from registers) and both operands
-    transposed from shared memory (dQ), tensor-map loads and the bulk reduce that adds dQ.
-    The tuner's estimate of its shared memory (the largest fitting tiles) is Triton's figure
+    wgmma with a register A operand (dV, dK: P and dS from registers; at d256, the column
+    split, from shared memory, 128 columns per consumer, and S^T, dP^T of 32 queries) and
+    both operands transposed from shared memory (dQ), tensor-map loads and the bulk reduce
+    that adds dQ. The tuner's estimate of its shared memory (the largest fitting tiles) is Triton's figure
     within 1 KB: the pruning of tiles past the limit rests on it."""
     f = Functional.of(functional(d=d, mask=rules.MASK_BOTTOM_RIGHT))
     footprint = tune_flash.footprint(TABLE)
@@ -135,7 +141,12 @@ def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies_and_reduces(d
     assert entry.num_warps == 12  # two consumer warpgroups and the loader's
     assert abs(candidates.shared_bytes(footprint, f, config, candidates.target("sm_90")) - entry.shared) <= 1024
     code = sass(cubin)
-    assert re.search(rf"HGMMA\.64x{d}x16\.F32\.BF16 R\d+, R\d+, gdesc", code)  # A from registers
+    if d == 256:
+        assert re.search(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, gdesc\[UR\d+\]\.tnspB", code)  # dV, dK
+        assert re.search(r"HGMMA\.64x32x16\.F32\.BF16 R\d+, gdesc", code)  # S^T, dP^T
+        assert not re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", code)
+    else:
+        assert re.search(rf"HGMMA\.64x{d}x16\.F32\.BF16 R\d+, R\d+, gdesc", code)  # A from registers
     assert "tnspA.tnspB" in code
     assert "UTMALDG" in code and "UTMAREDG" in code and "USETMAXREG" in code
 
@@ -192,6 +203,14 @@ CASES = [
     Case("one-key-column", (2, 300, 1, 4, 4, 128)),
     Case("negative-scale", (1, 1000, 2000, 4, 2, 64), {"softmax_scale": -0.2}),
     Case("long", (1, 8192, 8192, 2, 2, 128), {"causal": True}),
+    # head dim 256: the column split
+    Case("d256-full-tails", (2, 1000, 1777, 4, 4, 256)),
+    Case("d256-causal-gqa-fp16", (2, 1024, 1500, 8, 2, 256), {"causal": True}, torch.float16),
+    Case("d256-window-top-left", (1, 1500, 900, 4, 4, 256), {"window_size": (50, 3), "diagonal": "top_left"}),
+    Case("d256-causal-sq-longer", (1, 2000, 1000, 4, 4, 256), {"causal": True}),  # rows that see no key
+    Case("d256-one-key-peaked", (1, 700, 900, 4, 2, 256), {"window_size": (0, 0)}, scale_q=12.0),
+    Case("d256-one-query", (3, 1, 333, 2, 1, 256), {"softmax_scale": -0.3}),
+    Case("d256-long", (1, 8192, 8192, 2, 2, 256), {"causal": True}),
 ]
 
 

@@ -2,27 +2,36 @@
 launch, five products per block instead of the split backend's seven.
 
 Same math, masks and gradients as :mod:`.backward` (read its docstring first); a narrower
-functional space (rules.ws_serves: fp16/bf16, unpadded head dims 64 and 128, no varlen,
-dropout or bias; dQ accumulated with atomics, so not deterministic). The stats (delta and
-lse in base 2, :func:`.backward.attn_bwd_preprocess`) are computed before it, and dQ is
-added into a zeroed fp32 buffer shaped like q (:func:`..planning.finish_dq` converts it).
+functional space (rules.ws_backward_serves: fp16/bf16, unpadded head dims 64, 128 and 256,
+no varlen, dropout or bias; dQ accumulated with atomics, so not deterministic). The stats
+(delta and lse in base 2, :func:`.backward.attn_bwd_preprocess`) are computed before it,
+and dQ is added into a zeroed fp32 buffer shaped like q (:func:`..planning.finish_dq`
+converts it).
 
-One program owns ``BLOCK_N = 64 * CONSUMERS`` keys of one key/value head and loops over
-the query blocks of ``BLOCK_M`` rows that see them, for every query head of the group
-(key-major, as the split backend's dK/dV kernel):
+One program owns ``BLOCK_N`` keys of one key/value head and loops over the query blocks of
+``BLOCK_M`` rows that see them, for every query head of the group (key-major, as the split
+backend's dK/dV kernel). A *loader* warp brings the program's K and V once, then streams
+Q (with its rows' delta and lse) and dO through the bulk tensor copy engine into rings
+(ready/empty mbarriers). Two *consumer* warpgroups share the work in one of two ways:
 
-- A *loader* warp brings the program's K and V once, then streams Q and dO tiles through
-  the bulk tensor copy engine into ``STAGES``-deep rings (ready/empty mbarriers).
-- Each *consumer* warpgroup owns 64 of the keys and keeps their dK and dV accumulators in
-  registers. Per query block it issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` as async
-  wgmma, computes ``P^T`` (the scale folded into one FMA, lse in base 2) and
-  ``dS^T = P^T (dP^T - delta)``, and feeds both from registers into ``dV += P^T dO`` and
-  ``dK += dS^T Q`` (keys down, as the accumulators are: no transpose in registers).
-- dQ needs dS with queries down: each consumer writes its dS^T rows into a shared tile
-  (double-buffered), the consumers meet on an mbarrier, and each computes the dQ
-  columns ``D / CONSUMERS`` of its share, ``dS K[:, cols]`` over all the program's keys,
-  and adds them into dQ with one bulk tensor reduce (``cp.reduce.async.bulk``, the L2
-  does the adds: no per-element atomics).
+- **The key split** (``BLOCK_N=128``, head dims 64 and 128): each consumer owns 64 of the
+  keys and keeps their dK and dV in registers. Per query block it issues ``S^T = K Q^T``
+  and ``dP^T = V dO^T`` as async wgmma (dP^T's accumulator starts at -delta), computes
+  ``P^T`` (the scale folded into one FMA, lse in base 2) and ``dS^T = P^T (dP^T - delta)``,
+  and feeds both from registers into ``dV += P^T dO`` and ``dK += dS^T Q`` (keys down, as
+  the accumulators are). dQ needs dS with queries down: each consumer writes its dS^T rows
+  into a shared tile (double-buffered), the consumers meet on an mbarrier, and each
+  computes the dQ columns ``D / 2`` of its share, ``dS K[:, cols]`` over all the keys.
+- **The column split** (``BLOCK_N=64``, head dim 256, where 64 keys' dK and dV at every
+  column would need all of a warpgroup's registers): each consumer owns half of the
+  columns of the keys' dK, dV and of every dQ, and computes S^T and dP^T for half of the
+  step's queries. P^T and dS^T meet in shared tiles (double-buffered), from which both
+  products of every query are read; dO has one slot (a second does not fit beside the q
+  ring at d256) and is released as soon as dV has read it.
+
+Either way dQ leaves through a staging tile per consumer and one bulk tensor reduce
+(``cp.reduce.async.bulk .add``: the L2 does the adds, no per-element atomics), issued
+asynchronously: its read of the tile is waited for only before the next write to it.
 """
 
 from triton.experimental import gluon
