@@ -181,9 +181,16 @@ FLEX_ALL = "all"  # the ``flex`` setting that times FlexAttention on every entry
 
 
 def ws_backward_serves(entry: Entry) -> bool:
-    """The entry's calls are ones the ws backward computes (rules.ws_backward_serves)."""
-    return (entry.dtype in ("fp16", "bf16") and entry.head_dim == entry.head_dim_v in (64, 128)
-            and entry.api != "varlen" and not entry.dropout_p and entry.bias == "none" and not entry.deterministic)
+    """The entry's calls are ones the ws backward computes (rules.ws_backward_serves; an
+    unpadded head is its own bucket, and the masks are all served)."""
+    from aotattn.families.flash import rules
+
+    d = entry.head_dim
+    functional = {"dtype": entry.dtype, "BLOCK_D": d, "BLOCK_DV": entry.head_dim_v, "PAD_HEAD": False,
+                  "MASK": rules.MASK_NONE, "VARLEN": entry.api == "varlen", "DROPOUT": bool(entry.dropout_p),
+                  "BIAS": rules.BIAS_NONE if entry.bias == "none" else rules.BIAS_ADD}
+    return d in dict(rules.ATTN_BWD_WS.functionals)["BLOCK_D"] and rules.ws_backward_serves(
+        functional, None, entry.deterministic)
 
 
 def ws_backward_runs_on(arch: str | None) -> bool:
@@ -205,7 +212,7 @@ def unsupported(entry: Entry, provider: str, pass_: str, flex: bool | str = True
         if pass_ == "fwd":
             return "a forward pass runs the same code under every backend"
         if FORCED[provider] == "ws" and not ws_backward_serves(entry):
-            return "the ws backend serves fp16/bf16 head dims 64 and 128, dense, not deterministic"
+            return "the ws backend serves fp16/bf16 head dims 64, 128 and 256, dense, not deterministic"
         return None
     if entry.api == "varlen":
         return "no packed-sequence API"

@@ -34,9 +34,11 @@ def test_jobs_are_the_database_configurations_of_every_kernel_a_call_runs():
     # every backend's kernels (perfmon times each; the ws backend serves this dense bf16 d128 cell)
     assert {j.table for j in jobs} == {"flash.attn_fwd_ws", "flash.attn_bwd_preprocess", "flash.attn_bwd_dkdv",
                                        "flash.attn_bwd_dq", "flash.attn_bwd_fused", "flash.attn_bwd_ws"}
-    # not where it does not serve (d256), nor on an architecture without the kernel
+    # not where it does not serve (padded heads), nor on an architecture without the kernel
+    d96 = images.needed_jobs([BY_NAME["odd-dim-bf16-d96-s4096-causal"]], "sm_90")
+    assert "flash.attn_bwd_ws" not in {j.table for j in d96} and "flash.attn_bwd_fused" in {j.table for j in d96}
     d256 = images.needed_jobs([BY_NAME["dense-bf16-d256-s4096-causal"]], "sm_90")
-    assert "flash.attn_bwd_ws" not in {j.table for j in d256} and "flash.attn_bwd_fused" in {j.table for j in d256}
+    assert "flash.attn_bwd_ws" in {j.table for j in d256}  # the column split
     assert "flash.attn_bwd_ws" not in {j.table for j in images.needed_jobs([entry], "sm_80")}
     for job in jobs:
         spec = families.tables()[job.table]

@@ -373,7 +373,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
             differentiable (its gradient materialises a ``(B, Hq, Sq, Sk)`` fp32 buffer).
         backend: the backward pass: ``"split"`` (a dK/dV kernel, then a dQ kernel),
             ``"fused"`` (one launch), ``"ws"`` (one warp-specialized launch on sm_90:
-            fp16/bf16, head dims 64 and 128, dense, not deterministic) or None to let
+            fp16/bf16, head dims 64, 128 and 256, dense, not deterministic) or None to let
             aotattn choose. For tests and measurement; all compute the same gradients.
 
     Returns:

@@ -289,6 +289,7 @@ def test_perfmon_forces_it_only_where_it_runs():
     assert P.FORCED["aotattn:ws"] == "ws"
     assert P.unsupported(BY_NAME["dense-bf16-d128-s4096-causal"], "aotattn:ws", "bwd") is None
     assert P.unsupported(BY_NAME["dense-bf16-d128-s4096-causal"], "aotattn:ws", "fwd") is not None
-    assert "serves" in P.unsupported(BY_NAME["dense-bf16-d256-s4096-causal"], "aotattn:ws", "bwd")
+    assert P.unsupported(BY_NAME["dense-fp16-d256-s4096-causal"], "aotattn:ws", "bwd") is None
+    assert "serves" in P.unsupported(BY_NAME["odd-dim-bf16-d96-s4096-causal"], "aotattn:ws", "bwd")  # padded heads
     assert P.ws_backward_runs_on("sm_90") and not P.ws_backward_runs_on("sm_80")
     assert not P.ws_backward_runs_on(None)
