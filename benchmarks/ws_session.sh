@@ -9,8 +9,9 @@
 #   bash benchmarks/ws_session.sh                   # the forward: attn_fwd_ws, flash.forward
 #   WS=backward bash benchmarks/ws_session.sh       # the backward: attn_bwd_ws, flash.backward
 #
-# Environment: WS (forward | backward), WS_SEQLEN (1024,4096,16384: the kernel's cells),
-# OP_SEQLEN (512..16384: the operator table's), TEST_S / WS_S / OP_S / RUN_S (deadlines:
+# Environment: WS (forward | backward), WS_SEQLEN (1024,4096,16384: the kernel's cells; empty:
+# no kernel cells, no GPU tests), OP_SEQLEN (512..16384: the operator table's), OP_DTYPE
+# (fp16,bf16), OP_HEAD_DIM (the backward's 64,128,256), TEST_S / WS_S / OP_S / RUN_S (deadlines:
 # 150 / 170 / 90 / 100 s), SELECT (perfmon's selection, default "-g dense -m *bf16*";
 # empty: no perfmon), TAG (h200-<date>-ws).
 set -uo pipefail
@@ -21,18 +22,19 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 aot() { python -m aotattn.cli "$@"; }
 
 if [ "${WS:-forward}" = backward ]; then
-  kernel=attn_bwd_ws operator=backward where="--head-dim 64,128,256 --where DETERMINISTIC=False"
+  kernel=attn_bwd_ws operator=backward where="--head-dim ${OP_HEAD_DIM:-64,128,256} --where DETERMINISTIC=False"
   tests=tests/families/flash/test_backward_ws.py
 else
   kernel=attn_fwd_ws operator=forward where="" tests=tests/families/flash/test_forward_ws.py
 fi
+work=build/ws-session
+rm -rf "$work" && mkdir -p "$work" && cp -r tuning "$work/tuning"
+if [ -n "${WS_SEQLEN-1024,4096,16384}" ]; then
 stamp "GPU tests of flash.$kernel (JIT)"
 AOTATTN_MODE=jit timeout -s INT -k 20 "${TEST_S:-150}" python -m pytest -m gpu -q -n 8 -p no:cacheprovider \
   "$tests" > "$OUT/ws-tests.log" 2>&1
 grep -E "^(FAILED|ERROR)" "$OUT/ws-tests.log" | head -n 10; tail -n 1 "$OUT/ws-tests.log"
 
-work=build/ws-session
-rm -rf "$work" && mkdir -p "$work" && cp -r tuning "$work/tuning"
 stamp "tune flash.$kernel"
 aot tune plan -c "flash,$kernel" --dtype fp16,bf16 --seqlen "${WS_SEQLEN:-1024,4096,16384}" --tuning-db "$work/tuning" \
   --out "$work/ws.jsonl" > "$OUT/plan.log" 2>&1
@@ -41,10 +43,11 @@ OUT=$PWD/$work/s1 AOTATTN_TUNING_DB=$PWD/$work/tuning bash benchmarks/tune_sessi
 tail -n 1 "$OUT/tune-ws.log"
 aot tune export --arch sm_90 --tuning-db "$work/tuning" "$work/s1/results" > "$OUT/export-ws.log" 2>&1
 tail -n 4 "$OUT/export-ws.log"
+fi
 
 stamp "tune flash.$operator (which kernel or backend per cell)"
 # shellcheck disable=SC2086  # $where: options, split on purpose
-aot tune plan -c "flash,$operator" $where --dtype fp16,bf16 --seqlen "${OP_SEQLEN:-512,1024,2048,4096,8192,16384}" \
+aot tune plan -c "flash,$operator" $where --dtype "${OP_DTYPE:-fp16,bf16}" --seqlen "${OP_SEQLEN:-512,1024,2048,4096,8192,16384}" \
   --tuning-db "$work/tuning" --out "$work/op.jsonl" >> "$OUT/plan.log" 2>&1
 OUT=$PWD/$work/s2 AOTATTN_TUNING_DB=$PWD/$work/tuning bash benchmarks/tune_session.sh "$work/op.jsonl" "$work/img2" \
   "${OP_S:-90}" --compile > "$OUT/tune-op.log" 2>&1
@@ -53,7 +56,7 @@ aot tune export --arch sm_90 --tuning-db "$work/tuning" "$work/s2/results" > "$O
 tail -n 4 "$OUT/export-op.log"
 aot tuning lint --tuning-db "$work/tuning" | tail -n 1
 tar czf "$OUT/tuned.tgz" -C "$work" tuning
-tar czf "$OUT/slices.tgz" -C "$work" s1/results s2/results $(cd "$work" && ls s*/compile.log s*/worker-*.log 2>/dev/null)
+tar czf "$OUT/slices.tgz" -C "$work" $(cd "$work" && ls -d s*/results s*/compile.log s*/worker-*.log 2>/dev/null)
 
 SELECT=${SELECT--g dense -m *bf16*}
 if [ -n "$SELECT" ] && [ $(( $(date +%s) - start )) -lt "${PERFMON_BEFORE_S:-420}" ]; then
