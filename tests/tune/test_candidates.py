@@ -51,6 +51,32 @@ def test_shared_memory_by_hand():
     assert cand.shared_bytes(flash.FOOTPRINTS["attn_fwd"], f, c3, SM90) == 147456 - 64 * 128 * 2
 
 
+def test_the_ws_backwards_two_splits_by_hand():
+    """attn_bwd_ws keeps different tiles in its two splits (Tile.when with a predicate of the
+    configuration): the key split rings dO STAGES deep beside q, the column split holds one
+    dO slot, P^T tiles beside dS^T's and 64 dQ columns per consumer."""
+    fp = flash.FOOTPRINTS["attn_bwd_ws"]
+
+    def ws(d, m, n, stages):
+        return Functional.of(dict(dtype="bf16", BLOCK_D=d, BLOCK_DV=d, PAD_HEAD=False, MASK=0, VARLEN=False,
+                                  DROPOUT=False, BIAS=0)), Config.of(BLOCK_M=m, BLOCK_N=n, STAGES=stages, num_warps=4,
+                                                                     num_stages=1)
+
+    rows = 2 * 4  # a query row's delta and lse (fp32); mbarriers: 3 (K/V, two dS), 4 a stage (8 bytes each)
+    f, c = ws(128, 64, 128, 2)  # K, V; two dS^T tiles; both consumers' dQ halves; q and dO (and stats) 2 deep
+    keys = 2 * 128 * 128 * 2 + 2 * 128 * 64 * 2 + 64 * 128 * 4 + 3 * 8 + 2 * (2 * 64 * 128 * 2 + 64 * rows + 4 * 8)
+    assert cand.shared_bytes(fp, f, c, SM90) == keys
+    f, c = ws(256, 64, 64, 2)  # K, V; dS^T and P^T twice; 2 x 64 dQ columns; one dO; q (and stats) 2 deep
+    columns = (2 * 64 * 256 * 2 + 4 * 64 * 64 * 2 + 64 * 128 * 4 + 64 * 256 * 2 + 3 * 8
+               + 2 * (64 * 256 * 2 + 64 * rows + 4 * 8))
+    assert cand.shared_bytes(fp, f, c, SM90) == columns == 230488  # compiled: 230880 (the SASS test)
+    assert cand.why_pruned(fp, f, c, SM90) is None
+    assert cand.why_pruned(fp, *ws(256, 64, 64, 3), SM90).startswith("shared memory")
+    # each split keeps to its head dims (the budget)
+    assert "column split" in cand.why_pruned(fp, *ws(256, 64, 128, 2), SM90)
+    assert "column split" in cand.why_pruned(fp, *ws(128, 64, 64, 2), SM90)
+
+
 def test_registers_and_warps():
     fp = flash.FOOTPRINTS["attn_fwd"]
     f = _functional("attn_fwd", d=256)
