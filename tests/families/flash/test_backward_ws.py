@@ -211,6 +211,8 @@ CASES = [
     Case("d256-one-key-peaked", (1, 700, 900, 4, 2, 256), {"window_size": (0, 0)}, scale_q=12.0),
     Case("d256-one-query", (3, 1, 333, 2, 1, 256), {"softmax_scale": -0.3}),
     Case("d256-long", (1, 8192, 8192, 2, 2, 256), {"causal": True}),
+    Case("d256-one-key-column", (2, 300, 1, 4, 4, 256)),
+    Case("d256-shorter-than-a-block", (2, 40, 50, 4, 2, 256), {"causal": True, "diagonal": "top_left"}),
 ]
 
 
