@@ -12,7 +12,7 @@
 # Environment: WS (forward | backward), WS_SEQLEN (1024,4096,16384: the kernel's cells; empty:
 # no kernel cells, no GPU tests), OP_SEQLEN (512..16384: the operator table's), OP_DTYPE
 # (fp16,bf16), OP_HEAD_DIM (the backward's 64,128,256), TEST_S / WS_S / OP_S / RUN_S (deadlines:
-# 150 / 170 / 90 / 100 s), SELECT (perfmon's selection, default "-g dense -m *bf16*";
+# 150 / 170 / 150 / 100 s), SELECT (perfmon's selection, default "-g dense -m *bf16*";
 # empty: no perfmon), TAG (h200-<date>-ws).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -50,7 +50,7 @@ stamp "tune flash.$operator (which kernel or backend per cell)"
 aot tune plan -c "flash,$operator" $where --dtype "${OP_DTYPE:-fp16,bf16}" --seqlen "${OP_SEQLEN:-512,1024,2048,4096,8192,16384}" \
   --tuning-db "$work/tuning" --out "$work/op.jsonl" >> "$OUT/plan.log" 2>&1
 OUT=$PWD/$work/s2 AOTATTN_TUNING_DB=$PWD/$work/tuning bash benchmarks/tune_session.sh "$work/op.jsonl" "$work/img2" \
-  "${OP_S:-90}" --compile > "$OUT/tune-op.log" 2>&1
+  "${OP_S:-150}" --compile > "$OUT/tune-op.log" 2>&1
 tail -n 1 "$OUT/tune-op.log"
 aot tune export --arch sm_90 --tuning-db "$work/tuning" "$work/s2/results" > "$OUT/export-op.log" 2>&1
 tail -n 4 "$OUT/export-op.log"
