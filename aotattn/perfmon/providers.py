@@ -3,8 +3,8 @@
 ``aotattn`` is the public operator as users call it (the backward backend chosen by the
 tuning database); ``aotattn:split``, ``aotattn:fused`` and ``aotattn:ws`` force the
 backward backend (``backend=``; forward passes are the same code under each, so only
-backward passes time them; ws only where it serves). The peers are PyTorch's SDPA backends (``torch.nn.attention.sdpa_kernel``)
-and FlexAttention through ``torch.compile``; a peer runs an entry only where it computes
+backward passes time them; ws only where it serves). The peers are PyTorch's SDPA backends
+(``torch.nn.attention.sdpa_kernel``) and FlexAttention through ``torch.compile``; a peer runs an entry only where it computes
 the same function (same mask and diagonal, no packed sequences), and says why not
 otherwise.
 
