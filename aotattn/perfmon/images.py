@@ -77,7 +77,7 @@ def needed_jobs(entries: Iterable[Entry], arch: str, db: tuning.Database | None 
     """Every kernel variant the entries' calls (forward, backward under each backend) use on ``arch``."""
     from aotattn.families.flash import rules
 
-    backends = [b for b in rules.BACKENDS if b != "ws" or rules.ATTN_BWD_WS.runs_on(arch)]
+    backends = [b for b in rules.BACKENDS if b != "ws" or P.ws_backward_runs_on(arch)]
     with planning_for(arch, db) as jobs, torch.enable_grad():
         for entry in entries:
             small = dataclasses.replace(planning_entry(entry), passes=("fwd", "bwd"), training=False)

@@ -181,16 +181,14 @@ FLEX_ALL = "all"  # the ``flex`` setting that times FlexAttention on every entry
 
 
 def ws_backward_serves(entry: Entry) -> bool:
-    """The entry's calls are ones the ws backward computes (rules.ws_backward_serves; an
-    unpadded head is its own bucket, and the masks are all served)."""
+    """The entry's calls are ones the ws backward computes (rules.ws_backward_serves; a head
+    dim it serves is its own bucket, and the masks are all served)."""
     from aotattn.families.flash import rules
 
-    d = entry.head_dim
-    functional = {"dtype": entry.dtype, "BLOCK_D": d, "BLOCK_DV": entry.head_dim_v, "PAD_HEAD": False,
+    functional = {"dtype": entry.dtype, "BLOCK_D": entry.head_dim, "BLOCK_DV": entry.head_dim_v, "PAD_HEAD": False,
                   "MASK": rules.MASK_NONE, "VARLEN": entry.api == "varlen", "DROPOUT": bool(entry.dropout_p),
                   "BIAS": rules.BIAS_NONE if entry.bias == "none" else rules.BIAS_ADD}
-    return d in dict(rules.ATTN_BWD_WS.functionals)["BLOCK_D"] and rules.ws_backward_serves(
-        functional, None, entry.deterministic)
+    return rules.ws_backward_serves(functional, None, entry.deterministic)
 
 
 def ws_backward_runs_on(arch: str | None) -> bool:
