@@ -63,7 +63,23 @@ def _device_of(args: tuple[Any, ...]) -> torch.device:
 
 
 def jit_function(kernel: KernelSpec) -> Any:
-    return getattr(importlib.import_module(kernel.module), kernel.function)
+    """The kernel's Triton (or Gluon) function, set to specialize like its images.
+
+    Triton's JIT specializes every integer argument on its value: 1 becomes a constant,
+    multiples of 16 get a divisibility hint. The images hint only the arguments the
+    declaration marks ``aligned`` (by variant) and take the others as plain integers. A
+    JIT variant with, say, ``max_seqlen_q`` folded to 1 is another program: one of them
+    (the padded d256-bucket dK/dV at one query row) carries a wgmma register hazard the
+    images do not have (the launcher's scan refused it). So the integers that are not
+    declared aligned are passed to the JIT unspecialized, as the images take them."""
+    fn = getattr(importlib.import_module(kernel.module), kernel.function)
+    if not getattr(fn, "_aotattn_specialized", False):
+        params = {p.name: p for p in getattr(fn, "params", ())}
+        for arg in kernel.arguments:
+            if not arg.aligned and not arg.type.startswith("*") and arg.name in params:
+                params[arg.name].do_not_specialize = True
+        fn._aotattn_specialized = True
+    return fn
 
 
 def _warn_once(subject: str, message: str) -> None:

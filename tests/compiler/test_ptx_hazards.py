@@ -134,3 +134,71 @@ def test_the_jit_path_scans_each_compiled_kernel_once(monkeypatch):
     monkeypatch.setattr("aotattn.compiler.ptx_hazards.wgmma_hazards", lambda ptx: scans.append(ptx) or [])
     launcher._check_once(clean)
     assert scans == []  # scanned once already
+
+
+def _jit_compile(spec, functional, config, values):
+    """Compile ``spec`` for sm_90 the way Triton's JIT specializes a call with these integer
+    argument values (constants for 1, divisibility hints for multiples of 16), honouring the
+    launcher's JIT function's do_not_specialize flags; pointers are taken aligned."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    fn = launcher.jit_function(spec)
+    signature = spec.signature(functional)
+    constexprs = dict(spec.constexprs(functional, config))
+    attrs = {}
+    for i, (arg, param) in enumerate(zip(spec.arguments, fn.params)):
+        if arg.type.startswith("*"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+            continue
+        value = values.get(arg.name, 3)  # neither 1 nor a multiple of 16
+        if isinstance(value, float):
+            continue
+        kind, spec_ = native_specialize_impl(CUDABackend, value, False, not param.do_not_specialize, True)
+        if kind == "constexpr":
+            constexprs[arg.name] = spec_
+        elif spec_ == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    signature.update({name: "constexpr" for name in constexprs})
+    return triton.compile(triton.compiler.ASTSource(fn, signature, constexprs, attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+
+def test_the_jit_takes_sizes_as_plain_integers_like_the_images():
+    """The H200 (sixteenth session's next call): AOTATTN_MODE=auto without images, a d224
+    backward with one query row raised HazardError. Triton's JIT had folded max_seqlen_q = 1
+    into the padded d256-bucket dK/dV (m16 n64, 8 warps), a program the images never hold,
+    and that one rewrites a running wgmma's accumulator. The launcher's JIT function now
+    leaves the integers the declaration does not mark aligned unspecialized, as the images
+    take them; aligned ones keep their divisibility hints."""
+    from aotattn.families.flash import rules
+
+    spec = rules.ATTN_BWD_DKDV
+    fn = launcher.jit_function(spec)
+    flags = {p.name: p.do_not_specialize for p in fn.params}
+    for arg in spec.arguments:
+        assert flags[arg.name] == (not arg.aligned and not arg.type.startswith("*")), arg.name
+    functional = Functional.of(dict(dtype="bf16", BLOCK_D=256, BLOCK_DV=256, PAD_HEAD=True, MASK=0, VARLEN=False,
+                                    DROPOUT=False, BIAS=0))
+    config = Config.of(BLOCK_M=16, BLOCK_N=64, num_warps=8, num_stages=2)
+    values = dict(max_seqlen_q=1, max_seqlen_k=333, num_heads_q=2, group_size=2, head_dim=224, head_dim_v=224,
+                  sm_scale=0.07, qk_scale=0.1, window_left=1 << 30, window_right=1 << 30)
+    for name in ("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn", "stride_vz",
+                 "stride_vh", "stride_vn", "stride_doz", "stride_doh", "stride_dom", "stride_dkz", "stride_dkh",
+                 "stride_dkn", "stride_dvz", "stride_dvh", "stride_dvn", "stride_sz", "stride_sh", "stride_sp"):
+        values[name] = 448
+    compiled = _jit_compile(spec, functional, config, values)
+    assert compiled.src.signature["max_seqlen_q"] == "i32"
+    assert wgmma_hazards(compiled.asm["ptx"]) == []
+    try:  # what the JIT compiled before: max_seqlen_q folded to 1
+        for p in fn.params:
+            p.do_not_specialize = False
+        folded = _jit_compile(spec, functional, config, values)
+    finally:
+        fn._aotattn_specialized = False
+        launcher.jit_function(spec)
+    assert folded.src.signature["max_seqlen_q"] == "constexpr"  # a constant of that program
+    assert wgmma_hazards(folded.asm["ptx"]), "the folded program no longer shows the hazard: rewrite this test"
