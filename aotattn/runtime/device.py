@@ -20,3 +20,17 @@ def arch_of(device: torch.device) -> str:
     """``sm_90`` for an H100/H200, ``gfx942`` for an MI300X, ..."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _arch_of_index(index)
+
+
+@cache
+def _multiprocessors_of_index(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int | None:
+    """The GPU's streaming multiprocessors (132 on an H200); None off the GPU. Persistent
+    kernels launch at most one program per SM."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _multiprocessors_of_index(index)

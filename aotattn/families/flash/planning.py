@@ -21,7 +21,7 @@ import torch
 from aotattn.families.flash import rules
 from aotattn.families.flash.checks import Problem, check_backend
 from aotattn.runtime import launch
-from aotattn.runtime.device import arch_of
+from aotattn.runtime.device import arch_of, multiprocessors
 from aotattn.spec import VARIANTS, Config, Functional, KernelSpec, LaunchPlan
 
 LOG2E = 1.0 / math.log(2.0)
@@ -263,16 +263,26 @@ def forward_plan(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
                              f"{' on ' + arch if arch else ''}); engine='triton' serves every call")
         left, right = p.kernel_window()
         args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **c.tile_strides(kernel, q=q, k=k, v=v, o=out),
-                    **c.lse_strides(kernel, lse), max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k,
-                    group_size=p.group_size, qk_scale=p.softmax_scale * LOG2E, window_left=left, window_right=right)
+                    **c.lse_strides(kernel, lse), max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k, batch=p.batch,
+                    num_heads_q=p.heads_q, group_size=p.group_size, qk_scale=p.softmax_scale * LOG2E,
+                    window_left=left, window_right=right)
     elif engine == "triton":
         kernel = rules.ATTN_FWD
         args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **c.sequences(q.device), **c.bias_args(kernel, q),
                     **c.tile_strides(kernel, q=q, k=k, v=v, o=out), **c.lse_strides(kernel, lse), **c.scalars())
     else:
         raise ValueError(f"engine: expected one of {', '.join(rules.ENGINES)}, got {engine!r}")
-    return _plan(kernel, functional, p, q.device, config,
-                 lambda cfg: (_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch), args)
+    return _plan(kernel, functional, p, q.device, config, lambda cfg: _forward_grid(p, cfg, q.device), args)
+
+
+def _forward_grid(p: Problem, cfg: Config, device: torch.device) -> tuple[int, int, int]:
+    """(m blocks, Hq, B): a program per tile; with the ws kernel's PERSISTENT knob, a program
+    per SM (at most one per tile) walking the tiles (kernels/forward_ws.py)."""
+    blocks = _cdiv(p.seqlen_q, cfg["BLOCK_M"])
+    if cfg.as_dict().get("PERSISTENT", 0):
+        tiles = blocks * p.heads_q * p.batch
+        return (min(tiles, multiprocessors(device) or tiles), 1, 1)
+    return (blocks, p.heads_q, p.batch)
 
 
 def run_forward(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -226,24 +226,28 @@ def _ws_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 # The warp-specialized forward (Gluon, sm_90 only): BLOCK_M rows per program, 64 per
 # consumer warpgroup (128: two, 192: three); BLOCK_N keys per step; STAGES slots in each
-# of the K and V rings; PINGPONG, the consumers take turns issuing their products.
+# of the K and V rings; PINGPONG, the consumers take turns issuing their products;
+# PERSISTENT, one program per SM walks the tiles, costliest first (planning.forward_plan's grid).
 _WS_TUNING = (
     ("BLOCK_M", (128, 192)),
     ("BLOCK_N", (32, 64, 128)),
     ("STAGES", (2, 3, 4)),
     ("PINGPONG", (0, 1)),
+    ("PERSISTENT", (0, 1)),
     ("num_warps", (4,)),
     ("num_stages", (1,)),
 )
+_WS_KNOB_DEFAULTS = (("PERSISTENT", 0),)
 
 def _ws_kernel(name: str, module: str, arguments: tuple[Arg, ...], functionals, tuning_space,
-               unserved, chosen_by: ChosenBy) -> KernelSpec:
+               unserved, chosen_by: ChosenBy, knob_defaults=()) -> KernelSpec:
     """A warp-specialized Gluon kernel for sm_90, run only where its operator table chooses
     it; ``unserved(functional)``: what it does not compute (those calls run a Triton kernel)."""
     return KernelSpec(family=FAMILY, name=name, module=module, function=name, arguments=arguments,
                       functionals=functionals, tuning_space=tuning_space,
                       disabled=lambda f: _disabled(f) or unserved(f), tuning_keys=_SEQ_KEYS, fallback=_fallback,
-                      variant_of=_variant_of, chosen_by=chosen_by, language="gluon", archs=("sm_90",))
+                      variant_of=_variant_of, chosen_by=chosen_by, knob_defaults=knob_defaults, language="gluon",
+                      archs=("sm_90",))
 
 
 def _ws_computes(kernel: KernelSpec, functional: Mapping[str, Any], arch: str | None) -> bool:
@@ -258,10 +262,12 @@ ATTN_FWD_WS = _ws_kernel(
         _tile("Q"), _tile("K"), _tile("V"), _tile("Out"), Arg("Lse", "*fp32"),
         *_tile_strides("stride_qz", "stride_qh", "stride_qm", "stride_kz", "stride_kh", "stride_kn",
                        "stride_vz", "stride_vh", "stride_vn", "stride_oz", "stride_oh", "stride_om"),
-        *_LSE_STRIDES, Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("group_size", _I32),
-        Arg("qk_scale", _F32), Arg("window_left", _I32), Arg("window_right", _I32),
+        *_LSE_STRIDES, Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("batch", _I32),
+        Arg("num_heads_q", _I32), Arg("group_size", _I32), Arg("qk_scale", _F32), Arg("window_left", _I32),
+        Arg("window_right", _I32),
     ),
     _FWD_AXES, _WS_TUNING, _ws_unserved, ChosenBy("flash.forward", "engine", "ws", _ws_calls),
+    knob_defaults=_WS_KNOB_DEFAULTS,
 )
 
 

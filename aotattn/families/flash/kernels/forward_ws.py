@@ -28,6 +28,15 @@ with explicit layouts, shared memory, barriers and warp partitions):
 Blocks outside a causal or windowed program's key range are never loaded; blocks on its
 edges are masked, the interior is not (the ranges of :func:`.common.key_blocks`,
 computed over the whole program's rows). Under a mask programs start costliest first.
+
+``PERSISTENT``: a grid of at most one program per SM (planning.forward_plan), each taking
+every programs-th *tile* (one ``BLOCK_M`` block of one head of one sequence) of the
+list ordered query blocks slowest, costliest first under a mask, so the short
+causal tiles fill the end of the run instead of a tail wave of idle SMs. The
+rings' and barriers' phases run on across tiles, and the loader brings a tile's Q
+as soon as the consumers have computed the last scores of the tile before (a
+``q_empty`` barrier), overlapping its last ``P V`` product and epilogue. Without it
+the grid is (m blocks, Hq, B) and each program runs the one tile it names.
 """
 
 from triton.experimental import gluon
@@ -53,22 +62,73 @@ def consumer_regs(consumers):
 
 
 @gluon.jit
-def _loader(loads, CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The loader warp: each consumer's Q tile, then K and V of every key block into the rings."""
-    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m0, lo, n_blocks = loads
-    for c in gl.static_range(CONSUMERS):
-        mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [m0 + c * WARPGROUP_ROWS, 0], q_bar.index(c), q_smem.index(c))
-    for i in range(n_blocks):
-        slot = i % STAGES
-        free = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes the wait on parity 1
-        start_n = lo + i * BLOCK_N
-        mbarrier.wait(k_empty.index(slot), free)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), free)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(slot), v_smem.index(slot))
+def _tiles(n_tiles, batch, heads_q, PERSISTENT: gl.constexpr):
+    """The program's tiles: range(start, stop, step) over the list of :func:`_decode`."""
+    if PERSISTENT:
+        start = gl.program_id(0)
+        stop = n_tiles
+        step = gl.num_programs(0)
+    else:  # grid (m blocks, Hq, B): the one tile the program names
+        start = (gl.program_id(0) * batch + gl.program_id(2)) * heads_q + gl.program_id(1)
+        stop = start + 1
+        step = 1
+    return start, stop, step
+
+
+@gluon.jit
+def _decode(t, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k, window_left, window_right, MASK: gl.constexpr,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile t of the list: query blocks slowest (under a mask the last block, the costliest,
+    first), then batch, then head: (z, h, hk, m0, lo, a, b, n_blocks, diag)."""
+    per_m = batch * heads_q
+    pid_m = t // per_m
+    if MASK != MASK_NONE:
+        pid_m = n_m - 1 - pid_m
+    zh = t - (t // per_m) * per_m
+    z = zh // heads_q
+    h = zh - z * heads_q
+    hk = h // group_size
+    m0 = pid_m * BLOCK_M
+    if MASK == MASK_BOTTOM_RIGHT:
+        diag = seqlen_k - seqlen_q
+    else:
+        diag = 0
+    lo, a, b, hi = key_blocks(m0, gl.minimum(m0 + BLOCK_M, seqlen_q), seqlen_k, diag, window_left, window_right,
+                              MASK, BLOCK_N)
+    n_blocks = gl.maximum((hi - lo + BLOCK_N - 1) // BLOCK_N, 1)
+    return z, h, hk, m0, lo, a, b, n_blocks, diag
+
+
+@gluon.jit
+def _loader(loads, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            MASK: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The loader warp: per tile, each consumer's Q (once the consumer is done with the
+    last one), then K and V of every key block into the rings (counters run across tiles)."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, n_m,
+     batch, heads_q, group_size, seqlen_q, seqlen_k, window_left, window_right) = loads
+    it = 0
+    start, stop, step = _tiles(n_m * batch * heads_q, batch, heads_q, PERSISTENT)
+    k = 0
+    for t in range(start, stop, step):
+        z, h, hk, m0, lo, a, b, n_blocks, diag = _decode(t, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k,
+                                                         window_left, window_right, MASK, BLOCK_M, BLOCK_N)
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.wait(q_empty.index(c), (k & 1) ^ 1)
+            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [z, h, m0 + c * WARPGROUP_ROWS, 0], q_bar.index(c),
+                                            q_smem.index(c))
+        for i in range(n_blocks):
+            slot = it % STAGES
+            free = ((it // STAGES) & 1) ^ 1  # a fresh barrier passes the wait on parity 1
+            start_n = lo + i * BLOCK_N
+            mbarrier.wait(k_empty.index(slot), free)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [z, hk, start_n, 0], k_ready.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), free)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [z, hk, start_n, 0], v_ready.index(slot), v_smem.index(slot))
+            it += 1
+        k += 1
 
 
 @gluon.jit
@@ -123,11 +183,13 @@ def _pass_turn(turn, c: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.cons
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Consumer warpgroup c: rows m0 + 64 c .. m0 + 64 c + 63 of the program."""
-    (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, out_ptr, lse_ptr, stride_om,
-     m0, lo, a, b, n_blocks, seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale) = work
+def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr,
+              PERSISTENT: gl.constexpr):
+    """Consumer warpgroup c: rows m0 + 64 c .. m0 + 64 c + 63 of every tile of the program."""
+    (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn, Out, Lse, stride_oz,
+     stride_oh, stride_om, stride_lz, stride_lh, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k, window_left,
+     window_right, qk_scale) = work
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -136,90 +198,107 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
-
-    first_row = m0 + c * WARPGROUP_ROWS
-    rows = first_row + gl.arange(0, WARPGROUP_ROWS, layout=row_s)
-    m_i = gl.full([WARPGROUP_ROWS], float("-inf"), gl.float32, row_s)
-    l_i = gl.full([WARPGROUP_ROWS], 0.0, gl.float32, row_s)
-    acc = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, o_layout)
     no_scores = gl.zeros([WARPGROUP_ROWS, BLOCK_N], gl.float32, s_layout)
-    q = q_smem.index(c)
-    mbarrier.wait(q_bar.index(c), 0)
+    q = q_smem.index(c).reshape([WARPGROUP_ROWS, HEAD_D])
+    start, stop, step = _tiles(n_m * batch * heads_q, batch, heads_q, PERSISTENT)
+    it = 0  # key blocks consumed so far (the rings' position)
+    tt = 0  # ping-pong turns taken so far
+    k = 0  # tiles done (q_bar's phase)
+    for t in range(start, stop, step):
+        z, h, hk, m0, lo, a, b, n_blocks, diag = _decode(t, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k,
+                                                         window_left, window_right, MASK, BLOCK_M, BLOCK_N)
+        first_row = m0 + c * WARPGROUP_ROWS
+        rows = first_row + gl.arange(0, WARPGROUP_ROWS, layout=row_s)
+        m_i = gl.full([WARPGROUP_ROWS], float("-inf"), gl.float32, row_s)
+        l_i = gl.full([WARPGROUP_ROWS], 0.0, gl.float32, row_s)
+        acc = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, o_layout)
+        mbarrier.wait(q_bar.index(c), k & 1)
 
-    # block 0: its scores and softmax; its P V product is issued beside block 1's scores
-    mbarrier.wait(k_ready.index(0), 0)
-    _turn(turn, c, 0, PINGPONG)
-    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), no_scores, use_acc=False, is_async=True)
-    _pass_turn(turn, c, PINGPONG, CONSUMERS)
-    s = warpgroup_mma_wait(0, deps=(s, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
-    if lo < a or lo >= b:
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, lo, rows, seqlen_k, diag, window_left, window_right,
-                                      True, MASK, BLOCK_N, s_layout)
-    else:
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, lo, rows, seqlen_k, diag, window_left, window_right,
-                                      False, MASK, BLOCK_N, s_layout)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    for i in range(1, n_blocks):
-        start_n = lo + i * BLOCK_N
-        slot = i % STAGES
-        prev = (i - 1) % STAGES
-        mbarrier.wait(k_ready.index(slot), (i // STAGES) & 1)
-        mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
-        _turn(turn, c, i, PINGPONG)
-        s = warpgroup_mma(q, k_smem.index(slot).permute((1, 0)), no_scores, use_acc=False, is_async=True)
-        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        # block 0: its scores and softmax; its P V product is issued beside block 1's scores
+        slot0 = it % STAGES
+        mbarrier.wait(k_ready.index(slot0), (it // STAGES) & 1)
+        _turn(turn, c, tt, PINGPONG)
+        s = warpgroup_mma(q, k_smem.index(slot0).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), no_scores,
+                          use_acc=False, is_async=True)
         _pass_turn(turn, c, PINGPONG, CONSUMERS)
-        s = warpgroup_mma_wait(1, deps=(s, ))  # the scores were issued first: done with one product in flight
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        if start_n < a or start_n >= b:
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, rows, seqlen_k, diag, window_left,
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(slot0), count=1)
+        if lo < a or lo >= b:
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, lo, rows, seqlen_k, diag, window_left,
                                           window_right, True, MASK, BLOCK_N, s_layout)
         else:
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, rows, seqlen_k, diag, window_left,
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, lo, rows, seqlen_k, diag, window_left,
                                           window_right, False, MASK, BLOCK_N, s_layout)
-        # p_op rides along: its registers stay the running product's until it is done
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-    last = (n_blocks - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-    _turn(turn, c, n_blocks, PINGPONG)
-    acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
-    _pass_turn(turn, c, PINGPONG, CONSUMERS)
-    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-    mbarrier.arrive(v_empty.index(last), count=1)
+        for i in range(1, n_blocks):
+            g = it + i
+            start_n = lo + i * BLOCK_N
+            slot = g % STAGES
+            prev = (g - 1) % STAGES
+            mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
+            _turn(turn, c, tt + i, PINGPONG)
+            s = warpgroup_mma(q, k_smem.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), no_scores,
+                              use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+            _pass_turn(turn, c, PINGPONG, CONSUMERS)
+            s = warpgroup_mma_wait(1, deps=(s, ))  # the scores were issued first: done with one product in flight
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            if start_n < a or start_n >= b:
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, rows, seqlen_k, diag, window_left,
+                                              window_right, True, MASK, BLOCK_N, s_layout)
+            else:
+                p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, start_n, rows, seqlen_k, diag, window_left,
+                                              window_right, False, MASK, BLOCK_N, s_layout)
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # every score of the tile is computed: the loader may bring the next tile's Q
+        mbarrier.arrive(q_empty.index(c), count=1)
+        g = it + n_blocks - 1
+        last = g % STAGES
+        mbarrier.wait(v_ready.index(last), (g // STAGES) & 1)
+        _turn(turn, c, tt + n_blocks, PINGPONG)
+        acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+        _pass_turn(turn, c, PINGPONG, CONSUMERS)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(v_empty.index(last), count=1)
 
-    # rows that saw no key: l = 0, acc = 0 -> output 0, lse +inf
-    empty = l_i == 0.0
-    inv_l = 1.0 / gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
-    out = acc * gl.convert_layout(inv_l, row_o)[:, None]
-    out_rows = first_row + gl.arange(0, WARPGROUP_ROWS, layout=row_o)
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-    gl.store(out_ptr + out_rows[:, None].to(gl.int64) * stride_om + cols[None, :], out.to(dtype),
-             mask=out_rows[:, None] < seqlen_q)
-    gl.store(lse_ptr + rows, lse, mask=rows < seqlen_q)
+        # rows that saw no key: l = 0, acc = 0 -> output 0, lse +inf
+        empty = l_i == 0.0
+        inv_l = 1.0 / gl.where(empty, 1.0, l_i)
+        lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
+        out = acc * gl.convert_layout(inv_l, row_o)[:, None]
+        out_rows = first_row + gl.arange(0, WARPGROUP_ROWS, layout=row_o)
+        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        out_ptr = Out + z.to(gl.int64) * stride_oz + h.to(gl.int64) * stride_oh
+        lse_ptr = Lse + z.to(gl.int64) * stride_lz + h.to(gl.int64) * stride_lh
+        gl.store(out_ptr + out_rows[:, None].to(gl.int64) * stride_om + cols[None, :], out.to(dtype),
+                 mask=out_rows[:, None] < seqlen_q)
+        gl.store(lse_ptr + rows, lse, mask=rows < seqlen_q)
+        it += n_blocks
+        tt += n_blocks + 1
+        k += 1
 
 
 # warp_specialize takes one function per partition: the consumers differ only in c
 @gluon.jit
-def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
-    _consumer(0, work, MASK, HEAD_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)
+def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):
+    _consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)
 
 
 @gluon.jit
-def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
-    _consumer(1, work, MASK, HEAD_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)
+def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):
+    _consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)
 
 
 @gluon.jit
-def _consumer2(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
-    _consumer(2, work, MASK, HEAD_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)
+def _consumer2(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):
+    _consumer(2, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)
 
 
 @gluon.jit
@@ -230,56 +309,46 @@ def attn_fwd_ws(
     stride_vz, stride_vh, stride_vn,
     stride_oz, stride_oh, stride_om,
     stride_lz, stride_lh,
-    max_seqlen_q, max_seqlen_k, group_size, qk_scale, window_left, window_right,
+    max_seqlen_q, max_seqlen_k, batch, num_heads_q, group_size, qk_scale, window_left, window_right,
     MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):
-    """One program: BLOCK_M query rows (BLOCK_M // 64 consumer warpgroups) of one query
-    head; grid (m blocks, Hq, B); compiled with num_warps=4 (the first consumer, the
-    default partition) and grows to 4 per consumer plus the loader's. The functional
-    axes it does not serve (rules._ws_unserved) are fixed."""
+    """Tiles of BLOCK_M query rows (BLOCK_M // 64 consumer warpgroups) of one query head:
+    one per program on a grid (m blocks, Hq, B), or with PERSISTENT every programs-th
+    tile on a grid (programs,). Compiled with num_warps=4 (the first consumer, the default
+    partition) and grows to 4 per consumer plus the loader's. The functional axes it does
+    not serve (rules._ws_unserved) are fixed."""
     gl.static_assert(BLOCK_DV == BLOCK_D and not PAD_HEAD and not VARLEN and not DROPOUT and BIAS == 0,
                      "attn_fwd_ws: equal unpadded heads, no varlen, dropout or bias")
     CONSUMERS: gl.constexpr = BLOCK_M // WARPGROUP_ROWS
-    pid_m = gl.program_id(0)
-    off_h = gl.program_id(1)
-    off_z = gl.program_id(2).to(gl.int64)
     seqlen_q = max_seqlen_q
     seqlen_k = max_seqlen_k
-    if MASK != MASK_NONE:
-        pid_m = gl.num_programs(0) - 1 - pid_m  # rows further down see more keys: costliest first
-    off_hk = (off_h // group_size).to(gl.int64)
-    off_h = off_h.to(gl.int64)
-    m0 = pid_m * BLOCK_M
-    if MASK == MASK_BOTTOM_RIGHT:
-        diag = seqlen_k - seqlen_q
-    else:
-        diag = 0
-    # the program's key blocks start at lo; [a, b) is seen in full by every row of the
-    # program (no mask); at least one block runs (rows that see no key run one, masked,
-    # and end with output 0 and lse +inf)
-    lo, a, b, hi = key_blocks(m0, gl.minimum(m0 + BLOCK_M, seqlen_q), seqlen_k, diag, window_left, window_right,
-                              MASK, BLOCK_N)
-    n_blocks = gl.maximum((hi - lo + BLOCK_N - 1) // BLOCK_N, 1)
+    n_m = (seqlen_q + BLOCK_M - 1) // BLOCK_M
 
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WARPGROUP_ROWS, BLOCK_D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
-    # rows past a sequence arrive as zeros (their scores are masked or their rows not stored)
-    q_desc = tma.make_tensor_descriptor(Q + off_z * stride_qz + off_h * stride_qh, shape=[seqlen_q, BLOCK_D],
-                                        strides=[stride_qm, 1], block_shape=[WARPGROUP_ROWS, BLOCK_D],
-                                        layout=q_layout)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, WARPGROUP_ROWS, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, BLOCK_D], dtype)
+    # [batch, head, row, column]: rows past a sequence arrive as zeros (their scores are
+    # masked or their rows not stored)
+    q_desc = tma.make_tensor_descriptor(Q, shape=[batch, num_heads_q, gl.maximum(seqlen_q, 1), BLOCK_D],
+                                        strides=[stride_qz, stride_qh, stride_qm, 1],
+                                        block_shape=[1, 1, WARPGROUP_ROWS, BLOCK_D], layout=q_layout)
     keys = gl.maximum(seqlen_k, 1)  # a descriptor's dims are positive (no key: one zero row, masked)
-    k_desc = tma.make_tensor_descriptor(K + off_z * stride_kz + off_hk * stride_kh, shape=[keys, BLOCK_D],
-                                        strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + off_z * stride_vz + off_hk * stride_vh, shape=[keys, BLOCK_D],
-                                        strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+    num_heads_k = num_heads_q // group_size
+    k_desc = tma.make_tensor_descriptor(K, shape=[batch, num_heads_k, keys, BLOCK_D],
+                                        strides=[stride_kz, stride_kh, stride_kn, 1],
+                                        block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(V, shape=[batch, num_heads_k, keys, BLOCK_D],
+                                        strides=[stride_vz, stride_vh, stride_vn, 1],
+                                        block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, WARPGROUP_ROWS, BLOCK_D], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_D], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, WARPGROUP_ROWS, BLOCK_D], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -287,6 +356,7 @@ def attn_fwd_ws(
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_bar.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
         mbarrier.init(turn.index(c), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
@@ -295,22 +365,22 @@ def attn_fwd_ws(
         mbarrier.init(v_empty.index(slot), count=CONSUMERS)
     fence_async_shared()
 
-    work = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-            Out + off_z * stride_oz + off_h * stride_oh, Lse + off_z * stride_lz + off_h * stride_lh, stride_om,
-            m0, lo, a, b, n_blocks, seqlen_q, seqlen_k, diag, window_left, window_right, qk_scale)
-    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m0, lo,
-             n_blocks)
+    work = (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn, Out, Lse, stride_oz,
+            stride_oh, stride_om, stride_lz, stride_lh, n_m, batch, num_heads_q, group_size, seqlen_q, seqlen_k,
+            window_left, window_right, qk_scale)
+    loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, n_m,
+             batch, num_heads_q, group_size, seqlen_q, seqlen_k, window_left, window_right)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer0, (work, MASK, BLOCK_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
-            (_consumer1, (work, MASK, BLOCK_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
-            (_loader, (loads, CONSUMERS, BLOCK_N, STAGES)),
+            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
+            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
+            (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, STAGES, MASK, PERSISTENT)),
         ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])
     else:
         gl.static_assert(CONSUMERS == 3, "BLOCK_M is 128 or 192: two or three consumer warpgroups")
         gl.warp_specialize([
-            (_consumer0, (work, MASK, BLOCK_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
-            (_consumer1, (work, MASK, BLOCK_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
-            (_consumer2, (work, MASK, BLOCK_D, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
-            (_loader, (loads, CONSUMERS, BLOCK_N, STAGES)),
+            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
+            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
+            (_consumer2, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
+            (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, STAGES, MASK, PERSISTENT)),
         ], [4, 4, 1], [consumer_regs(CONSUMERS), consumer_regs(CONSUMERS), LOADER_REGS])
