@@ -175,9 +175,9 @@ def default_tokens(table: str) -> int:
 
 def default_limit(table: str) -> int:
     """Candidates per cell the speed model keeps: 8 of a Triton kernel's hundreds; every
-    fitting configuration of the warp-specialized forward (at most 36: its rings and
-    partitions are what the model knows least)."""
-    return 36 if table == "flash.attn_fwd_ws" else 8
+    fitting configuration of the warp-specialized forward (at most 72: its rings, partitions
+    and persistent grid are what the model knows least)."""
+    return 72 if table == "flash.attn_fwd_ws" else 8
 
 
 def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = None) -> bool:
