@@ -12,7 +12,8 @@
 # Environment: WS (forward | backward), WS_SEQLEN (1024,4096,16384: the kernel's cells; empty:
 # no kernel cells, no GPU tests), OP_SEQLEN (512..16384: the operator table's), OP_DTYPE
 # (fp16,bf16), OP_HEAD_DIM (the backward's 64,128,256), TEST_S / WS_S / OP_S / RUN_S (deadlines:
-# 150 / 170 / 150 / 100 s), SELECT (perfmon's selection, default "-g dense -m *bf16*";
+# 150 / 300 / 150 / 100 s; WS_S counts the compile: the forward's 576 kernels with PERSISTENT
+# took over 90 s on 16 cores), SELECT (perfmon's selection, default "-g dense -m *bf16*";
 # empty: no perfmon), TAG (h200-<date>-ws).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -39,7 +40,7 @@ stamp "tune flash.$kernel"
 aot tune plan -c "flash,$kernel" --dtype fp16,bf16 --seqlen "${WS_SEQLEN:-1024,4096,16384}" --tuning-db "$work/tuning" \
   --out "$work/ws.jsonl" > "$OUT/plan.log" 2>&1
 OUT=$PWD/$work/s1 AOTATTN_TUNING_DB=$PWD/$work/tuning bash benchmarks/tune_session.sh "$work/ws.jsonl" "$work/img1" \
-  "${WS_S:-170}" --compile > "$OUT/tune-ws.log" 2>&1
+  "${WS_S:-300}" --compile > "$OUT/tune-ws.log" 2>&1
 tail -n 1 "$OUT/tune-ws.log"
 aot tune export --arch sm_90 --tuning-db "$work/tuning" "$work/s1/results" > "$OUT/export-ws.log" 2>&1
 tail -n 4 "$OUT/export-ws.log"
