@@ -16,10 +16,13 @@ def _arch_of_index(index: int) -> str:
     return f"sm_{props.major}{props.minor}"
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def arch_of(device: torch.device) -> str:
     """``sm_90`` for an H100/H200, ``gfx942`` for an MI300X, ..."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _arch_of_index(index)
+    return _arch_of_index(_index(device))
 
 
 @cache
@@ -32,5 +35,4 @@ def multiprocessors(device: torch.device) -> int | None:
     kernels launch at most one program per SM."""
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _multiprocessors_of_index(index)
+    return _multiprocessors_of_index(_index(device))

@@ -82,9 +82,9 @@ def _decode(t, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k, window_left,
     first), then batch, then head: (z, h, hk, m0, lo, a, b, n_blocks, diag)."""
     per_m = batch * heads_q
     pid_m = t // per_m
+    zh = t - pid_m * per_m
     if MASK != MASK_NONE:
         pid_m = n_m - 1 - pid_m
-    zh = t - (t // per_m) * per_m
     z = zh // heads_q
     h = zh - z * heads_q
     hk = h // group_size
