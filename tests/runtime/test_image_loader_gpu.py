@@ -12,19 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from aotattn import families
 from aotattn.compiler import build
 from aotattn.compiler.builder import DEFAULT_CACHE
 from aotattn.tuning import Database
 
 PROJECT = Path(__file__).resolve().parents[2]
-# what the child process runs: bf16 d128 causal (top- and bottom-right), fp16 d64 window + GQA, RMSNorm
+# what the child process runs: bf16 d128 causal (top- and bottom-right), fp16 d64 window + GQA, RMSNorm.
+# Every flash kernel at those functionals: which kernel a call runs (the Triton or the warp-specialized
+# one, split or fused backward) is the tuning database's choice and changes as it is tuned.
+FLASH = [name for name in families.kernels() if name.startswith("flash.")]
 SUBSET = [
-    (["flash.attn_fwd", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq", "flash.attn_bwd_fused"],
-     "dtype=bf16 BLOCK_D=128 PAD_HEAD=False VARLEN=False DROPOUT=False BIAS=0"),
-    (["flash.attn_fwd", "flash.attn_bwd_dkdv", "flash.attn_bwd_dq", "flash.attn_bwd_fused"],
-     "dtype=fp16 BLOCK_D=64 PAD_HEAD=False MASK=2 VARLEN=False DROPOUT=False BIAS=0"),
-    (["flash.attn_fwd"], "dtype=bf16 BLOCK_D=64 PAD_HEAD=False MASK=0 VARLEN=False DROPOUT=False BIAS=0"),
-    (["flash.attn_bwd_preprocess"], "PAD_HEAD=False VARLEN=False"),
+    (FLASH, "dtype=bf16 BLOCK_D=128 PAD_HEAD=False VARLEN=False DROPOUT=False BIAS=0"),
+    (FLASH, "dtype=fp16 BLOCK_D=64 PAD_HEAD=False MASK=2 VARLEN=False DROPOUT=False BIAS=0"),
+    (FLASH, "dtype=bf16 BLOCK_D=64 PAD_HEAD=False MASK=0 VARLEN=False DROPOUT=False BIAS=0"),
     (["rmsnorm.rmsnorm_fwd"], "dtype=bf16 BLOCK=1024"),
 ]
 
