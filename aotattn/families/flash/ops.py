@@ -76,6 +76,36 @@ class _CachedAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+# autograd.Function.apply's Python wrapper (setup_context binding, functorch checks) costs
+# about a fifth of a tiny training call's host time; the C++ apply under it does the work.
+_C_APPLY = getattr(torch._C._FunctionBase, "__dict__", {}).get("apply")
+
+
+def _apply(function: type[torch.autograd.Function], *args):
+    """``function.apply(*args)``, through the C++ apply directly where that is all the
+    wrapper would do: no functorch transform active, ``forward`` taking ``ctx`` (no
+    ``setup_context``)."""
+    if _C_APPLY is None or torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return _C_APPLY.__get__(None, function)(*args)
+
+
+def _environment() -> tuple:
+    """The environment variables a cached plan depends on (launch mode, tuning database),
+    read from ``os.environ``'s own dict: ``os.environ.get`` encodes and decodes each name
+    and value, two microseconds of a tiny call's host time."""
+    data = getattr(os.environ, "_data", None)
+    if data is None or _ENV_KEYS is None:
+        return os.environ.get(MODE_VAR), os.environ.get(TUNING_DB_VAR)
+    return data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1])
+
+
+try:
+    _ENV_KEYS = (os.environ.encodekey(MODE_VAR), os.environ.encodekey(TUNING_DB_VAR))
+except AttributeError:  # not CPython's os._Environ
+    _ENV_KEYS = None
+
+
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -86,7 +116,7 @@ def _run(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_major
     if cache_key is not None and c.bias is None and c.p.dropout_p == 0.0 and not c.p.varlen:
         cached = _PLANS.store(cache_key, c, q, k, v, heads_major)
     if _needs_grad(q, k, v, c.bias):
-        return _FlashAttention.apply(q, k, v, c.bias, c, heads_major, backend, deterministic, cached)
+        return _apply(_FlashAttention, q, k, v, c.bias, c, heads_major, backend, deterministic, cached)
     if cached is not None:
         return cached.forward(q, k, v)
     out = new_output(c.p, q, heads_major)
@@ -280,8 +310,9 @@ class _PlanCache:
         self.lock = threading.Lock()
 
     @staticmethod
-    def key(q, k, v, *flags) -> tuple | None:
-        """None when an argument is unhashable (the full path then reports it).
+    def key(q, k, v, *flags) -> tuple:
+        """Hashed only where it is looked up or stored: a key with an unhashable argument
+        misses and is not stored (the full path then reports the argument).
 
         Each flag is keyed with its type (and a window's sides with theirs): ``True == 1``
         and ``2.0 == 2`` in Python, so a value-only key would let ``causal=1`` hit the
@@ -290,16 +321,15 @@ class _PlanCache:
         """
         aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
         typed = tuple((type(f), tuple((type(x), x) for x in f) if type(f) in (tuple, list) else f) for f in flags)
-        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-               q.device, k.device, v.device, aligned, os.environ.get(MODE_VAR), os.environ.get(TUNING_DB_VAR), typed)
-        try:
-            hash(key)
-        except TypeError:
-            return None
-        return key
+        return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+                q.device, k.device, v.device, aligned, _environment(), typed)
 
     def store(self, key: tuple, c: Call, q, k, v, heads_major: bool) -> _Entry:
         entry = _Entry(c, q, k, v, heads_major)
+        try:
+            hash(key)
+        except TypeError:
+            return entry
         with self.lock:  # threads may store at once; lookups are plain dict reads
             if len(self.entries) >= self.SIZE:
                 self.entries.pop(next(iter(self.entries)))
@@ -311,16 +341,19 @@ class _PlanCache:
         """(out, lse) with out in the caller's layout, or None on a miss. ``q, k, v`` in the
         caller's layout: SDPA's ``(B, H, S, D)`` for an entry stored heads-major. Under
         autograd without ``want_lse``, lse is None (:class:`_CachedAttention`)."""
-        entry = self.entries.get(key) if key is not None else None
+        try:
+            entry = self.entries.get(key) if key is not None else None
+        except TypeError:  # an unhashable argument
+            return None
         if entry is None:
             return None
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             if not want_lse:
-                return _CachedAttention.apply(q, k, v, (entry, backend, deterministic)), None
+                return _apply(_CachedAttention, q, k, v, (entry, backend, deterministic)), None
             if entry.heads_major:  # autograd sees the flash-attn layout the Function was planned for
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            out, lse = _FlashAttention.apply(q, k, v, None, entry.call, entry.heads_major, backend, deterministic,
-                                             entry)
+            out, lse = _apply(_FlashAttention, q, k, v, None, entry.call, entry.heads_major, backend, deterministic,
+                              entry)
             return (out.transpose(1, 2) if entry.heads_major else out), lse
         return entry.launch(q, k, v)
 
@@ -373,7 +406,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
             differentiable (its gradient materialises a ``(B, Hq, Sq, Sk)`` fp32 buffer).
         backend: the backward pass: ``"split"`` (a dK/dV kernel, then a dQ kernel),
             ``"fused"`` (one launch), ``"ws"`` (one warp-specialized launch on sm_90:
-            fp16/bf16, head dims 64, 128 and 256, dense, not deterministic) or None to let
+            fp16/bf16, head dims 33-256, dense, not deterministic) or None to let
             aotattn choose. For tests and measurement; all compute the same gradients.
 
     Returns:

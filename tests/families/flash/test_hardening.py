@@ -156,6 +156,50 @@ def test_plan_cache_list_window_is_served():
     assert_forward_matches(b, None, q, k, v, window_size=(2, 1))
 
 
+def test_plan_cache_with_an_unhashable_argument_reports_it_warm():
+    """A key that cannot be hashed misses (it is hashed only at lookup and store): the
+    checks report the argument, warm cache or not, and the cache stores nothing for it."""
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    aotattn.flash_attn_func(q, k, v, softmax_scale=0.5)
+    aotattn.scaled_dot_product_attention(q, k, v, scale=0.5)
+    stored = len(ops._PLANS.entries)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        aotattn.flash_attn_func(q, k, v, softmax_scale={})
+    with pytest.raises(TypeError, match="scale"):
+        aotattn.scaled_dot_product_attention(q, k, v, scale={})
+    assert len(ops._PLANS.entries) == stored
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plan_cache_follows_the_launch_mode_and_tuning_database(device, monkeypatch, tmp_path):
+    """The environment a plan was made under is part of its key: after warm calls, a new
+    ``AOTATTN_MODE`` or ``AOTATTN_TUNING_DB`` misses the cache (a plan of its own), under
+    autograd or not; on a GPU a bad value is then reported (CPU tensors always run in the
+    interpreter with its own configs)."""
+    q, k, v = (torch.randn(1, 8, 2, 16, device=device, requires_grad=True) for _ in range(3))
+    ops._PLANS.entries.clear()
+    for _ in range(2):
+        aotattn.flash_attn_func(q, k, v, causal=True)
+        with torch.no_grad():
+            aotattn.flash_attn_func(q, k, v, causal=True)
+    assert len(ops._PLANS.entries) == 1
+    for name, value in (("AOTATTN_TUNING_DB", str(tmp_path / "no-such-db")), ("AOTATTN_MODE", "bogus")):
+        monkeypatch.setenv(name, value)
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                if device == "cuda":
+                    with pytest.raises(Exception, match="no-such-db|AOTATTN_MODE"):
+                        aotattn.flash_attn_func(q, k, v, causal=True)
+                else:
+                    stored = len(ops._PLANS.entries)
+                    out = aotattn.flash_attn_func(q, k, v, causal=True)
+                    assert len(ops._PLANS.entries) == stored + (grad is True)  # missed once, then served
+                    assert_forward_matches(out, None, q, k, v, causal=True)
+        monkeypatch.delenv(name)
+    out = aotattn.flash_attn_func(q, k, v, causal=True)
+    assert_forward_matches(out, None, q, k, v, causal=True)
+
+
 # --------------------------------------------------------------------- empty shapes
 
 EMPTY = {  # q (B, Sq, Hq, D), k (B, Sk, Hk, D)
