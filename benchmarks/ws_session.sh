@@ -11,8 +11,10 @@
 #
 # Environment: WS (forward | backward), WS_SEQLEN (1024,4096,16384: the kernel's cells; empty:
 # no kernel cells, no GPU tests), OP_SEQLEN (512..16384: the operator table's), OP_DTYPE
-# (fp16,bf16), OP_HEAD_DIM (the backward's 64,128,256), TEST_S / WS_S / OP_S / RUN_S (deadlines:
-# 150 / 300 / 150 / 100 s; WS_S counts the compile: the forward's 576 kernels with PERSISTENT
+# (fp16,bf16), OP_HEAD_DIM (the backward's 64,128,256), OP_WHERE (the backward's other axes,
+# default "DETERMINISTIC=False"), OP_PLAN_ARGS (more `aotattn tune plan` options; the padded
+# backward cells: benchmarks/padded_ws_session.sh),
+# TEST_S / WS_S / OP_S / RUN_S (deadlines: 150 / 300 / 150 / 100 s; WS_S counts the compile: the forward's 576 kernels with PERSISTENT
 # took over 90 s on 16 cores), SELECT (perfmon's selection, default "-g dense -m *bf16*";
 # empty: no perfmon), TAG (h200-<date>-ws).
 set -uo pipefail
@@ -23,10 +25,11 @@ stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 aot() { python -m aotattn.cli "$@"; }
 
 if [ "${WS:-forward}" = backward ]; then
-  kernel=attn_bwd_ws operator=backward where="--head-dim ${OP_HEAD_DIM:-64,128,256} --where DETERMINISTIC=False"
+  kernel=attn_bwd_ws operator=backward
+  where=(--head-dim "${OP_HEAD_DIM:-64,128,256}" --where "${OP_WHERE:-DETERMINISTIC=False}")
   tests=tests/families/flash/test_backward_ws.py
 else
-  kernel=attn_fwd_ws operator=forward where="" tests=tests/families/flash/test_forward_ws.py
+  kernel=attn_fwd_ws operator=forward where=() tests=tests/families/flash/test_forward_ws.py
 fi
 work=build/ws-session
 rm -rf "$work" && mkdir -p "$work" && cp -r tuning "$work/tuning"
@@ -47,8 +50,8 @@ tail -n 4 "$OUT/export-ws.log"
 fi
 
 stamp "tune flash.$operator (which kernel or backend per cell)"
-# shellcheck disable=SC2086  # $where: options, split on purpose
-aot tune plan -c "flash,$operator" $where --dtype "${OP_DTYPE:-fp16,bf16}" --seqlen "${OP_SEQLEN:-512,1024,2048,4096,8192,16384}" \
+read -r -a plan_args <<< "${OP_PLAN_ARGS:-}"
+aot tune plan -c "flash,$operator" "${where[@]}" "${plan_args[@]}" --dtype "${OP_DTYPE:-fp16,bf16}" --seqlen "${OP_SEQLEN:-512,1024,2048,4096,8192,16384}" \
   --tuning-db "$work/tuning" --out "$work/op.jsonl" >> "$OUT/plan.log" 2>&1
 OUT=$PWD/$work/s2 AOTATTN_TUNING_DB=$PWD/$work/tuning bash benchmarks/tune_session.sh "$work/op.jsonl" "$work/img2" \
   "${OP_S:-150}" --compile > "$OUT/tune-op.log" 2>&1

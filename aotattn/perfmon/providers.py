@@ -181,11 +181,13 @@ FLEX_ALL = "all"  # the ``flex`` setting that times FlexAttention on every entry
 
 
 def ws_backward_serves(entry: Entry) -> bool:
-    """The entry's calls are ones the ws backward computes (rules.ws_backward_serves; a head
-    dim it serves is its own bucket, and the masks are all served)."""
+    """The entry's calls are ones the ws backward computes (rules.ws_backward_serves: head
+    dims of its buckets, padded ones too; the masks are all served)."""
     from aotattn.families.flash import rules
 
-    functional = {"dtype": entry.dtype, "BLOCK_D": entry.head_dim, "BLOCK_DV": entry.head_dim_v, "PAD_HEAD": False,
+    bucket = rules.head_dim_bucket(max(entry.head_dim, entry.head_dim_v))  # both dims' (planning.Call)
+    padded = entry.head_dim != bucket or entry.head_dim_v != bucket
+    functional = {"dtype": entry.dtype, "BLOCK_D": bucket, "BLOCK_DV": bucket, "PAD_HEAD": padded,
                   "MASK": rules.MASK_NONE, "VARLEN": entry.api == "varlen", "DROPOUT": bool(entry.dropout_p),
                   "BIAS": rules.BIAS_NONE if entry.bias == "none" else rules.BIAS_ADD}
     return rules.ws_backward_serves(functional, None, entry.deterministic)
@@ -210,7 +212,7 @@ def unsupported(entry: Entry, provider: str, pass_: str, flex: bool | str = True
         if pass_ == "fwd":
             return "a forward pass runs the same code under every backend"
         if FORCED[provider] == "ws" and not ws_backward_serves(entry):
-            return "the ws backend serves fp16/bf16 head dims 64, 128 and 256, dense, not deterministic"
+            return "the ws backend serves fp16/bf16 head dims 33-256 (buckets 64, 128, 256), dense, not deterministic"
         return None
     if entry.api == "varlen":
         return "no packed-sequence API"

@@ -145,9 +145,12 @@ def test_operator_choices_are_pruned_only_where_their_kernel_cannot_run_and_name
 
     assert backends() == backends(BLOCK_D=128, MASK=2, dtype="fp16") == backends(BLOCK_D=256) == ["split", "fused",
                                                                                                   "ws"]
-    # ws: fp16/bf16, d64/d128/d256, dense, not deterministic, sm_90 (rules.ws_backward_serves)
+    # ws: fp16/bf16, buckets d64/d128/d256 (padded heads too), dense, not deterministic, sm_90
+    # (rules.ws_backward_serves)
+    assert backends(PAD_HEAD=True) == backends(BLOCK_D=256, PAD_HEAD=True) == ["split", "fused", "ws"]
     for other in (dict(DETERMINISTIC=True), dict(BLOCK_D=96), dict(BLOCK_D=32), dict(dtype="fp32"),
-                  dict(PAD_HEAD=True), dict(VARLEN=True), dict(DROPOUT=True), dict(BIAS=1), dict(arch="sm_80")):
+                  dict(BLOCK_D=32, PAD_HEAD=True), dict(VARLEN=True), dict(DROPOUT=True), dict(BIAS=1),
+                  dict(arch="sm_80")):
         assert backends(**other) == ["split", "fused"], other
     assert cand.config_name(_cfg(128, 64, 8, 3)) == "m128_n64_w8_s3"
     with pytest.raises(ValueError, match="arch"):

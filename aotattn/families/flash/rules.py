@@ -336,8 +336,9 @@ ATTN_BWD_FUSED = _attention_kernel(
 
 def _ws_bwd_unserved(functional: Mapping[str, Any]) -> bool:
     """What the warp-specialized backward does not compute (kernels/backward_ws.py): the
-    forward's exclusions, and head dims other than 64, 128 and 256."""
-    return _ws_unserved(functional) or functional["BLOCK_D"] not in (64, 128, 256)
+    forward's exclusions but padded heads (its descriptors span the real head dims), and
+    head-dim buckets other than 64, 128 and 256."""
+    return _ws_unserved({**functional, "PAD_HEAD": False}) or functional["BLOCK_D"] not in (64, 128, 256)
 
 
 def _ws_bwd_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -363,6 +364,7 @@ ATTN_BWD_WS = _ws_kernel(
         *_QKV_DO_STRIDES, *_DQ_STRIDES, *_DKDV_STRIDES, *_STATS_STRIDES,
         Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("num_heads_q", _I32), Arg("group_size", _I32),
         Arg("sm_scale", _F32), Arg("qk_scale", _F32), Arg("window_left", _I32), Arg("window_right", _I32),
+        Arg("head_dim", _I32), Arg("head_dim_v", _I32),
     ),
     _BWD_AXES, _WS_BWD_TUNING, _ws_bwd_unserved, ChosenBy("flash.backward", "backend", "ws", _ws_bwd_calls),
 )

@@ -43,17 +43,19 @@ def fitting(d: int) -> list[Config]:
 # ----------------------------------------------------------------------------- CPU
 
 
-def test_it_serves_dense_fp16_bf16_heads_of_64_128_and_256_on_sm_90_only():
+def test_it_serves_dense_fp16_bf16_head_buckets_of_64_128_and_256_on_sm_90_only():
     served = [f.as_dict() for f in rules.ATTN_BWD_WS.enumerate_functionals()]
-    assert {(f["dtype"], f["BLOCK_D"], f["MASK"]) for f in served} == {
-        (t, d, m) for t in ("fp16", "bf16") for d in (64, 128, 256) for m in (0, 1, 2)}
+    assert {(f["dtype"], f["BLOCK_D"], f["MASK"], f["PAD_HEAD"]) for f in served} == {
+        (t, d, m, pad) for t in ("fp16", "bf16") for d in (64, 128, 256) for m in (0, 1, 2) for pad in (False, True)}
     assert all(f["BIAS"] == rules.BIAS_NONE and not f["DROPOUT"] and not f["VARLEN"] for f in served)
     assert rules.ws_backward_serves(functional(), "sm_90") and rules.ws_backward_serves(functional(d=64))
     assert not rules.ws_backward_serves(functional(), "sm_80")
     assert not rules.ws_backward_serves(functional(), "sm_90", deterministic=True)  # dQ by atomics
     assert rules.ws_backward_serves(functional(d=256), "sm_90")
+    assert rules.ws_backward_serves(functional(d=256, PAD_HEAD=True), "sm_90")  # d160-d248: the real dims
     for change in ({"dtype": "fp32"}, {"BLOCK_D": 96, "BLOCK_DV": 96}, {"BLOCK_D": 32, "BLOCK_DV": 32},
-                   {"BLOCK_DV": 64}, {"PAD_HEAD": True}, {"VARLEN": True}, {"DROPOUT": True},
+                   {"BLOCK_DV": 64}, {"BLOCK_D": 32, "BLOCK_DV": 32, "PAD_HEAD": True}, {"VARLEN": True},
+                   {"DROPOUT": True},
                    {"BIAS": rules.BIAS_ADD}, {"BIAS": rules.BIAS_GRAD}):
         assert not rules.ws_backward_serves(functional(**change), "sm_90"), change
     assert rules.ATTN_BWD_WS.language == "gluon" and rules.ATTN_BWD_WS.archs == ("sm_90",)
@@ -62,7 +64,7 @@ def test_it_serves_dense_fp16_bf16_heads_of_64_128_and_256_on_sm_90_only():
 
 
 def test_explicit_ws_where_it_does_not_serve_says_what_does_in_one_line():
-    q, k, v = make_qkv(1, 70, 90, 2, 2, 72, 72, torch.bfloat16, "cpu", requires_grad=True)  # padded heads
+    q, k, v = make_qkv(1, 70, 90, 2, 2, 24, 24, torch.bfloat16, "cpu", requires_grad=True)  # bucket 32
     out = aotattn.flash_attn_func(q, k, v, backend="ws")
     with pytest.raises(ValueError, match=r"^backend 'ws': flash.attn_bwd_ws does not serve .*backend='split' serves"):
         out.sum().backward()
@@ -95,13 +97,16 @@ def test_cpu_tensors_plan_it_but_the_interpreter_refuses_to_run_it():
 
 def test_the_tables_ws_choice_falls_back_where_the_kernel_does_not_serve(monkeypatch):
     """A backward table saying ws (sm_80 inherits sm_90's cells) runs split for
-    deterministic calls, other head dims, and on other architectures."""
+    deterministic calls, head-dim buckets below 64, and on other architectures; padded
+    heads of the buckets 64, 128 and 256 run ws."""
     monkeypatch.setattr(planning, "_device_arch", lambda device: arch)
     gpu = torch.device("cuda")
     monkeypatch.setattr(rules, "config_for", lambda kernel, f, device, **sizes: Config.of(backend="ws"))
     for arch, d, deterministic, expected in (("sm_90", 128, False, "ws"), ("sm_90", 64, False, "ws"),
                                             ("sm_90", 128, True, "split"), ("sm_90", 256, False, "ws"),
-                                            ("sm_90", 96, False, "split"), ("sm_80", 128, False, "split")):
+                                            ("sm_90", 96, False, "ws"), ("sm_90", 200, False, "ws"),
+                                            ("sm_90", 40, False, "ws"), ("sm_90", 24, False, "split"),
+                                            ("sm_80", 128, False, "split")):
         q, k, v = make_qkv(1, 64, 64, 2, 2, d, d, torch.float16, "cpu")
         c = planning.new_call(problem(q, k, v), q, k, v)
         assert planning.choose_backend(c, deterministic, gpu) == expected, (arch, d, deterministic)
@@ -126,15 +131,17 @@ def test_the_tuner_times_it_where_it_serves_within_its_budgets():
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton package carries no cuobjdump")
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies_and_reduces(d):
+@pytest.mark.parametrize("d, pad", [(64, False), (128, False), (256, False), (64, True), (256, True)],
+                         ids=["d64", "d128", "d256", "d64-padded", "d256-padded"])
+def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies_and_reduces(d, pad):
     """In the sm_90 machine code: the partitions (more warps than compiled with, setmaxnreg),
     wgmma with a register A operand (dV, dK: P and dS from registers; at d256, the column
     split, from shared memory, 128 columns per consumer, and S^T, dP^T of 32 queries) and
     both operands transposed from shared memory (dQ), tensor-map loads and the bulk reduce
     that adds dQ. The tuner's estimate of its shared memory (the largest fitting tiles) is Triton's figure
-    within 1 KB: the pruning of tiles past the limit rests on it."""
-    f = Functional.of(functional(d=d, mask=rules.MASK_BOTTOM_RIGHT))
+    within 1 KB: the pruning of tiles past the limit rests on it. Padded heads: the same program
+    (descriptors of the real head dims, masked dK/dV stores), no wgmma hazard (compile_job checks)."""
+    f = Functional.of(functional(d=d, mask=rules.MASK_BOTTOM_RIGHT, PAD_HEAD=pad))
     footprint = tune_flash.footprint(TABLE)
     config = max(fitting(d), key=lambda c: candidates.shared_bytes(footprint, f, c, candidates.target("sm_90")))
     entry, cubin = compile_job(Job("sm_90", TABLE, f, config))
@@ -187,10 +194,11 @@ def test_where_the_backward_table_chooses_it_the_build_compiles_it(tmp_path):
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    shape: tuple[int, ...]  # batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim (= head_dim_v)
+    shape: tuple[int, ...]  # batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim
     kwargs: dict = dataclasses.field(default_factory=dict)
     dtype: torch.dtype = torch.bfloat16
     scale_q: float = 1.0  # q multiplied by it: large scores make rows see one key
+    head_dim_v: int | None = None  # default: head_dim
 
 
 CASES = [
@@ -219,6 +227,16 @@ CASES = [
     Case("d256-long", (1, 8192, 8192, 2, 2, 256), {"causal": True}),
     Case("d256-one-key-column", (2, 300, 1, 4, 4, 256)),
     Case("d256-shorter-than-a-block", (2, 40, 50, 4, 2, 256), {"causal": True, "diagonal": "top_left"}),
+    # padded heads: the descriptors span the real head dims (zeros past them), dK/dV stores masked
+    Case("d192-full-tails", (2, 1000, 1777, 4, 4, 192)),
+    Case("d160-causal-gqa-fp16", (2, 1024, 1500, 8, 2, 160), {"causal": True}, torch.float16),
+    Case("d96-window-top-left", (1, 1500, 900, 4, 4, 96), {"window_size": (50, 3), "diagonal": "top_left"}),
+    Case("d72-causal-sq-longer", (1, 2000, 1000, 4, 4, 72), {"causal": True}),  # rows that see no key
+    Case("d40-negative-scale", (2, 700, 900, 4, 2, 40), {"softmax_scale": -0.3}),
+    Case("d224-one-query", (3, 1, 333, 2, 1, 224)),
+    Case("d200-one-key-peaked", (1, 700, 900, 4, 2, 200), {"window_size": (0, 0)}, scale_q=12.0),
+    Case("d96-dv80-causal-gqa", (2, 800, 1100, 8, 2, 96), {"causal": True}, head_dim_v=80),
+    Case("d248-dv192-shorter-than-a-block", (2, 40, 50, 4, 4, 248), {"causal": True}, torch.float16, head_dim_v=192),
 ]
 
 
@@ -250,12 +268,12 @@ def _assert_grads(grads, ref_grads, dtype, what):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_it_matches_the_reference_with_every_knob_value(case, backend, request):
     seed_from(request.node.name)
-    q, k, v = make_qkv(*case.shape, case.shape[5], case.dtype, "cuda")
+    q, k, v = make_qkv(*case.shape, case.head_dim_v or case.shape[5], case.dtype, "cuda")
     q = (q.float() * case.scale_q).to(case.dtype)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     dout = torch.randn(q.shape[:3] + (v.shape[-1],), dtype=case.dtype, device="cuda")
     ref_grads = _reference_grads(q, k, v, dout, **case.kwargs)
-    for config in fitting(case.shape[5]):
+    for config in fitting(rules.head_dim_bucket(case.shape[5])):
         backend(config)
         c = planning.new_call(problem(q, k, v, **case.kwargs), q, k, v)
         assert planning.choose_backend(c, False, q.device) == "ws"
@@ -288,6 +306,25 @@ def test_sdpa_layout_cached_plans_and_deterministic_calls(backend):
     assert torch.equal(first, second)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
+def test_rows_of_16_bytes_at_a_buckets_head_dim_run_the_padded_variant(d, backend, request):
+    """q, k, v sliced from wider rows (strides multiples of 8, not 16): the padded variant,
+    whose bulk copies need only 16-byte rows, at the bucket's own head dim."""
+    seed_from(request.node.name)
+    wide = [torch.randn(2, 900, 4, d + 8, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    q, k, v = (t[..., :d].requires_grad_() for t in wide)
+    c = planning.new_call(problem(q, k, v, causal=True), q, k, v)
+    assert c.functional(backward=True)["PAD_HEAD"]
+    dout = torch.randn(2, 900, 4, d, device="cuda", dtype=torch.bfloat16)
+    ref_grads = _reference_grads(q, k, v, dout, causal=True)
+    for config in fitting(d):
+        backend(config)
+        assert planning.choose_backend(c, False, q.device) == "ws"
+        grads = torch.autograd.grad(aotattn.flash_attn_func(q, k, v, causal=True), (q, k, v), dout)
+        _assert_grads(grads, ref_grads, torch.bfloat16, candidates.config_name(config))
+
+
 def test_perfmon_forces_it_only_where_it_runs():
     from aotattn.perfmon import providers as P
     from aotattn.perfmon.entries import declared
@@ -298,6 +335,6 @@ def test_perfmon_forces_it_only_where_it_runs():
     assert P.unsupported(BY_NAME["dense-bf16-d128-s4096-causal"], "aotattn:ws", "bwd") is None
     assert P.unsupported(BY_NAME["dense-bf16-d128-s4096-causal"], "aotattn:ws", "fwd") is not None
     assert P.unsupported(BY_NAME["dense-fp16-d256-s4096-causal"], "aotattn:ws", "bwd") is None
-    assert "serves" in P.unsupported(BY_NAME["odd-dim-bf16-d96-s4096-causal"], "aotattn:ws", "bwd")  # padded heads
+    assert P.unsupported(BY_NAME["odd-dim-bf16-d96-s4096-causal"], "aotattn:ws", "bwd") is None  # padded heads
     assert P.ws_backward_runs_on("sm_90") and not P.ws_backward_runs_on("sm_80")
     assert not P.ws_backward_runs_on(None)

@@ -2,11 +2,11 @@
 launch, five products per block instead of the split backend's seven.
 
 Same math, masks and gradients as :mod:`.backward` (read its docstring first); a narrower
-functional space (rules.ws_backward_serves: fp16/bf16, unpadded head dims 64, 128 and 256,
-no varlen, dropout or bias; dQ accumulated with atomics, so not deterministic). The stats
-(delta and lse in base 2, :func:`.backward.attn_bwd_preprocess`) are computed before it,
-and dQ is added into a zeroed fp32 buffer shaped like q (:func:`..planning.finish_dq`
-converts it).
+functional space (rules.ws_backward_serves: fp16/bf16, head-dim buckets 64, 128 and 256,
+padded heads included, no varlen, dropout or bias; dQ accumulated with atomics, so not
+deterministic). The stats (delta and lse in base 2, :func:`.backward.attn_bwd_preprocess`)
+are computed before it, and dQ is added into a zeroed fp32 buffer shaped like q
+(:func:`..planning.finish_dq` converts it).
 
 One program owns ``BLOCK_N`` keys of one key/value head and loops over the query blocks of
 ``BLOCK_M`` rows that see them, for every query head of the group (key-major, as the split
@@ -106,11 +106,11 @@ def _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left,
 
 @gluon.jit
 def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+                   STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PAD_HEAD: gl.constexpr):
     """Consumer warpgroup c of a 128-key program: keys start_n + 64 c .. start_n + 64 c + 63."""
     (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
      do_empty, ds_ready, dq_desc, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
-     head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail) = work
+     head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail, head_dim, head_dim_v) = work
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -185,20 +185,24 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
 
     out_rows = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
-    keep = out_rows[:, None] < seqlen_k
+    keep_k = out_rows[:, None] < seqlen_k
+    keep_v = keep_k
+    if PAD_HEAD:  # the columns past the head dims (zeros read through the descriptors) are not stored
+        keep_k = keep_k & (cols[None, :] < head_dim)
+        keep_v = keep_v & (cols[None, :] < head_dim_v)
     gl.store(dk_ptr + out_rows[:, None].to(gl.int64) * stride_dkn + cols[None, :], (dk * sm_scale).to(dtype),
-             mask=keep)
-    gl.store(dv_ptr + out_rows[:, None].to(gl.int64) * stride_dvn + cols[None, :], dv.to(dtype), mask=keep)
+             mask=keep_k)
+    gl.store(dv_ptr + out_rows[:, None].to(gl.int64) * stride_dvn + cols[None, :], dv.to(dtype), mask=keep_v)
 
 
 @gluon.jit
 def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr, DQ_COLS: gl.constexpr):
+                      STAGES: gl.constexpr, DQ_COLS: gl.constexpr, PAD_HEAD: gl.constexpr):
     """Consumer warpgroup c of a 64-key program: columns c D/2 .. (c + 1) D/2 - 1 of the
     keys' dK and dV, and of every step's dQ; half of the step's queries for S^T and dP^T."""
     (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
      do_empty, ds_ready, dq_desc, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
-     head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail) = work
+     head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail, head_dim, head_dim_v) = work
     HALF_M: gl.constexpr = BLOCK_M // 2
     COLS: gl.constexpr = HEAD_D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -271,28 +275,32 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
 
     out_rows = start_n + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
     cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
-    keep = out_rows[:, None] < seqlen_k
+    keep_k = out_rows[:, None] < seqlen_k
+    keep_v = keep_k
+    if PAD_HEAD:  # the columns past the head dims (zeros read through the descriptors) are not stored
+        keep_k = keep_k & (cols[None, :] < head_dim)
+        keep_v = keep_v & (cols[None, :] < head_dim_v)
     gl.store(dk_ptr + out_rows[:, None].to(gl.int64) * stride_dkn + cols[None, :], (dk * sm_scale).to(dtype),
-             mask=keep)
-    gl.store(dv_ptr + out_rows[:, None].to(gl.int64) * stride_dvn + cols[None, :], dv.to(dtype), mask=keep)
+             mask=keep_k)
+    gl.store(dv_ptr + out_rows[:, None].to(gl.int64) * stride_dvn + cols[None, :], dv.to(dtype), mask=keep_v)
 
 
 @gluon.jit
 def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-               CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr):
+               CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr, PAD_HEAD: gl.constexpr):
     if COLUMNS:
-        _columns_consumer(0, work, MASK, HEAD_D, BLOCK_M, STAGES, DQ_COLS)
+        _columns_consumer(0, work, MASK, HEAD_D, BLOCK_M, STAGES, DQ_COLS, PAD_HEAD)
     else:
-        _keys_consumer(0, work, MASK, HEAD_D, BLOCK_M, STAGES, CONSUMERS)
+        _keys_consumer(0, work, MASK, HEAD_D, BLOCK_M, STAGES, CONSUMERS, PAD_HEAD)
 
 
 @gluon.jit
 def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-               CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr):
+               CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr, PAD_HEAD: gl.constexpr):
     if COLUMNS:
-        _columns_consumer(1, work, MASK, HEAD_D, BLOCK_M, STAGES, DQ_COLS)
+        _columns_consumer(1, work, MASK, HEAD_D, BLOCK_M, STAGES, DQ_COLS, PAD_HEAD)
     else:
-        _keys_consumer(1, work, MASK, HEAD_D, BLOCK_M, STAGES, CONSUMERS)
+        _keys_consumer(1, work, MASK, HEAD_D, BLOCK_M, STAGES, CONSUMERS, PAD_HEAD)
 
 
 @gluon.jit
@@ -303,16 +311,16 @@ def attn_bwd_ws(
     stride_dqz, stride_dqh, stride_dqm,
     stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
     stride_sz, stride_sh, stride_sp,
-    max_seqlen_q, max_seqlen_k, num_heads_q, group_size, sm_scale, qk_scale, window_left, window_right,
-    MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
+    max_seqlen_q, max_seqlen_k, num_heads_q, group_size, sm_scale, qk_scale, window_left, window_right, head_dim,
+    head_dim_v, MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
 ):
     """dK, dV of BLOCK_N keys of one key/value head and its programs' share of dQ; grid
     (n blocks, Hk, B); compiled with num_warps=4 (the first consumer) and grows to 4 per
     consumer plus the loader's. DQ: fp32, zeroed, q's shape (strides in elements)."""
-    gl.static_assert(BLOCK_DV == BLOCK_D and not PAD_HEAD and not VARLEN and not DROPOUT and BIAS == 0,
-                     "attn_bwd_ws: equal unpadded heads, no varlen, dropout or bias")
+    gl.static_assert(BLOCK_DV == BLOCK_D and not VARLEN and not DROPOUT and BIAS == 0,
+                     "attn_bwd_ws: one head-dim bucket, no varlen, dropout or bias")
     CONSUMERS: gl.constexpr = 2
     gl.static_assert(BLOCK_N == WARPGROUP_ROWS or BLOCK_N == CONSUMERS * WARPGROUP_ROWS, "BLOCK_N is 64 or 128")
     # 64 keys: the consumers split the columns (dK, dV, dQ) and the step's queries (S, dP);
@@ -351,13 +359,22 @@ def attn_bwd_ws(
     stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
     # [query head, row, column]: rows past the sequence arrive as zeros, and dQ's are dropped
     queries = gl.maximum(seqlen_q, 1)
-    q_desc = tma.make_tensor_descriptor(Q + off_z * stride_qz, shape=[num_heads_q, queries, BLOCK_D],
+    # padded heads (rows of 16 bytes): the descriptors span the real head dims, so the bulk
+    # copies fill the bucket's columns past them with zeros (adding nothing to any product)
+    # and the dQ reduce drops them
+    if PAD_HEAD:
+        cols_qk = head_dim
+        cols_v = head_dim_v
+    else:
+        cols_qk: gl.constexpr = BLOCK_D
+        cols_v: gl.constexpr = BLOCK_DV
+    q_desc = tma.make_tensor_descriptor(Q + off_z * stride_qz, shape=[num_heads_q, queries, cols_qk],
                                         strides=[stride_qh, stride_qm, 1], block_shape=[1, BLOCK_M, BLOCK_D],
                                         layout=qdo_layout)
-    do_desc = tma.make_tensor_descriptor(DO + off_z * stride_doz, shape=[num_heads_q, queries, BLOCK_D],
+    do_desc = tma.make_tensor_descriptor(DO + off_z * stride_doz, shape=[num_heads_q, queries, cols_v],
                                          strides=[stride_doh, stride_dom, 1], block_shape=[1, BLOCK_M, BLOCK_D],
                                          layout=qdo_layout)
-    dq_desc = tma.make_tensor_descriptor(DQ + off_z * stride_dqz, shape=[num_heads_q, queries, BLOCK_D],
+    dq_desc = tma.make_tensor_descriptor(DQ + off_z * stride_dqz, shape=[num_heads_q, queries, cols_qk],
                                          strides=[stride_dqh, stride_dqm, 1],
                                          block_shape=[1, BLOCK_M, DQ_COLS], layout=dq_layout)
     # [plane, query head, row] (delta, lse in base 2): rows padded to a multiple of every
@@ -366,9 +383,9 @@ def attn_bwd_ws(
                                             strides=[stride_sp, stride_sh, 1], block_shape=[2, 1, BLOCK_M],
                                             layout=stats_layout)
     keys = gl.maximum(seqlen_k, 1)
-    k_desc = tma.make_tensor_descriptor(K + off_z * stride_kz + off_hk * stride_kh, shape=[keys, BLOCK_D],
+    k_desc = tma.make_tensor_descriptor(K + off_z * stride_kz + off_hk * stride_kh, shape=[keys, cols_qk],
                                         strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + off_z * stride_vz + off_hk * stride_vh, shape=[keys, BLOCK_D],
+    v_desc = tma.make_tensor_descriptor(V + off_z * stride_vz + off_hk * stride_vh, shape=[keys, cols_v],
                                         strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, BLOCK_D], qdo_layout)
@@ -402,11 +419,11 @@ def attn_bwd_ws(
     work = (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
             do_empty, ds_ready, dq_desc, DK + off_z * stride_dkz + off_hk * stride_dkh,
             DV + off_z * stride_dvz + off_hk * stride_dvh, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
-            head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail)
+            head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail, head_dim, head_dim_v)
     loads = (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem, v_smem, do_smem, stats_smem, kv_bar,
              q_ready, do_ready, q_empty, do_empty, start_n, lo, blocks, n_steps, head0)
     gl.warp_specialize([
-        (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS, COLUMNS, DQ_COLS)),
-        (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS, COLUMNS, DQ_COLS)),
+        (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD)),
+        (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD)),
         (_loader, (loads, BLOCK_M, STAGES, DO_STAGES)),
     ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])
