@@ -188,16 +188,19 @@ def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
 def _cacheable(q: object, k: object, v: object, dropout_p: object, extra: object) -> bool:
     """Calls without dropout or bias, with or without autograd, that are not padded by
     copy (:func:`_bucketed`): those the plan cache serves."""
-    if (torch.compiler.is_compiling() or not all(isinstance(t, torch.Tensor) and t.dim() for t in (q, k, v))
+    tensor = torch.Tensor
+    if (torch.compiler.is_compiling()
+            or not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)
+                    and q.dim() and k.dim() and v.dim())
             or extra is not None or dropout_p != 0.0):
         return False
     d, dv = q.shape[-1], v.shape[-1]
-    if d == dv and q.shape[-1:] in _BUCKET_SHAPES:
+    if d == dv and d in _BUCKETS:
         return True
     return d % planning.ROW_UNIT == 0 and dv % planning.ROW_UNIT == 0 and not _pad_by_copy()
 
 
-_BUCKET_SHAPES = {torch.Size([b]) for b in rules.HEAD_DIM_BUCKETS}
+_BUCKETS = frozenset(rules.HEAD_DIM_BUCKETS)
 
 
 # Which call tensor each kernel argument stands for, by the declarations' argument names:
@@ -320,9 +323,12 @@ class _PlanCache:
         calls that passed the checks are stored, so a hit is a call the checks accept.
         """
         aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
-        typed = tuple((type(f), tuple((type(x), x) for x in f) if type(f) in (tuple, list) else f) for f in flags)
+        typed = []
+        for f in flags:
+            kind = type(f)
+            typed.append((kind, tuple([(type(x), x) for x in f])) if kind is tuple or kind is list else (kind, f))
         return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-                q.device, k.device, v.device, aligned, _environment(), typed)
+                q.device, k.device, v.device, aligned, _environment(), tuple(typed))
 
     def store(self, key: tuple, c: Call, q, k, v, heads_major: bool) -> _Entry:
         entry = _Entry(c, q, k, v, heads_major)
