@@ -181,13 +181,12 @@ FLEX_ALL = "all"  # the ``flex`` setting that times FlexAttention on every entry
 
 
 def ws_backward_serves(entry: Entry) -> bool:
-    """The entry's calls are ones the ws backward computes (rules.ws_backward_serves: head
-    dims of its buckets, padded ones too; the masks are all served)."""
+    """The entry's calls are ones the ws backward computes (rules.ws_backward_serves: a head
+    dim is served as its bucket is, padded or not; the masks are all served)."""
     from aotattn.families.flash import rules
 
     bucket = rules.head_dim_bucket(max(entry.head_dim, entry.head_dim_v))  # both dims' (planning.Call)
-    padded = entry.head_dim != bucket or entry.head_dim_v != bucket
-    functional = {"dtype": entry.dtype, "BLOCK_D": bucket, "BLOCK_DV": bucket, "PAD_HEAD": padded,
+    functional = {"dtype": entry.dtype, "BLOCK_D": bucket, "BLOCK_DV": bucket, "PAD_HEAD": False,
                   "MASK": rules.MASK_NONE, "VARLEN": entry.api == "varlen", "DROPOUT": bool(entry.dropout_p),
                   "BIAS": rules.BIAS_NONE if entry.bias == "none" else rules.BIAS_ADD}
     return rules.ws_backward_serves(functional, None, entry.deterministic)

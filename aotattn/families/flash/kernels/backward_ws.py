@@ -105,6 +105,22 @@ def _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left,
 
 
 @gluon.jit
+def _store_key_grads(dk, dv, out_rows, cols, dk_ptr, dv_ptr, stride_dkn, stride_dvn, sm_scale, seqlen_k, head_dim,
+                     head_dim_v, dtype: gl.constexpr, PAD_HEAD: gl.constexpr):
+    """A consumer's dK (scaled) and dV at rows ``out_rows`` (keys) and columns ``cols``:
+    keys past the sequence and, for padded heads, the columns past the head dims (zeros
+    read through the descriptors) are not stored."""
+    keep_k = out_rows[:, None] < seqlen_k
+    keep_v = keep_k
+    if PAD_HEAD:
+        keep_k = keep_k & (cols[None, :] < head_dim)
+        keep_v = keep_v & (cols[None, :] < head_dim_v)
+    gl.store(dk_ptr + out_rows[:, None].to(gl.int64) * stride_dkn + cols[None, :], (dk * sm_scale).to(dtype),
+             mask=keep_k)
+    gl.store(dv_ptr + out_rows[:, None].to(gl.int64) * stride_dvn + cols[None, :], dv.to(dtype), mask=keep_v)
+
+
+@gluon.jit
 def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                    STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PAD_HEAD: gl.constexpr):
     """Consumer warpgroup c of a 128-key program: keys start_n + 64 c .. start_n + 64 c + 63."""
@@ -185,14 +201,8 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
 
     out_rows = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
-    keep_k = out_rows[:, None] < seqlen_k
-    keep_v = keep_k
-    if PAD_HEAD:  # the columns past the head dims (zeros read through the descriptors) are not stored
-        keep_k = keep_k & (cols[None, :] < head_dim)
-        keep_v = keep_v & (cols[None, :] < head_dim_v)
-    gl.store(dk_ptr + out_rows[:, None].to(gl.int64) * stride_dkn + cols[None, :], (dk * sm_scale).to(dtype),
-             mask=keep_k)
-    gl.store(dv_ptr + out_rows[:, None].to(gl.int64) * stride_dvn + cols[None, :], dv.to(dtype), mask=keep_v)
+    _store_key_grads(dk, dv, out_rows, cols, dk_ptr, dv_ptr, stride_dkn, stride_dvn, sm_scale, seqlen_k, head_dim,
+                     head_dim_v, dtype, PAD_HEAD)
 
 
 @gluon.jit
@@ -275,14 +285,8 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
 
     out_rows = start_n + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
     cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
-    keep_k = out_rows[:, None] < seqlen_k
-    keep_v = keep_k
-    if PAD_HEAD:  # the columns past the head dims (zeros read through the descriptors) are not stored
-        keep_k = keep_k & (cols[None, :] < head_dim)
-        keep_v = keep_v & (cols[None, :] < head_dim_v)
-    gl.store(dk_ptr + out_rows[:, None].to(gl.int64) * stride_dkn + cols[None, :], (dk * sm_scale).to(dtype),
-             mask=keep_k)
-    gl.store(dv_ptr + out_rows[:, None].to(gl.int64) * stride_dvn + cols[None, :], dv.to(dtype), mask=keep_v)
+    _store_key_grads(dk, dv, out_rows, cols, dk_ptr, dv_ptr, stride_dkn, stride_dvn, sm_scale, seqlen_k, head_dim,
+                     head_dim_v, dtype, PAD_HEAD)
 
 
 @gluon.jit
