@@ -4,7 +4,9 @@ internal traceback, no unbounded memory, no write outside the target folder."""
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib.util
 import json
 import lzma
 import os
@@ -479,18 +481,45 @@ def test_source_hash_covers_the_sibling_modules_a_kernel_imports(tmp_path, monke
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "common.py").write_text("X = 1\n")
-    (package / "forward.py").write_text("from kpkg.common import X\nimport os\n")
+    (package / "forward.py").write_text("from kpkg.common import X\nimport os\n"
+                                        "def f():\n    from .inner import (Z,\n        W)\n")
+    (package / "inner.py").write_text("Z = W = 0\n")
     (package / "other.py").write_text("Y = 2\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     images._kernel_sources.cache_clear()
     before = images.source_hash("kpkg.forward")
-    assert set(images._kernel_sources("kpkg.forward")) == {"kpkg.forward", "kpkg.common"}
+    assert set(images._kernel_sources("kpkg.forward")) == {"kpkg.forward", "kpkg.common", "kpkg.inner"}
+    (package / "inner.py").write_text("Z = W = 1\n")  # imported inside a function, relatively
+    images._kernel_sources.cache_clear()
+    assert images.source_hash("kpkg.forward") != before
+    before = images.source_hash("kpkg.forward")
     (package / "other.py").write_text("Y = 3\n")  # not imported: no effect
     images._kernel_sources.cache_clear()
     assert images.source_hash("kpkg.forward") == before
     (package / "common.py").write_text("X = 2\n")
     images._kernel_sources.cache_clear()
     assert images.source_hash("kpkg.forward") != before
+
+
+@pytest.mark.parametrize("module", sorted({spec.module for spec in families.kernels().values()}))
+def test_the_import_scan_finds_what_the_parser_finds(module):
+    """source_hash follows ``from ... import`` lines by a line scan (fast on the first call):
+    for every kernel module it must find the sibling modules Python's parser finds."""
+    package = module.rpartition(".")[0]
+    parsed, pending = set(), [module]
+    while pending:
+        name = pending.pop()
+        if name in parsed:
+            continue
+        parsed.add(name)
+        tree = ast.parse(Path(importlib.util.find_spec(name).origin).read_bytes())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                target = (importlib.util.resolve_name("." * node.level + (node.module or ""), package)
+                          if node.level else node.module)
+                if target and target.startswith(package + "."):
+                    pending.append(target)
+    assert set(images._kernel_sources(module)) == parsed
 
 
 def test_the_same_kernels_in_any_order_give_the_same_bytes(tmp_path):
