@@ -1,7 +1,9 @@
 """A kernel's tuning knobs beyond the tiles side by side: each cell's tuned configuration
 against the same tiles with each knob setting, in one process on the GPU. The forward
 (``flash.attn_fwd``): OVERLAP=1, TMA=1 (K), TMA=2 (K and V) and OVERLAP=1 TMA=2; the split
-backward's dQ and dK/dV (``flash.attn_bwd_dq``, ``flash.attn_bwd_dkdv``): TMA=1.
+backward's dQ and dK/dV (``flash.attn_bwd_dq``, ``flash.attn_bwd_dkdv``): TMA=1; the ws
+forward (``flash.attn_fwd_ws``): the persistent grid against one program per tile.
+``--cudnn``: SDPA's cuDNN backend at each forward cell's shape too, by the same clock.
 
     AOTATTN_MODE=aot AOTATTN_IMAGES=... python benchmarks/bench_knobs.py [--table flash.attn_fwd]
         [--dtype bf16,fp16] [--head-dim 64,128,256] [--seqlen 512,...,16384] [--mask 0,2] [--json out.json]
@@ -39,9 +41,10 @@ VARIANTS = {
                        "both": {"OVERLAP": 1, "TMA": 2}},
     "flash.attn_bwd_dq": {"plain": {}, "tma": {"TMA": 1}},
     "flash.attn_bwd_dkdv": {"plain": {}, "tma": {"TMA": 1}},
+    "flash.attn_fwd_ws": {"plain": {}, "persist": {"PERSISTENT": 1}},
 }
 # the kernel's matmul FLOPs over the forward's two (dQ: S, dP, dQ; dK/dV: S, dP, dV, dK)
-FLOPS_OVER_FORWARD = {"flash.attn_fwd": 1.0, "flash.attn_bwd_dq": 1.5, "flash.attn_bwd_dkdv": 2.0}
+FLOPS_OVER_FORWARD = {"flash.attn_fwd": 1.0, "flash.attn_fwd_ws": 1.0, "flash.attn_bwd_dq": 1.5, "flash.attn_bwd_dkdv": 2.0}
 
 
 def functional(dtype: str, head_dim: int, mask: int) -> Functional:
@@ -49,7 +52,20 @@ def functional(dtype: str, head_dim: int, mask: int) -> Functional:
                               VARLEN=False, DROPOUT=False, BIAS=0))
 
 
-def compare(table: str, f: Functional, shape: Shape, device: torch.device, rounds: int = 2) -> dict:
+def _cudnn_ms(f: Functional, shape: Shape, device: torch.device) -> float:
+    """SDPA's cuDNN forward at the cell's shape ((B, H, S, D) tensors), the tuner's clock."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[f["dtype"]]
+    q, k, v = (torch.randn(shape.batch, shape.heads, n, shape.head_dim, device=device, dtype=dtype)
+               for n in (shape.seqlen_q, shape.seqlen_k, shape.seqlen_k))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        run = lambda _: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(f["MASK"]))
+        return measure(run, lambda: None, device=device, warmup=3, repeats=10).median_ms
+
+
+def compare(table: str, f: Functional, shape: Shape, device: torch.device, rounds: int = 2,
+            cudnn: bool = False) -> dict:
     """Each variant's time and its outputs' difference from the plain loop's, for the cell's tiles."""
     spec = rules.KERNELS[table.split(".", 1)[1]]
     variants = VARIANTS[table]
@@ -77,6 +93,8 @@ def compare(table: str, f: Functional, shape: Shape, device: torch.device, round
             times[name].append(measure(lambda _: run(), lambda: None, device=device, warmup=3, repeats=10).median_ms)
     flops = (4.0 * FLOPS_OVER_FORWARD[table] * shape.batch * shape.heads * shape.seqlen_q * shape.seqlen_k
              * shape.head_dim / (2 if f["MASK"] else 1))
+    if cudnn and table in ("flash.attn_fwd", "flash.attn_fwd_ws") and device.type == "cuda":
+        times["cudnn"] = [_cudnn_ms(f, shape, device) for _ in range(rounds)]
     best = {name: min(ms) for name, ms in times.items() if ms}
     return dict(shape=str(shape), dtype=f["dtype"], mask=f["MASK"], tiles=config_name(configs["plain"]),
                 ms=best, tflops={name: flops / ms / 1e9 for name, ms in best.items()},
@@ -93,6 +111,7 @@ def main() -> None:
     ap.add_argument("--seqlen", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--mask", default="0,2", help="0: full, 2: causal (bottom-right)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--cudnn", action="store_true", help="time SDPA's cuDNN forward at each cell too")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -102,14 +121,14 @@ def main() -> None:
                 for s in args.seqlen.split(",") for m in masks]
     else:  # one tiny problem per dtype and mask: the code path, in the interpreter
         grid = [(dtype, 16, 64, m) for dtype in dtypes for m in masks]
-    others = [name for name in VARIANTS[args.table] if name != "plain"]
+    others = [name for name in VARIANTS[args.table] if name != "plain"] + (["cudnn"] if args.cudnn else [])
     print(f"{'shape':30} {'dtype':5} {'mask':4} {'tiles':16} {'plain ms':>9} {'TFLOP/s':>7} "
           + " ".join(f"{name:>8}" for name in others) + "  (speedup over plain)  largest diff")
     rows = []
     for dtype, d, s, m in grid:
         shape = Shape(max(1, 16384 // s), max(1, 2048 // d), s, s, d) if device.type == "cuda" else Shape(1, 2, s, s, d)
         try:
-            row = compare(args.table, functional(dtype, d, m), shape, device)
+            row = compare(args.table, functional(dtype, d, m), shape, device, cudnn=args.cudnn)
         except Exception as exc:  # a variant without an image, a failed compile: say so, go on
             print(f"{str(shape):30} {dtype:5} {m:4} skipped: {type(exc).__name__}: {str(exc)[:150]}", flush=True)
             continue

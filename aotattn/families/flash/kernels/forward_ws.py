@@ -30,9 +30,10 @@ edges are masked, the interior is not (the ranges of :func:`.common.key_blocks`,
 computed over the whole program's rows). Under a mask programs start costliest first.
 
 ``PERSISTENT``: a grid of at most one program per SM (planning.forward_plan), each taking
-every programs-th *tile* (one ``BLOCK_M`` block of one head of one sequence) of the
-list ordered query blocks slowest, costliest first under a mask, so the short
-causal tiles fill the end of the run instead of a tail wave of idle SMs. The
+every programs-th *tile* (one ``BLOCK_M`` block of one head of one sequence) of a list
+in sections of heads whose K and V fit in L2 together, each section's tiles query
+blocks slowest, costliest first under a mask, so the short causal tiles fill the end
+of a section instead of a tail wave of idle SMs. The
 rings' and barriers' phases run on across tiles, and the loader brings a tile's Q
 as soon as the consumers have computed the last scores of the tile before (a
 ``q_empty`` barrier), overlapping its last ``P V`` product and epilogue. Without it
@@ -54,6 +55,12 @@ WARPGROUP_ROWS: gl.constexpr = gl.constexpr(64)  # rows of one consumer: wgmma's
 # Register budgets (setmaxnreg) of the partitions: the loader needs few, the consumers
 # share the rest of the 64K-register file (2 consumers: 240 each; 3: 160 each).
 LOADER_REGS: gl.constexpr = gl.constexpr(24)
+# PERSISTENT: the K and V bytes of the heads whose tiles run at once, to be read from L2
+# (about half of the H100's and H200's 50 MB). The first persistent order (every head's
+# first query blocks before any head's second) had ~64 heads' K and V (128 MB) in flight
+# at d128 s4096 and ran 5% slower than the one-tile grid, whose program order keeps ~4
+# heads in flight (RESULTS.md, seventeenth and twentieth sessions).
+KV_L2_BYTES: gl.constexpr = gl.constexpr(24 * 1024 * 1024)
 
 
 @gluon.constexpr_function
@@ -62,27 +69,40 @@ def consumer_regs(consumers):
 
 
 @gluon.jit
-def _tiles(n_tiles, batch, heads_q, PERSISTENT: gl.constexpr):
-    """The program's tiles: range(start, stop, step) over the list of :func:`_decode`."""
+def _tiles(n_tiles, PERSISTENT: gl.constexpr):
+    """The program's tiles: range(start, stop, step) over the list of :func:`_decode`
+    (without PERSISTENT, the one tile its program ids name)."""
     if PERSISTENT:
         start = gl.program_id(0)
         stop = n_tiles
         step = gl.num_programs(0)
-    else:  # grid (m blocks, Hq, B): the one tile the program names
-        start = (gl.program_id(0) * batch + gl.program_id(2)) * heads_q + gl.program_id(1)
-        stop = start + 1
+    else:
+        start = 0
+        stop = 1
         step = 1
     return start, stop, step
 
 
 @gluon.jit
 def _decode(t, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k, window_left, window_right, MASK: gl.constexpr,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Tile t of the list: query blocks slowest (under a mask the last block, the costliest,
-    first), then batch, then head: (z, h, hk, m0, lo, a, b, n_blocks, diag)."""
-    per_m = batch * heads_q
-    pid_m = t // per_m
-    zh = t - pid_m * per_m
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The tile: (z, h, hk, m0, lo, a, b, n_blocks, diag). Without PERSISTENT the program
+    ids name it (grid (m blocks, Hq, B)); with it, tile t of the list: the (sequence, head)
+    pairs in sections whose K and V fit in L2 together (KV_L2_BYTES; whole groups of query
+    heads sharing a key head), a section's tiles query block slowest, then head; under a
+    mask the last query block, the costliest, first."""
+    if PERSISTENT:
+        heads = batch * heads_q
+        kv_heads = gl.maximum((KV_L2_BYTES // (4 * BLOCK_D)) // gl.maximum(seqlen_k, 1), 1)
+        width = gl.minimum(kv_heads, heads // group_size) * group_size
+        first = (t // (width * n_m)) * width
+        width = gl.minimum(width, heads - first)  # the last section may be narrower
+        r = t - first * n_m
+        pid_m = r // width
+        zh = first + r - pid_m * width
+    else:
+        pid_m = gl.program_id(0)
+        zh = gl.program_id(2) * heads_q + gl.program_id(1)
     if MASK != MASK_NONE:
         pid_m = n_m - 1 - pid_m
     z = zh // heads_q
@@ -100,18 +120,19 @@ def _decode(t, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k, window_left,
 
 
 @gluon.jit
-def _loader(loads, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            MASK: gl.constexpr, PERSISTENT: gl.constexpr):
+def _loader(loads, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
+            STAGES: gl.constexpr, MASK: gl.constexpr, PERSISTENT: gl.constexpr):
     """The loader warp: per tile, each consumer's Q (once the consumer is done with the
     last one), then K and V of every key block into the rings (counters run across tiles)."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, n_m,
      batch, heads_q, group_size, seqlen_q, seqlen_k, window_left, window_right) = loads
     it = 0
-    start, stop, step = _tiles(n_m * batch * heads_q, batch, heads_q, PERSISTENT)
+    start, stop, step = _tiles(n_m * batch * heads_q, PERSISTENT)
     k = 0
     for t in range(start, stop, step):
         z, h, hk, m0, lo, a, b, n_blocks, diag = _decode(t, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k,
-                                                         window_left, window_right, MASK, BLOCK_M, BLOCK_N)
+                                                         window_left, window_right, MASK, BLOCK_M, BLOCK_N, BLOCK_D,
+                                                         PERSISTENT)
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(q_empty.index(c), (k & 1) ^ 1)
             mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
@@ -200,13 +221,14 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
     dtype: gl.constexpr = q_smem.dtype
     no_scores = gl.zeros([WARPGROUP_ROWS, BLOCK_N], gl.float32, s_layout)
     q = q_smem.index(c).reshape([WARPGROUP_ROWS, HEAD_D])
-    start, stop, step = _tiles(n_m * batch * heads_q, batch, heads_q, PERSISTENT)
+    start, stop, step = _tiles(n_m * batch * heads_q, PERSISTENT)
     it = 0  # key blocks consumed so far (the rings' position)
     tt = 0  # ping-pong turns taken so far
     k = 0  # tiles done (q_bar's phase)
     for t in range(start, stop, step):
         z, h, hk, m0, lo, a, b, n_blocks, diag = _decode(t, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k,
-                                                         window_left, window_right, MASK, BLOCK_M, BLOCK_N)
+                                                         window_left, window_right, MASK, BLOCK_M, BLOCK_N, HEAD_D,
+                                                         PERSISTENT)
         first_row = m0 + c * WARPGROUP_ROWS
         rows = first_row + gl.arange(0, WARPGROUP_ROWS, layout=row_s)
         m_i = gl.full([WARPGROUP_ROWS], float("-inf"), gl.float32, row_s)
@@ -374,7 +396,7 @@ def attn_fwd_ws(
         gl.warp_specialize([
             (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
             (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
-            (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, STAGES, MASK, PERSISTENT)),
+            (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, MASK, PERSISTENT)),
         ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])
     else:
         gl.static_assert(CONSUMERS == 3, "BLOCK_M is 128 or 192: two or three consumer warpgroups")
@@ -382,5 +404,5 @@ def attn_fwd_ws(
             (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
             (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
             (_consumer2, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
-            (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, STAGES, MASK, PERSISTENT)),
+            (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, MASK, PERSISTENT)),
         ], [4, 4, 1], [consumer_regs(CONSUMERS), consumer_regs(CONSUMERS), LOADER_REGS])
