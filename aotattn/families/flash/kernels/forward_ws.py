@@ -32,8 +32,8 @@ computed over the whole program's rows). Under a mask programs start costliest f
 ``PERSISTENT``: a grid of at most one program per SM (planning.forward_plan), each taking
 every programs-th *tile* (one ``BLOCK_M`` block of one head of one sequence) of a list
 in sections of heads whose K and V fit in L2 together, each section's tiles query
-blocks slowest, costliest first under a mask, so the short causal tiles fill the end
-of a section instead of a tail wave of idle SMs. The
+blocks slowest (under a mask one section, costliest first, so the short causal tiles
+fill the end of the run instead of a tail wave of idle SMs). The
 rings' and barriers' phases run on across tiles, and the loader brings a tile's Q
 as soon as the consumers have computed the last scores of the tile before (a
 ``q_empty`` barrier), overlapping its last ``P V`` product and epilogue. Without it
@@ -87,14 +87,19 @@ def _tiles(n_tiles, PERSISTENT: gl.constexpr):
 def _decode(t, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k, window_left, window_right, MASK: gl.constexpr,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr, PERSISTENT: gl.constexpr):
     """The tile: (z, h, hk, m0, lo, a, b, n_blocks, diag). Without PERSISTENT the program
-    ids name it (grid (m blocks, Hq, B)); with it, tile t of the list: the (sequence, head)
-    pairs in sections whose K and V fit in L2 together (KV_L2_BYTES; whole groups of query
-    heads sharing a key head), a section's tiles query block slowest, then head; under a
-    mask the last query block, the costliest, first."""
+    ids name it (grid (m blocks, Hq, B)); with it, tile t of the list: query block slowest,
+    then (sequence, head); without a mask the pairs in sections whose K and V fit in L2
+    together (KV_L2_BYTES; whole groups of query heads sharing a key head), a section
+    after another. Under a mask the last query block, the costliest, first, over all the
+    heads: sections would deal each program about one tile of a section, a heavy one to
+    some and a light one to others (0.55x the one-tile grid at d256 s16384 causal)."""
     if PERSISTENT:
         heads = batch * heads_q
-        kv_heads = gl.maximum((KV_L2_BYTES // (4 * BLOCK_D)) // gl.maximum(seqlen_k, 1), 1)
-        width = gl.minimum(kv_heads, heads // group_size) * group_size
+        if MASK == MASK_NONE:
+            kv_heads = gl.maximum((KV_L2_BYTES // (4 * BLOCK_D)) // gl.maximum(seqlen_k, 1), 1)
+            width = gl.minimum(kv_heads, heads // group_size) * group_size
+        else:  # one section: a static round robin over costliest-first tiles stays balanced
+            width = heads
         first = (t // (width * n_m)) * width
         width = gl.minimum(width, heads - first)  # the last section may be narrower
         r = t - first * n_m
