@@ -206,7 +206,7 @@ CASES = [
     Case("long", (1, 8192, 8192, 2, 2, 128), {"causal": True}),
     # PERSISTENT walks the heads of unmasked calls in sections whose K and V fit in 24 MB:
     # d256 s8192 keys, three key heads a section (3, 3, 2 here; 9 and 3 query heads with
-    # the groups of three, a section ending inside the first sequence's heads)
+    # the groups of three, the first section spanning both sequences)
     Case("l2-sections", (1, 700, 8192, 8, 8, 256)),
     Case("l2-sections-gqa", (2, 1500, 8192, 6, 2, 256), dtype=torch.float16),
 ]
