@@ -4,7 +4,7 @@
 # flash.attn_fwd_ws cells (bf16; each cell's tuned tiles, PERSISTENT 0 and 1). Logs and the
 # rows (ab.json) go under $OUT.
 #
-#   bash benchmarks/ws_forward_ab.sh        # AB_SEQLEN (1024,4096,16384), AB_HEAD_DIM (64,128,256)
+#   bash benchmarks/ws_forward_ab.sh   # AB_SEQLEN (1024,4096,16384), AB_HEAD_DIM (64,128,256), AB_MASK (0,2)
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 AOTATTN_MODE=jit
@@ -17,7 +17,7 @@ timeout -s INT -k 20 "${TEST_S:-240}" python -m pytest -m gpu -q -n 8 -p no:cach
 grep -E "^(FAILED|ERROR)" "$OUT/ws-tests.log" | head -n 10; tail -n 1 "$OUT/ws-tests.log"
 stamp "persistent vs one tile per program, and cuDNN"
 timeout "${AB_S:-300}" python benchmarks/bench_knobs.py --table flash.attn_fwd_ws --dtype bf16 --cudnn \
-  --head-dim "${AB_HEAD_DIM:-64,128,256}" --seqlen "${AB_SEQLEN:-1024,4096,16384}" --mask 0,2 \
+  --head-dim "${AB_HEAD_DIM:-64,128,256}" --seqlen "${AB_SEQLEN:-1024,4096,16384}" --mask "${AB_MASK:-0,2}" \
   --json "$OUT/ab.json" > "$OUT/ab.log" 2>&1
 cat "$OUT/ab.log"
 stamp "done"
