@@ -85,8 +85,9 @@ def _tile(r, PERSISTENT: gl.constexpr):
     """The program's tile of round r, in the list of :func:`_decode`: rounds go over the
     programs back and forth (program p takes p, then 2 programs - 1 - p, ...), so under a
     mask, whose list runs costliest first, every program's tiles add up alike (a plain
-    round robin gives the first programs the heaviest tile of every round: 0.90x the
-    one-tile grid modelled at d256 s16384 causal, against 1.01x back and forth)."""
+    round robin gives the first programs the heaviest tile of every round; back and
+    forth ran d128/d256 s4096 causal 1.10x faster than one tile per program on the H200,
+    benchmarks/persistent_schedule_model.py models both)."""
     if PERSISTENT:
         p = gl.program_id(0)
         programs = gl.num_programs(0)

@@ -1,0 +1,67 @@
+"""A model of the ws forward's persistent schedule (kernels/forward_ws.py, PERSISTENT=1)
+against the one-tile grid, for choosing a tile order without device time. No GPU.
+
+Tile cost: its key blocks (query block i of a causal call: i + 1; full: all), plus a
+fixed cost per tile: small on the persistent grid (the next tile's Q load and the last
+product overlap the epilogue), larger on the one-tile grid (a new program's prologue and
+epilogue). The persistent grid deals a static list to ``programs`` programs; the one-tile
+grid is the hardware's greedy dispatch in launch order (query block fastest, costliest
+first). Printed: the makespan of each order (lower is faster). It has no L2 in it: orders
+that put many heads' K and V in flight at once lose more on the GPU than here (RESULTS.md,
+twentieth session).
+
+    python benchmarks/persistent_schedule_model.py
+"""
+
+from __future__ import annotations
+
+import heapq
+
+PERSISTENT_FIXED = 0.3  # per tile, in key blocks
+ONE_TILE_FIXED = 1.0
+PROGRAMS = 132  # the H200's SMs
+
+
+def costliest_first(heads: int, n_m: int, width: int) -> list[int]:
+    """Query block of each tile of the list: sections of ``width`` heads, query blocks
+    slowest and last first inside a section (width = heads: one list)."""
+    blocks = []
+    for first in range(0, heads, width):
+        w = min(width, heads - first)
+        blocks += [n_m - 1 - r // w for r in range(w * n_m)]
+    return blocks
+
+
+def static(blocks: list[int], programs: int, back_and_forth: bool) -> float:
+    load = [0.0] * programs
+    for t, m in enumerate(blocks):
+        r, i = divmod(t, programs)
+        p = programs - 1 - i if back_and_forth and r % 2 else i
+        load[p] += m + 1 + PERSISTENT_FIXED
+    return max(load)
+
+
+def greedy(blocks: list[int], programs: int) -> float:
+    free = [0.0] * programs
+    for m in blocks:
+        heapq.heappush(free, heapq.heappop(free) + m + 1 + ONE_TILE_FIXED)
+    return max(free)
+
+
+def main() -> None:
+    shapes = [("d64 s4096 B4 H32 (BLOCK_M 128)", 128, 32), ("d128 s4096 B4 H16", 64, 32), ("d256 s4096 B4 H8", 32, 32),
+              ("d128 s16384 B1 H16", 16, 128), ("d256 s16384 B1 H8", 8, 128), ("d128 s1024 B16 H16", 256, 8)]
+    print("causal, makespan in key blocks (lower is faster); sN: sections of N heads")
+    for name, heads, n_m in shapes:
+        one_list = costliest_first(heads, n_m, heads)
+        ideal = sum(m + 1 + PERSISTENT_FIXED for m in one_list) / PROGRAMS
+        one_tile = greedy([n_m - 1 - i % n_m for i in range(heads * n_m)], PROGRAMS)
+        row = [f"ideal {ideal:.0f}", f"one-tile {one_tile:.0f}", f"round robin {static(one_list, PROGRAMS, False):.0f}",
+               f"back and forth {static(one_list, PROGRAMS, True):.0f}"]
+        row += [f"s{w} {static(costliest_first(heads, n_m, w), PROGRAMS, False):.0f}"
+                for w in (1, 2, 4, 8, 16) if w < heads]
+        print(f"{name:32} " + "  ".join(row))
+
+
+if __name__ == "__main__":
+    main()
