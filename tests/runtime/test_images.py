@@ -482,13 +482,15 @@ def test_source_hash_covers_the_sibling_modules_a_kernel_imports(tmp_path, monke
     (package / "__init__.py").write_text("")
     (package / "common.py").write_text("X = 1\n")
     (package / "forward.py").write_text("from kpkg.common import X\nimport os\n"
-                                        "def f():\n    from .inner import (Z,\n        W)\n")
+                                        "def f():\n    from .inner import (Z,\n        W)\n"
+                                        "import sys; from .tail import T\n")
+    (package / "tail.py").write_text("T = 0\n")
     (package / "inner.py").write_text("Z = W = 0\n")
     (package / "other.py").write_text("Y = 2\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     images._kernel_sources.cache_clear()
     before = images.source_hash("kpkg.forward")
-    assert set(images._kernel_sources("kpkg.forward")) == {"kpkg.forward", "kpkg.common", "kpkg.inner"}
+    assert set(images._kernel_sources("kpkg.forward")) == {"kpkg.forward", "kpkg.common", "kpkg.inner", "kpkg.tail"}
     (package / "inner.py").write_text("Z = W = 1\n")  # imported inside a function, relatively
     images._kernel_sources.cache_clear()
     assert images.source_hash("kpkg.forward") != before
