@@ -4,9 +4,9 @@ against the one-tile grid, for choosing a tile order without device time. No GPU
 Tile cost: its key blocks (query block i of a causal call: i + 1; full: all), plus a
 fixed cost per tile: small on the persistent grid (the next tile's Q load and the last
 product overlap the epilogue), larger on the one-tile grid (a new program's prologue and
-epilogue). The persistent grid deals a static list to ``programs`` programs; the one-tile
-grid is the hardware's greedy dispatch in launch order (query block fastest, costliest
-first). Printed: the makespan of each order (lower is faster). It has no L2 in it: orders
+epilogue). The persistent grid deals a static list to ``programs`` programs (or, a
+design not built, programs take the next tile from an atomic counter); the one-tile grid
+is the hardware's greedy dispatch in launch order (query block fastest, costliest first). Printed: the makespan of each order (lower is faster). It has no L2 in it: orders
 that put many heads' K and V in flight at once lose more on the GPU than here (RESULTS.md,
 twentieth session).
 
@@ -41,17 +41,20 @@ def static(blocks: list[int], programs: int, back_and_forth: bool) -> float:
     return max(load)
 
 
-def greedy(blocks: list[int], programs: int) -> float:
+def greedy(blocks: list[int], programs: int, fixed: float = ONE_TILE_FIXED) -> float:
+    """The next tile to the first program free: the hardware's dispatch of a one-tile grid,
+    or (fixed = PERSISTENT_FIXED) a persistent grid taking tiles from an atomic counter."""
     free = [0.0] * programs
     for m in blocks:
-        heapq.heappush(free, heapq.heappop(free) + m + 1 + ONE_TILE_FIXED)
+        heapq.heappush(free, heapq.heappop(free) + m + 1 + fixed)
     return max(free)
 
 
 def main() -> None:
     shapes = [("d64 s4096 B4 H32 (BLOCK_M 128)", 128, 32), ("d128 s4096 B4 H16", 64, 32), ("d256 s4096 B4 H8", 32, 32),
               ("d128 s16384 B1 H16", 16, 128), ("d256 s16384 B1 H8", 8, 128), ("d128 s1024 B16 H16", 256, 8)]
-    print("causal, makespan in key blocks (lower is faster); sN: sections of N heads")
+    print("causal, makespan in key blocks (lower is faster); sN a/b: sections of N heads dealt by a round robin /"
+          " taken from an atomic counter")
     for name, heads, n_m in shapes:
         one_list = costliest_first(heads, n_m, heads)
         ideal = sum(m + 1 + PERSISTENT_FIXED for m in one_list) / PROGRAMS
@@ -59,6 +62,7 @@ def main() -> None:
         row = [f"ideal {ideal:.0f}", f"one-tile {one_tile:.0f}", f"round robin {static(one_list, PROGRAMS, False):.0f}",
                f"back and forth {static(one_list, PROGRAMS, True):.0f}"]
         row += [f"s{w} {static(costliest_first(heads, n_m, w), PROGRAMS, False):.0f}"
+                f"/{greedy(costliest_first(heads, n_m, w), PROGRAMS, PERSISTENT_FIXED):.0f}"
                 for w in (1, 2, 4, 8, 16) if w < heads]
         print(f"{name:32} " + "  ".join(row))
 
