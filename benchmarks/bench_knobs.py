@@ -44,7 +44,8 @@ VARIANTS = {
     "flash.attn_fwd_ws": {"plain": {}, "persist": {"PERSISTENT": 1}},
 }
 # the kernel's matmul FLOPs over the forward's two (dQ: S, dP, dQ; dK/dV: S, dP, dV, dK)
-FLOPS_OVER_FORWARD = {"flash.attn_fwd": 1.0, "flash.attn_fwd_ws": 1.0, "flash.attn_bwd_dq": 1.5, "flash.attn_bwd_dkdv": 2.0}
+FLOPS_OVER_FORWARD = {"flash.attn_fwd": 1.0, "flash.attn_fwd_ws": 1.0, "flash.attn_bwd_dq": 1.5,
+                      "flash.attn_bwd_dkdv": 2.0}
 
 
 def functional(dtype: str, head_dim: int, mask: int) -> Functional:

@@ -6,8 +6,9 @@ fixed cost per tile: small on the persistent grid (the next tile's Q load and th
 product overlap the epilogue), larger on the one-tile grid (a new program's prologue and
 epilogue). The persistent grid deals a static list to ``programs`` programs (or, a
 design not built, programs take the next tile from an atomic counter); the one-tile grid
-is the hardware's greedy dispatch in launch order (query block fastest, costliest first). Printed: the makespan of each order (lower is faster). It has no L2 in it: orders
-that put many heads' K and V in flight at once lose more on the GPU than here (RESULTS.md,
+is the hardware's greedy dispatch in launch order (query block fastest, costliest first).
+Printed: the makespan of each order (lower is faster). It has no L2 in it: orders that
+put many heads' K and V in flight at once lose more on the GPU than here (RESULTS.md,
 twentieth session).
 
     python benchmarks/persistent_schedule_model.py

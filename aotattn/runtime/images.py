@@ -154,9 +154,9 @@ def source_hash(module: str) -> str:
 
 
 # ``from <module> import`` at the start of a line or after a ``;`` (a function's own
-# imports too): the import statements source_hash follows. A line scan, not ast.parse: parsing the Gluon
-# kernel modules took 10-20 ms of a process's first call on the H200. A docstring line
-# that reads like an import only adds that module's file to the hash.
+# imports too): the import statements source_hash follows. A line scan, not ast.parse:
+# parsing the Gluon kernel modules took 10-20 ms of a process's first call on the H200.
+# A docstring line that reads like an import only adds that module's file to the hash.
 _FROM_IMPORT = re.compile(rb"(?:^|;)[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import\b", re.MULTILINE)
 
 
