@@ -87,4 +87,4 @@ stamp "summary"
 for f in suite mutants adiffs runtime fresh; do
   [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -n 15; tail -n 3 "$OUT/$f.log"; }
 done
-[ -f "$OUT/latency.log" ] && sed -n '/^first call/,$p' "$OUT/latency.log"
+if [ -f "$OUT/latency.log" ]; then sed -n '/^first call/,$p' "$OUT/latency.log"; fi  # rc 0 without the latency step

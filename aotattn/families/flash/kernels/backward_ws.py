@@ -90,6 +90,20 @@ def _loader(loads, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.co
 
 
 @gluon.jit
+def _step_zero(i):
+    """0, as a value of step i the compiler cannot see through (an opaque ``mov``).
+
+    Indexing the tiles that stay put for the whole loop (K, V, the one dO slot) with it
+    makes their wgmma descriptors be computed in each step, in uniform registers, instead
+    of hoisted out of the loop: hoisted, the column split's 48 descriptors of them lived
+    in vector registers across the step, and one consumer spilled 15-23 of them per step
+    (d256 sm_90 SASS, ``benchmarks/sass_loops.py``: step loops 552 and 664 instructions,
+    800 under a mask; with this 547 and 552, 635 and 667, no local memory; the key split's
+    d128 loops spilled 1-3 a step, now none; tests/compiler/test_machine_code.py)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right,
                    MASKED: gl.constexpr, MASK: gl.constexpr):
     """P^T of one step from the raw scores (keys down, queries across); MASKED: keys past
@@ -142,9 +156,9 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
 
     first_key = start_n + c * WARPGROUP_ROWS
     keys = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, s_layout))
-    k_mine = k_smem.slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
-    v_mine = v_smem.slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
-    k_cols = k_smem.slice(c * DQ_COLS, DQ_COLS, dim=1)  # dQ's columns of this consumer, every key
+    # K and V as one-slot rings, indexed anew each step (_step_zero)
+    k_all = k_smem._reinterpret(dtype, [1, CONSUMERS * WARPGROUP_ROWS, HEAD_D], k_smem.layout)
+    v_all = v_smem._reinterpret(dtype, [1, CONSUMERS * WARPGROUP_ROWS, HEAD_D], v_smem.layout)
     dq_tile = dq_smem.index(c)
     dk = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
     dv = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
@@ -160,6 +174,10 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
         rows = start_m + offs_m
         q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+        zero = _step_zero(i)
+        k_step = k_all.index(zero)
+        k_mine = k_step.slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
+        v_mine = v_all.index(zero).slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
         mbarrier.wait(q_ready.index(slot), phase)
         s_t = warpgroup_mma(k_mine, q_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
         delta = stats_rows.index(2 * slot).load(row_layout)
@@ -191,6 +209,7 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
         mbarrier.arrive(q_empty.index(slot), count=1)
         mbarrier.arrive(do_empty.index(slot), count=1)
         mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
+        k_cols = k_step.slice(c * DQ_COLS, DQ_COLS, dim=1)  # dQ's columns of this consumer, every key
         dq = warpgroup_mma(ds_tile.permute((1, 0)), k_cols, no_dq, use_acc=False)
         # the last step's reduce has read the staging tile by now (a whole step ago): rarely a wait
         tma.store_wait(0)
@@ -241,13 +260,17 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
         off_h, start_m = _step(i, lo, blocks, head0, BLOCK_M)
         rows = start_m + offs_m
         q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
-        do_tile = do_smem.index(0).reshape([BLOCK_M, HEAD_D])  # dO: one slot (shared memory)
+        # the tiles every step reads, addressed anew each step (see _step_zero)
+        zero = _step_zero(i)
+        do_tile = do_smem.index(zero).reshape([BLOCK_M, HEAD_D])  # dO: one slot (shared memory)
+        k_step = k_smem._reinterpret(dtype, [1, WARPGROUP_ROWS, HEAD_D], k_smem.layout).index(zero)
+        v_step = v_smem._reinterpret(dtype, [1, WARPGROUP_ROWS, HEAD_D], v_smem.layout).index(zero)
         mbarrier.wait(q_ready.index(slot), phase)
-        s_t = warpgroup_mma(k_smem, q_tile.slice(c * HALF_M, HALF_M, dim=0).permute((1, 0)), no_scores,
+        s_t = warpgroup_mma(k_step, q_tile.slice(c * HALF_M, HALF_M, dim=0).permute((1, 0)), no_scores,
                             use_acc=False, is_async=True)
         delta = stats_rows.index(2 * slot).slice(c * HALF_M, HALF_M).load(row_layout)
         mbarrier.wait(do_ready.index(0), i & 1)
-        dp_t = warpgroup_mma(v_smem, do_tile.slice(c * HALF_M, HALF_M, dim=0).permute((1, 0)),
+        dp_t = warpgroup_mma(v_step, do_tile.slice(c * HALF_M, HALF_M, dim=0).permute((1, 0)),
                              no_scores - delta[None, :], is_async=True)
         lse2 = stats_rows.index(2 * slot + 1).slice(c * HALF_M, HALF_M).load(row_layout)
         s_t = warpgroup_mma_wait(1, deps=(s_t, ))
@@ -275,7 +298,7 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
         dk = warpgroup_mma_wait(0, deps=(dk, ))
         mbarrier.arrive(q_empty.index(slot), count=1)
         for j in gl.static_range(COLS // DQ_COLS):
-            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(col0 + j * DQ_COLS, DQ_COLS, dim=1), no_dq,
+            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_step.slice(col0 + j * DQ_COLS, DQ_COLS, dim=1), no_dq,
                                use_acc=False)
             tma.store_wait(0)
             dq_tile.store(gl.reshape(dq * sm_scale, [1, BLOCK_M, DQ_COLS]))
