@@ -14,9 +14,11 @@
 # (fp16,bf16), OP_HEAD_DIM (the backward's 64,128,256), OP_WHERE (the backward's other axes,
 # default "DETERMINISTIC=False"), OP_PLAN_ARGS (more `aotattn tune plan` options; the padded
 # backward cells: benchmarks/padded_ws_session.sh),
-# TUNING_FROM (the database the copy starts from, default tuning/: another session's tuned copy
-# chains two sessions in one call), TEST_S / WS_S / OP_S / RUN_S (deadlines: 150 (0: no GPU tests) / 300 / 150 / 100 s; WS_S counts the compile: the forward's 576 kernels with PERSISTENT
-# took over 90 s on 16 cores), SELECT (perfmon's selection, default "-g dense -m *bf16*";
+# TUNING_FROM (the database the copy starts from, default tuning/: another session's tuned
+# copy chains two sessions in one call), TEST_S / WS_S / OP_S / RUN_S (deadlines: 150 (0: no
+# GPU tests) / 300 / 150 / 100 s; WS_S counts the compile: the forward's 576 kernels took 132 s
+# on 16 cores in the twenty-first session, whatever WS_SEQLEN, as every cell needs all 48
+# configurations of its functional), SELECT (perfmon's selection, default "-g dense -m *bf16*";
 # empty: no perfmon), TAG (h200-<date>-ws).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
