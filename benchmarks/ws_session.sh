@@ -10,7 +10,8 @@
 #   WS=backward bash benchmarks/ws_session.sh       # the backward: attn_bwd_ws, flash.backward
 #
 # Environment: WS (forward | backward), WS_SEQLEN (1024,4096,16384: the kernel's cells; empty:
-# no kernel cells, no GPU tests), OP_SEQLEN (512..16384: the operator table's), OP_DTYPE
+# no kernel cells, no GPU tests), WS_WHERE (the kernel's cells' other axes, e.g. "MASK=2":
+# fewer functionals to compile), OP_SEQLEN (512..16384: the operator table's), OP_DTYPE
 # (fp16,bf16), OP_HEAD_DIM (the backward's 64,128,256), OP_WHERE (the backward's other axes,
 # default "DETERMINISTIC=False"), OP_PLAN_ARGS (more `aotattn tune plan` options; the padded
 # backward cells: benchmarks/padded_ws_session.sh),
@@ -46,8 +47,9 @@ if [ "${TEST_S:-150}" != 0 ]; then
 fi
 
 stamp "tune flash.$kernel"
-aot tune plan -c "flash,$kernel" --dtype fp16,bf16 --seqlen "${WS_SEQLEN:-1024,4096,16384}" --tuning-db "$work/tuning" \
-  --out "$work/ws.jsonl" > "$OUT/plan.log" 2>&1
+ws_where=(); [ -n "${WS_WHERE:-}" ] && ws_where=(--where "$WS_WHERE")
+aot tune plan -c "flash,$kernel" "${ws_where[@]}" --dtype fp16,bf16 --seqlen "${WS_SEQLEN:-1024,4096,16384}" \
+  --tuning-db "$work/tuning" --out "$work/ws.jsonl" > "$OUT/plan.log" 2>&1
 OUT=$PWD/$work/s1 AOTATTN_TUNING_DB=$PWD/$work/tuning bash benchmarks/tune_session.sh "$work/ws.jsonl" "$work/img1" \
   "${WS_S:-300}" --compile > "$OUT/tune-ws.log" 2>&1
 tail -n 1 "$OUT/tune-ws.log"
