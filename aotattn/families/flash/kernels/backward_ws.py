@@ -104,6 +104,12 @@ def _step_zero(i):
 
 
 @gluon.jit
+def _one_slot(tile):
+    """A 2-D shared tile as a ring of one slot, to index with :func:`_step_zero`."""
+    return tile._reinterpret(tile.dtype, [1, tile.shape[0], tile.shape[1]], tile.layout)
+
+
+@gluon.jit
 def _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right,
                    MASKED: gl.constexpr, MASK: gl.constexpr):
     """P^T of one step from the raw scores (keys down, queries across); MASKED: keys past
@@ -156,9 +162,8 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
 
     first_key = start_n + c * WARPGROUP_ROWS
     keys = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, s_layout))
-    # K and V as one-slot rings, indexed anew each step (_step_zero)
-    k_all = k_smem._reinterpret(dtype, [1, CONSUMERS * WARPGROUP_ROWS, HEAD_D], k_smem.layout)
-    v_all = v_smem._reinterpret(dtype, [1, CONSUMERS * WARPGROUP_ROWS, HEAD_D], v_smem.layout)
+    k_all = _one_slot(k_smem)  # indexed anew each step (_step_zero)
+    v_all = _one_slot(v_smem)
     dq_tile = dq_smem.index(c)
     dk = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
     dv = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
@@ -263,8 +268,8 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
         # the tiles every step reads, addressed anew each step (see _step_zero)
         zero = _step_zero(i)
         do_tile = do_smem.index(zero).reshape([BLOCK_M, HEAD_D])  # dO: one slot (shared memory)
-        k_step = k_smem._reinterpret(dtype, [1, WARPGROUP_ROWS, HEAD_D], k_smem.layout).index(zero)
-        v_step = v_smem._reinterpret(dtype, [1, WARPGROUP_ROWS, HEAD_D], v_smem.layout).index(zero)
+        k_step = _one_slot(k_smem).index(zero)
+        v_step = _one_slot(v_smem).index(zero)
         mbarrier.wait(q_ready.index(slot), phase)
         s_t = warpgroup_mma(k_step, q_tile.slice(c * HALF_M, HALF_M, dim=0).permute((1, 0)), no_scores,
                             use_acc=False, is_async=True)
