@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import aotattn
 from aotattn import reference
+from aotattn.runtime.interpreter import interpreted_module
 from tests.helpers import DEVICES, TOLERANCE, rel_err
 from tests.families.flash.helpers import make_qkv, seed_from
 
@@ -91,3 +94,59 @@ def test_varlen_sequences_shorter_than_the_grid(device, request):
     assert rel_err(out.detach(), ref_out) < TOLERANCE[dtype]
     for name, grad, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert rel_err(grad, ref) < TOLERANCE[dtype], name
+
+
+# ------------------------------------------------------------------ the renumbering itself
+
+_program_order = interpreted_module("aotattn.families.flash.kernels.common").program_order
+
+
+def _interpreted(fn):
+    """``@triton.jit``, run by Triton's interpreter (the knob decides at decoration)."""
+    previous = triton.knobs.runtime.interpret
+    triton.knobs.runtime.interpret = True
+    try:
+        return triton.jit(fn)
+    finally:
+        triton.knobs.runtime.interpret = previous
+
+
+@_interpreted
+def _record_order(Out, streamed_bytes, MASK: tl.constexpr):
+    rank, head, batch = _program_order(streamed_bytes, MASK)
+    linear = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+    tl.store(Out + 3 * linear, rank)
+    tl.store(Out + 3 * linear + 1, head)
+    tl.store(Out + 3 * linear + 2, batch)
+
+
+def _launch_order(blocks: int, heads: int, batch: int, streamed_bytes: int, mask: int) -> list[tuple[int, int, int]]:
+    """(rank, head, batch) of each program, in the order the hardware starts them."""
+    out = torch.full((blocks * heads * batch, 3), -1, dtype=torch.int32)
+    _record_order[(blocks, heads, batch)](out, streamed_bytes, mask)
+    return [tuple(row) for row in out.tolist()]
+
+
+@pytest.mark.parametrize("blocks, heads, batch, streamed_mb", [
+    (32, 2, 4, 16),    # GQA group 8, d128 s4096 (the ws backward): one head at a time
+    (32, 16, 4, 2),    # dense d128 s4096: 8 heads together
+    (128, 8, 1, 16),   # d256 s16384: one head at a time
+    (7, 5, 3, 1),      # short: 15 pairs, all together
+    (3, 1, 1, 64),     # one pair
+    (1, 40, 2, 0),     # one block a head (streamed 0: no L2 limit): 16 + 16 + 16 + 16 + 16
+])
+def test_masked_grids_start_the_costliest_blocks_of_a_group_of_heads_first(blocks, heads, batch, streamed_mb):
+    order = _launch_order(blocks, heads, batch, streamed_mb << 20, mask=1)
+    pairs = heads * batch
+    assert sorted(order) == sorted((r, h, z) for r in range(blocks) for h in range(heads) for z in range(batch))
+    together = 16 if streamed_mb == 0 else min(16, max(1, 16 // streamed_mb))  # L2_SHARE 16 MB, 16 at most
+    for first in range(0, pairs, together):  # each group: rank by rank, its pairs in launch order
+        size = min(together, pairs - first)
+        group = order[first * blocks:(first + size) * blocks]
+        assert [r for r, _, _ in group] == [r for r in range(blocks) for _ in range(size)]
+        assert [h + heads * z for _, h, z in group[:size]] == list(range(first, first + size))
+
+
+def test_unmasked_grids_run_as_launched():
+    order = _launch_order(5, 3, 2, 1 << 20, mask=0)
+    assert order == [(r, h, z) for z in range(2) for h in range(3) for r in range(5)]
