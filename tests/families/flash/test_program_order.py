@@ -23,18 +23,18 @@ from tests.helpers import DEVICES, TOLERANCE, rel_err
 from tests.families.flash.helpers import make_qkv, seed_from
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim, window): the comment gives the
-# groups of (head, batch) pairs the patch cuts the forward/dQ and the dK/dV grids into
+# groups of (head, batch) pairs program_order cuts the forward/dQ and the dK/dV grids into
 CASES = {
     "cpu": [
-        (3, 70, 70, 7, 7, 16, None),      # 21 pairs: 16 + 5; dK/dV the same
+        (3, 70, 70, 7, 7, 16, None),      # 21 pairs: one group of 21 (16 and the remainder)
         (5, 40, 90, 6, 2, 32, None),      # GQA, Sq < Sk: 30 pairs (16 + 14), dK/dV 10
         (1, 33, 33, 1, 1, 16, None),      # one pair
-        (4, 50, 50, 5, 5, 16, (7, 3)),    # a window: 20 pairs, 16 + 4
+        (4, 50, 50, 5, 5, 16, (7, 3)),    # a window: 20 pairs, one group
     ],
     "cuda": [
-        (5, 4096, 4096, 7, 7, 128, None),     # K, V 2 MB a head: groups of 8, 35 pairs = 4 x 8 + 3
-        (3, 2048, 2048, 8, 2, 256, None),     # GQA d256: forward/dQ 16 + 8; dK/dV 2 + 2 + 2 (8 MB of q, dO)
-        (2, 3000, 5000, 12, 12, 64, (300, 0)),  # a window, Sq < Sk: 24 pairs, 16 + 8
+        (5, 4096, 4096, 7, 7, 128, None),     # 35 pairs of 32-64 blocks: groups of 2-4, the last larger
+        (3, 2048, 2048, 8, 2, 256, None),     # GQA d256: dK/dV 8 MB of q and dO a pair (split), none (ws)
+        (2, 3000, 5000, 12, 12, 64, (300, 0)),  # a window, Sq < Sk: 24 pairs
     ],
 }
 
@@ -127,24 +127,29 @@ def _launch_order(blocks: int, heads: int, batch: int, streamed_bytes: int, mask
     return [tuple(row) for row in out.tolist()]
 
 
-@pytest.mark.parametrize("blocks, heads, batch, streamed_mb", [
-    (32, 2, 4, 16),    # GQA group 8, d128 s4096 (the ws backward): one head at a time
-    (32, 16, 1, 2),    # dense d128 s4096, one batch entry: 8 heads together
-    (128, 8, 1, 16),   # d256 s16384: one head at a time
-    (7, 5, 3, 1),      # short: 15 pairs, all together
-    (3, 1, 1, 64),     # one pair
-    (1, 40, 2, 0),     # one block a head (streamed 0: no L2 limit): 16 + 16 + 16 + 16 + 16
+@pytest.mark.parametrize("blocks, heads, batch, streamed_mb, sizes", [
+    # GQA group 8, d128 s4096 (the ws backward, no L2 limit): a wave holds 4 pairs of 32 blocks
+    (32, 2, 4, 0, [4, 4]),
+    (32, 16, 1, 2, [4, 4, 4, 4]),   # dense d128 s4096, one batch entry: L2 allows 8, a wave 4
+    (128, 8, 1, 16, [1] * 8),       # d256 s16384: 16 MB a head, 128 blocks, one at a time
+    (7, 5, 3, 1, [15]),             # short: a wave would hold 18 pairs, 15 there are
+    (3, 1, 1, 64, [1]),             # one pair
+    (1, 40, 2, 0, [16] * 5),        # one block a head: at most 16 together
+    (32, 7, 3, 0, [4, 4, 4, 4, 5]),  # 21 pairs in fours: the last group takes the remainder
+    (24, 11, 1, 0, [5, 6]),         # a wave holds 5 pairs of 24 blocks
+    (40, 3, 1, 4, [3]),             # L2 allows 4, a wave 3
 ])
-def test_masked_grids_start_the_costliest_blocks_of_a_group_of_heads_first(blocks, heads, batch, streamed_mb):
+def test_masked_grids_start_the_costliest_blocks_of_a_group_of_heads_first(blocks, heads, batch, streamed_mb, sizes):
     order = _launch_order(blocks, heads, batch, streamed_mb << 20, mask=1)
     pairs = heads * batch
+    assert sum(sizes) == pairs
     assert sorted(order) == sorted((r, h, z) for r in range(blocks) for h in range(heads) for z in range(batch))
-    together = 16 if streamed_mb == 0 else min(16, max(1, 16 // streamed_mb))  # L2_SHARE 16 MB, 16 at most
-    for first in range(0, pairs, together):  # each group: rank by rank, its pairs in launch order
-        size = min(together, pairs - first)
+    first = 0
+    for size in sizes:  # each group: rank by rank, its pairs in launch order
         group = order[first * blocks:(first + size) * blocks]
         assert [r for r, _, _ in group] == [r for r in range(blocks) for _ in range(size)]
         assert [h + heads * z for _, h, z in group[:size]] == list(range(first, first + size))
+        first += size
 
 
 def test_unmasked_grids_run_as_launched():

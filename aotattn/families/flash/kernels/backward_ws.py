@@ -57,11 +57,19 @@ def _reduce_add(desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _step(i, lo, blocks, head0, BLOCK_M: gl.constexpr):
-    """Step i of a program's loop: (query head, first row of the query block); ``head0``:
-    the group's first query head (int32: a bulk copy's coordinates are)."""
-    g = i // blocks
-    return head0 + g, lo + (i - g * blocks) * BLOCK_M
+def _step(i, last_m, group, head0, BLOCK_M: gl.constexpr):
+    """Step i of a program's loop: (query head, first row of the query block); ``last_m``:
+    the first row of the program's last query block, ``head0``: the group's first query
+    head (int32: a bulk copy's coordinates are).
+
+    The query blocks go from the last down, every head of the group at each: the programs
+    of a key/value head started together then read the same tile at the same step (a causal
+    mask's programs differ in their first block, never in their last), so the L2 holds a
+    few tiles of a head's q and dO instead of all of them; from the diagonal up, program j
+    would read block j + t at step t, and a group's programs would spread over all of its
+    q and dO (16 MB a head at GQA group 8, d128 s4096)."""
+    k = i // group
+    return head0 + (i - k * group), last_m - k * BLOCK_M
 
 
 @gluon.jit
@@ -69,7 +77,7 @@ def _loader(loads, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.co
     """The loader warp: the program's K and V, then Q (with its rows' delta and lse) and dO
     of every step into the rings."""
     (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem, v_smem, do_smem, stats_smem, kv_bar, q_ready,
-     do_ready, q_empty, do_empty, start_n, lo, blocks, n_steps, head0) = loads
+     do_ready, q_empty, do_empty, start_n, last_m, group, n_steps, head0) = loads
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_smem)
@@ -78,7 +86,7 @@ def _loader(loads, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.co
         free = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes the wait on parity 1
         do_slot = i % DO_STAGES
         do_free = ((i // DO_STAGES) & 1) ^ 1
-        off_h, start_m = _step(i, lo, blocks, head0, BLOCK_M)
+        off_h, start_m = _step(i, last_m, group, head0, BLOCK_M)
         mbarrier.wait(q_empty.index(slot), free)
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [off_h, start_m, 0], q_ready.index(slot), q_smem.index(slot))
@@ -145,7 +153,7 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
                    STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PAD_HEAD: gl.constexpr):
     """Consumer warpgroup c of a 128-key program: keys start_n + 64 c .. start_n + 64 c + 63."""
     (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
-     do_empty, ds_ready, dq_desc, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
+     do_empty, ds_ready, dq_desc, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, last_m, a, b, group, n_steps,
      head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail, head_dim, head_dim_v) = work
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -175,7 +183,7 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
         slot = i % STAGES
         phase = (i // STAGES) & 1
         buf = i % 2
-        off_h, start_m = _step(i, lo, blocks, head0, BLOCK_M)
+        off_h, start_m = _step(i, last_m, group, head0, BLOCK_M)
         rows = start_m + offs_m
         q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
         do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
@@ -235,7 +243,7 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
     """Consumer warpgroup c of a 64-key program: columns c D/2 .. (c + 1) D/2 - 1 of the
     keys' dK and dV, and of every step's dQ; half of the step's queries for S^T and dP^T."""
     (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
-     do_empty, ds_ready, dq_desc, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
+     do_empty, ds_ready, dq_desc, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, last_m, a, b, group, n_steps,
      head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail, head_dim, head_dim_v) = work
     HALF_M: gl.constexpr = BLOCK_M // 2
     COLS: gl.constexpr = HEAD_D // 2
@@ -262,7 +270,7 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
         slot = i % STAGES
         phase = (i // STAGES) & 1
         buf = i % 2
-        off_h, start_m = _step(i, lo, blocks, head0, BLOCK_M)
+        off_h, start_m = _step(i, last_m, group, head0, BLOCK_M)
         rows = start_m + offs_m
         q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
         # the tiles every step reads, addressed anew each step (see _step_zero)
@@ -360,8 +368,9 @@ def attn_bwd_ws(
     COLUMNS: gl.constexpr = BLOCK_N == WARPGROUP_ROWS
     DO_STAGES: gl.constexpr = 1 if COLUMNS else STAGES
     DQ_COLS: gl.constexpr = 64 if BLOCK_D > 128 else BLOCK_D // CONSUMERS  # one bulk reduce's columns
-    qdo_bytes = gl.cast(max_seqlen_q, gl.int64) * (2 * BLOCK_D) * 2 * group_size
-    pid_n, off_hk, off_z = program_order(qdo_bytes, MASK)
+    # the programs of a head read the same q and dO tiles at the same step (_step): what they
+    # stream together is a few tiles, not the head's q and dO, and sets no L2 limit
+    pid_n, off_hk, off_z = program_order(0, MASK)
     head0 = off_hk * group_size
     off_hk = off_hk.to(gl.int64)
     off_z = off_z.to(gl.int64)
@@ -377,6 +386,7 @@ def attn_bwd_ws(
                               window_left, MASK, BLOCK_M)
     blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M
     n_steps = group_size * blocks
+    last_m = lo + (blocks - 1) * BLOCK_M
     tail = start_n + BLOCK_N > seqlen_k  # keys past the sequence: masked at every step
 
     dtype: gl.constexpr = Q.dtype.element_ty
@@ -450,10 +460,10 @@ def attn_bwd_ws(
 
     work = (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
             do_empty, ds_ready, dq_desc, DK + off_z * stride_dkz + off_hk * stride_dkh,
-            DV + off_z * stride_dvz + off_hk * stride_dvh, stride_dkn, stride_dvn, start_n, lo, a, b, blocks, n_steps,
-            head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail, head_dim, head_dim_v)
+            DV + off_z * stride_dvz + off_hk * stride_dvh, stride_dkn, stride_dvn, start_n, last_m, a, b, group_size,
+            n_steps, head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail, head_dim, head_dim_v)
     loads = (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem, v_smem, do_smem, stats_smem, kv_bar,
-             q_ready, do_ready, q_empty, do_empty, start_n, lo, blocks, n_steps, head0)
+             q_ready, do_ready, q_empty, do_empty, start_n, last_m, group_size, n_steps, head0)
     gl.warp_specialize([
         (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD)),
         (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD)),
