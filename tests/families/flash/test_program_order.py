@@ -11,6 +11,9 @@ block that no program wrote fails the comparison with the float64 reference.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -100,6 +103,12 @@ def test_varlen_sequences_shorter_than_the_grid(device, request):
 
 _program_order = interpreted_module("aotattn.families.flash.kernels.common").program_order
 
+# benchmarks/program_order_model.py: the list-scheduling model that chose the grouping rule
+_MODEL_SPEC = importlib.util.spec_from_file_location(
+    "program_order_model", Path(__file__).resolve().parents[3] / "benchmarks" / "program_order_model.py")
+_model = importlib.util.module_from_spec(_MODEL_SPEC)
+_MODEL_SPEC.loader.exec_module(_model)
+
 
 def _interpreted(fn):
     """``@triton.jit``, run by Triton's interpreter (the knob decides at decoration)."""
@@ -143,6 +152,7 @@ def test_masked_grids_start_the_costliest_blocks_of_a_group_of_heads_first(block
     order = _launch_order(blocks, heads, batch, streamed_mb << 20, mask=1)
     pairs = heads * batch
     assert sum(sizes) == pairs
+    assert _model.group_sizes(pairs, blocks, streamed_mb, "landed") == sizes  # the model models this rule
     assert sorted(order) == sorted((r, h, z) for r in range(blocks) for h in range(heads) for z in range(batch))
     first = 0
     for size in sizes:  # each group: rank by rank, its pairs in launch order
