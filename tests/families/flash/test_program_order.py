@@ -30,7 +30,7 @@ from tests.families.flash.helpers import make_qkv, seed_from
 CASES = {
     "cpu": [
         (3, 70, 70, 7, 7, 16, None),      # 21 pairs: one group of 21 (16 and the remainder)
-        (5, 40, 90, 6, 2, 32, None),      # GQA, Sq < Sk: 30 pairs (16 + 14), dK/dV 10
+        (5, 40, 90, 6, 2, 32, None),      # GQA, Sq < Sk: 30 pairs, one group (16 and the remainder); dK/dV 10
         (1, 33, 33, 1, 1, 16, None),      # one pair
         (4, 50, 50, 5, 5, 16, (7, 3)),    # a window: 20 pairs, one group
     ],

@@ -205,10 +205,11 @@ def program_order(streamed_bytes, MASK: tl.constexpr):
     keep their ``streamed_bytes`` (what all of one head's programs read, that L2 shares
     between them) within ``L2_SHARE``, at most ``MAX_HEADS_TOGETHER``, and as fill at most
     one wave: then each group's costliest blocks start as the last group's cheapest end,
-    group after group. The last group takes the remainder of the heads rather than be a
-    small group on its own, whose costliest blocks would start last (GQA group 8, d128
-    s4096 causal backward: 8 heads of 32 blocks one by one, 1.59x the ideal in that model;
-    in groups of 4, the ideal; in groups of 5 and 3, 1.38x).
+    group after group. The last group takes the remainder of the heads (so it may hold up to
+    twice the others) rather than be a small group on its own, whose costliest blocks would
+    start last (GQA group 8, d128 s4096 causal backward: 8 heads of 32 blocks one by one,
+    1.59x the ideal in that model; in groups of 4, the ideal; in groups of 5 and 3, 1.38x;
+    benchmarks/program_order_model.py).
     """
     if MASK == MASK_NONE:
         return tl.program_id(0), tl.program_id(1), tl.program_id(2)
