@@ -265,7 +265,7 @@ def forward_plan(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
         args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **c.tile_strides(kernel, q=q, k=k, v=v, o=out),
                     **c.lse_strides(kernel, lse), max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k, batch=p.batch,
                     num_heads_q=p.heads_q, group_size=p.group_size, qk_scale=p.softmax_scale * LOG2E,
-                    window_left=left, window_right=right)
+                    window_left=left, window_right=right, head_dim=p.head_dim, head_dim_v=p.head_dim_v)
     elif engine == "triton":
         kernel = rules.ATTN_FWD
         args = dict(Q=q, K=k, V=v, Out=out, Lse=lse, **c.sequences(q.device), **c.bias_args(kernel, q),

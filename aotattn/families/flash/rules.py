@@ -211,11 +211,10 @@ ATTN_FWD = _attention_kernel(
 def _ws_unserved(functional: Mapping[str, Any]) -> bool:
     """What the warp-specialized forward does not compute (kernels/forward_ws.py): fp32,
     head buckets below 64 (not built: small heads stay with the Triton kernel), unequal
-    or padded heads, varlen, dropout, a bias. Those calls run attn_fwd whatever the
-    forward table says."""
+    head buckets, varlen, dropout, a bias. Those calls run attn_fwd whatever the forward
+    table says. Padded heads it computes: its descriptors span the real head dims."""
     return (functional["dtype"] == "fp32" or functional["BLOCK_D"] < 64 or _unequal_head_buckets(functional)
-            or functional["PAD_HEAD"] or functional["VARLEN"] or functional["DROPOUT"]
-            or functional["BIAS"] != BIAS_NONE)
+            or functional["VARLEN"] or functional["DROPOUT"] or functional["BIAS"] != BIAS_NONE)
 
 
 def _ws_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -264,7 +263,7 @@ ATTN_FWD_WS = _ws_kernel(
                        "stride_vz", "stride_vh", "stride_vn", "stride_oz", "stride_oh", "stride_om"),
         *_LSE_STRIDES, Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("batch", _I32),
         Arg("num_heads_q", _I32), Arg("group_size", _I32), Arg("qk_scale", _F32), Arg("window_left", _I32),
-        Arg("window_right", _I32),
+        Arg("window_right", _I32), Arg("head_dim", _I32, aligned=True), Arg("head_dim_v", _I32, aligned=True),
     ),
     _FWD_AXES, _WS_TUNING, _ws_unserved, ChosenBy("flash.forward", "engine", "ws", _ws_calls),
     knob_defaults=_WS_KNOB_DEFAULTS,
@@ -336,9 +335,8 @@ ATTN_BWD_FUSED = _attention_kernel(
 
 def _ws_bwd_unserved(functional: Mapping[str, Any]) -> bool:
     """What the warp-specialized backward does not compute (kernels/backward_ws.py): the
-    forward's exclusions but padded heads (its descriptors span the real head dims), and
-    head-dim buckets other than 64, 128 and 256."""
-    return _ws_unserved({**functional, "PAD_HEAD": False}) or functional["BLOCK_D"] not in (64, 128, 256)
+    forward's exclusions, and head-dim buckets other than 64, 128 and 256."""
+    return _ws_unserved(functional) or functional["BLOCK_D"] not in (64, 128, 256)
 
 
 def _ws_bwd_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:

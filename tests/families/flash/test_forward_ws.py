@@ -68,12 +68,12 @@ def covering(d: int) -> list[Config]:
 
 def test_it_serves_plain_fp16_bf16_calls_on_sm_90_only():
     served = [f.as_dict() for f in rules.ATTN_FWD_WS.enumerate_functionals()]
-    assert len(served) == 2 * 3 * 3  # dtype x head dim 64/128/256 x mask
-    assert {(f["dtype"], f["BLOCK_D"], f["MASK"]) for f in served} == set(
-        itertools.product(("fp16", "bf16"), (64, 128, 256), (0, 1, 2)))
-    assert rules.ws_serves(functional(), "sm_90")
+    assert len(served) == 2 * 3 * 3 * 2  # dtype x head dim 64/128/256 x mask x padded heads
+    assert {(f["dtype"], f["BLOCK_D"], f["MASK"], f["PAD_HEAD"]) for f in served} == set(
+        itertools.product(("fp16", "bf16"), (64, 128, 256), (0, 1, 2), (False, True)))
+    assert rules.ws_serves(functional(), "sm_90") and rules.ws_serves(functional(PAD_HEAD=True), "sm_90")
     assert not rules.ws_serves(functional(), "sm_80") and not rules.ws_serves(functional(), "gfx942")
-    for change in ({"dtype": "fp32"}, {"BLOCK_D": 32, "BLOCK_DV": 32}, {"BLOCK_DV": 64}, {"PAD_HEAD": True},
+    for change in ({"dtype": "fp32"}, {"BLOCK_D": 32, "BLOCK_DV": 32}, {"BLOCK_DV": 64},
                    {"VARLEN": True}, {"DROPOUT": True}, {"BIAS": rules.BIAS_ADD}):
         assert not rules.ws_serves(functional(**change), "sm_90"), change
     assert rules.ATTN_FWD_WS.language == "gluon" and rules.ATTN_FWD.language == "triton"
@@ -90,10 +90,16 @@ def test_cpu_calls_plan_the_triton_kernel_and_never_interpret_gluon():
     assert planning.forward_plan(c, q, k, v, out, lse).kernel is rules.ATTN_FWD
     with pytest.raises(ValueError, match="engine: expected one of triton, ws"):
         planning.forward_plan(c, q, k, v, out, lse, engine="cudnn")
-    padded = make_qkv(1, 70, 90, 2, 2, 72, 72, torch.bfloat16, "cpu")
+    small = make_qkv(1, 70, 90, 2, 2, 24, 24, torch.bfloat16, "cpu")  # head bucket 32: no ws kernel
     with pytest.raises(ValueError, match="engine 'ws'.*does not serve"):
-        planning.forward_plan(planning.new_call(problem(*padded), *padded), *padded, torch.empty_like(padded[0]), lse,
+        planning.forward_plan(planning.new_call(problem(*small), *small), *small, torch.empty_like(small[0]), lse,
                               engine="ws")
+    # padded heads: the descriptors span the real head dims (kernels/forward_ws.py)
+    padded = make_qkv(1, 70, 90, 2, 2, 72, 40, torch.bfloat16, "cpu")
+    pc = planning.new_call(problem(*padded), *padded)
+    plan = planning.forward_plan(pc, *padded, torch.empty(1, 70, 2, 40, dtype=torch.bfloat16), lse, config=Config.of(
+        BLOCK_M=128, BLOCK_N=64, STAGES=2, PINGPONG=1, num_warps=4, num_stages=1), engine="ws")
+    assert plan.kernel is rules.ATTN_FWD_WS and plan.functional["PAD_HEAD"] and plan.functional["BLOCK_D"] == 128
     # planned on CPU tensors (perfmon plans calls so, for a GPU's tables), never interpreted
     plan = planning.forward_plan(c, q, k, v, out, lse, config=Config.of(
         BLOCK_M=128, BLOCK_N=64, STAGES=2, PINGPONG=1, num_warps=4, num_stages=1), engine="ws")
@@ -183,9 +189,19 @@ def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies(d, persistent
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
-    shape: tuple[int, ...]  # batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim (= head_dim_v)
+    shape: tuple[int, ...]  # batch, seqlen_q, seqlen_k, heads_q, heads_k, head_dim
     kwargs: dict = dataclasses.field(default_factory=dict)
     dtype: torch.dtype = torch.bfloat16
+    head_dim_v: int | None = None  # None: head_dim
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        """(head_dim, head_dim_v)"""
+        return self.shape[5], self.shape[5] if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def bucket(self) -> int:
+        return rules.head_dim_bucket(max(self.dims))
 
 
 CASES = [
@@ -209,6 +225,13 @@ CASES = [
     # the groups of three, the first section spanning both sequences)
     Case("l2-sections", (1, 700, 8192, 8, 8, 256)),
     Case("l2-sections-gqa", (2, 1500, 8192, 6, 2, 256), dtype=torch.float16),
+    # padded heads (PAD_HEAD): zero columns from the bulk copies past the real head dims
+    Case("padded-d72-causal", (2, 1024, 1024, 8, 8, 72), {"causal": True}),
+    Case("padded-d96-dv64", (2, 1000, 1777, 8, 4, 96), head_dim_v=64),
+    Case("padded-d80-window-fp16", (1, 2048, 2048, 8, 8, 80), {"window_size": (100, 0)}, torch.float16),
+    Case("padded-d200-causal", (1, 1500, 1500, 4, 4, 200), {"causal": True}),
+    Case("padded-d160-dv224-gqa-fp16", (2, 700, 3000, 6, 2, 160), dtype=torch.float16, head_dim_v=224),
+    Case("padded-d40-one-query", (3, 1, 333, 4, 4, 40), {"causal": True}),
 ]
 
 
@@ -222,7 +245,7 @@ def engine(monkeypatch):
 
 
 def _configs(case: Case) -> list[Config]:
-    return covering(case.shape[5])
+    return covering(case.bucket)
 
 
 def _name(config: Config) -> str:
@@ -230,8 +253,8 @@ def _name(config: Config) -> str:
 
 
 def _served(case: Case) -> bool:
-    b, sq, sk, hq, hk, d = case.shape
-    q, k, v = make_qkv(b, 2, 2, hq, hk, d, d, case.dtype, "cpu")
+    b, sq, sk, hq, hk, _ = case.shape
+    q, k, v = make_qkv(b, 2, 2, hq, hk, *case.dims, case.dtype, "cpu")
     c = planning.new_call(problem(q, k, v, **case.kwargs), q, k, v)
     return rules.ws_serves(c.functional(), "sm_90")
 
@@ -241,7 +264,7 @@ def _served(case: Case) -> bool:
 def test_it_matches_the_reference_with_every_knob_value(case, engine, request):
     assert _served(case), case
     seed_from(request.node.name)
-    q, k, v = make_qkv(*case.shape, case.shape[5], case.dtype, "cuda")
+    q, k, v = make_qkv(*case.shape[:5], *case.dims, case.dtype, "cuda")
     for config in _configs(case):
         engine(config)
         c = planning.new_call(problem(q, k, v, **case.kwargs), q, k, v)
@@ -254,13 +277,14 @@ def test_it_matches_the_reference_with_every_knob_value(case, engine, request):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("causal", "full-gqa-fp16", "window", "full-d256")],
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in ("causal", "full-gqa-fp16", "window", "full-d256",
+                                                                   "padded-d96-dv64", "padded-d200-causal")],
                          ids=lambda c: c.name)
 def test_the_backward_runs_on_its_log_sum_exp(case, engine, request):
-    """A training call: the Triton backward reads the ws forward's out and lse."""
+    """A training call: the backward reads the ws forward's out and lse."""
     seed_from(request.node.name)
-    q, k, v = make_qkv(*case.shape, case.shape[5], case.dtype, "cuda", requires_grad=True)
-    engine(covering(case.shape[5])[0])
+    q, k, v = make_qkv(*case.shape[:5], *case.dims, case.dtype, "cuda", requires_grad=True)
+    engine(covering(case.bucket)[0])
     out = aotattn.flash_attn_func(q, k, v, **case.kwargs)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)

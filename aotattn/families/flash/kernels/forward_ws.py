@@ -224,11 +224,11 @@ def _pass_turn(turn, c: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.cons
 @gluon.jit
 def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr,
-              PERSISTENT: gl.constexpr):
+              PERSISTENT: gl.constexpr, PAD_HEAD: gl.constexpr):
     """Consumer warpgroup c: rows m0 + 64 c .. m0 + 64 c + 63 of every tile of the program."""
     (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn, Out, Lse, stride_oz,
      stride_oh, stride_om, stride_lz, stride_lh, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k, window_left,
-     window_right, qk_scale) = work
+     window_right, qk_scale, head_dim_v) = work
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -315,8 +315,10 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
         cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
         out_ptr = Out + z.to(gl.int64) * stride_oz + h.to(gl.int64) * stride_oh
         lse_ptr = Lse + z.to(gl.int64) * stride_lz + h.to(gl.int64) * stride_lh
-        gl.store(out_ptr + out_rows[:, None].to(gl.int64) * stride_om + cols[None, :], out.to(dtype),
-                 mask=out_rows[:, None] < seqlen_q)
+        keep = out_rows[:, None] < seqlen_q
+        if PAD_HEAD:  # the bucket's columns past the head dim are not the output's
+            keep = keep & (cols[None, :] < head_dim_v)
+        gl.store(out_ptr + out_rows[:, None].to(gl.int64) * stride_om + cols[None, :], out.to(dtype), mask=keep)
         gl.store(lse_ptr + rows, lse, mask=rows < seqlen_q)
         it += n_blocks
         tt += n_blocks + 1
@@ -326,20 +328,23 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
 # warp_specialize takes one function per partition: the consumers differ only in c
 @gluon.jit
 def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):
-    _consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)
+               STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
+               PAD_HEAD: gl.constexpr):
+    _consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)
 
 
 @gluon.jit
 def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):
-    _consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)
+               STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
+               PAD_HEAD: gl.constexpr):
+    _consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)
 
 
 @gluon.jit
 def _consumer2(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr):
-    _consumer(2, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)
+               STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
+               PAD_HEAD: gl.constexpr):
+    _consumer(2, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)
 
 
 @gluon.jit
@@ -350,8 +355,8 @@ def attn_fwd_ws(
     stride_vz, stride_vh, stride_vn,
     stride_oz, stride_oh, stride_om,
     stride_lz, stride_lh,
-    max_seqlen_q, max_seqlen_k, batch, num_heads_q, group_size, qk_scale, window_left, window_right,
-    MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
+    max_seqlen_q, max_seqlen_k, batch, num_heads_q, group_size, qk_scale, window_left, window_right, head_dim,
+    head_dim_v, MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     PERSISTENT: gl.constexpr,
@@ -361,8 +366,8 @@ def attn_fwd_ws(
     tile on a grid (programs,). Compiled with num_warps=4 (the first consumer, the default
     partition) and grows to 4 per consumer plus the loader's. The functional axes it does
     not serve (rules._ws_unserved) are fixed."""
-    gl.static_assert(BLOCK_DV == BLOCK_D and not PAD_HEAD and not VARLEN and not DROPOUT and BIAS == 0,
-                     "attn_fwd_ws: equal unpadded heads, no varlen, dropout or bias")
+    gl.static_assert(BLOCK_DV == BLOCK_D and not VARLEN and not DROPOUT and BIAS == 0,
+                     "attn_fwd_ws: one head-dim bucket, no varlen, dropout or bias")
     CONSUMERS: gl.constexpr = BLOCK_M // WARPGROUP_ROWS
     seqlen_q = max_seqlen_q
     seqlen_k = max_seqlen_k
@@ -373,15 +378,24 @@ def attn_fwd_ws(
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, BLOCK_D], dtype)
     # [batch, head, row, column]: rows past a sequence arrive as zeros (their scores are
     # masked or their rows not stored)
-    q_desc = tma.make_tensor_descriptor(Q, shape=[batch, num_heads_q, gl.maximum(seqlen_q, 1), BLOCK_D],
+    # padded heads (rows of 16 bytes, the aligned8 variant): the descriptors span the real
+    # head dims, so the bulk copies fill the bucket's columns past them with zeros (adding
+    # nothing to Q K^T, and zero output columns, which the store drops)
+    if PAD_HEAD:
+        cols_qk = head_dim
+        cols_v = head_dim_v
+    else:
+        cols_qk: gl.constexpr = BLOCK_D
+        cols_v: gl.constexpr = BLOCK_DV
+    q_desc = tma.make_tensor_descriptor(Q, shape=[batch, num_heads_q, gl.maximum(seqlen_q, 1), cols_qk],
                                         strides=[stride_qz, stride_qh, stride_qm, 1],
                                         block_shape=[1, 1, WARPGROUP_ROWS, BLOCK_D], layout=q_layout)
     keys = gl.maximum(seqlen_k, 1)  # a descriptor's dims are positive (no key: one zero row, masked)
     num_heads_k = num_heads_q // group_size
-    k_desc = tma.make_tensor_descriptor(K, shape=[batch, num_heads_k, keys, BLOCK_D],
+    k_desc = tma.make_tensor_descriptor(K, shape=[batch, num_heads_k, keys, cols_qk],
                                         strides=[stride_kz, stride_kh, stride_kn, 1],
                                         block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V, shape=[batch, num_heads_k, keys, BLOCK_D],
+    v_desc = tma.make_tensor_descriptor(V, shape=[batch, num_heads_k, keys, cols_v],
                                         strides=[stride_vz, stride_vh, stride_vn, 1],
                                         block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv_layout)
 
@@ -408,20 +422,20 @@ def attn_fwd_ws(
 
     work = (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn, Out, Lse, stride_oz,
             stride_oh, stride_om, stride_lz, stride_lh, n_m, batch, num_heads_q, group_size, seqlen_q, seqlen_k,
-            window_left, window_right, qk_scale)
+            window_left, window_right, qk_scale, head_dim_v)
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, n_m,
              batch, num_heads_q, group_size, seqlen_q, seqlen_k, window_left, window_right)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
-            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
+            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)),
+            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)),
             (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, MASK, PERSISTENT)),
         ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])
     else:
         gl.static_assert(CONSUMERS == 3, "BLOCK_M is 128 or 192: two or three consumer warpgroups")
         gl.warp_specialize([
-            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
-            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
-            (_consumer2, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT)),
+            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)),
+            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)),
+            (_consumer2, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)),
             (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, MASK, PERSISTENT)),
         ], [4, 4, 1], [consumer_regs(CONSUMERS), consumer_regs(CONSUMERS), LOADER_REGS])
