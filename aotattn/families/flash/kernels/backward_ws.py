@@ -42,9 +42,10 @@ from triton._C.libtriton import ir
 from triton.language.core import builtin
 
 from aotattn.families.flash.kernels.common import key_blocks, program_order
-# the MASK axis, a consumer's 64 rows (here keys) and the partitions' register budgets: the forward's
+# the MASK axis, a consumer's 64 rows (here keys), the partitions' register budgets and the
+# descriptors' columns: the forward's
 from aotattn.families.flash.kernels.forward_ws import (LOADER_REGS, MASK_BOTTOM_RIGHT, MASK_NONE, WARPGROUP_ROWS,
-                                                       consumer_regs)
+                                                       consumer_regs, head_columns)
 
 
 @builtin
@@ -401,15 +402,8 @@ def attn_bwd_ws(
     stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
     # [query head, row, column]: rows past the sequence arrive as zeros, and dQ's are dropped
     queries = gl.maximum(seqlen_q, 1)
-    # padded heads (rows of 16 bytes): the descriptors span the real head dims, so the bulk
-    # copies fill the bucket's columns past them with zeros (adding nothing to any product)
-    # and the dQ reduce drops them
-    if PAD_HEAD:
-        cols_qk = head_dim
-        cols_v = head_dim_v
-    else:
-        cols_qk: gl.constexpr = BLOCK_D
-        cols_v: gl.constexpr = BLOCK_DV
+    # padded heads: the dQ reduce drops the columns past the head dim
+    cols_qk, cols_v = head_columns(head_dim, head_dim_v, BLOCK_D, BLOCK_DV, PAD_HEAD)
     q_desc = tma.make_tensor_descriptor(Q + off_z * stride_qz, shape=[num_heads_q, queries, cols_qk],
                                         strides=[stride_qh, stride_qm, 1], block_shape=[1, BLOCK_M, BLOCK_D],
                                         layout=qdo_layout)

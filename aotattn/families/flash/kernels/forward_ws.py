@@ -138,6 +138,17 @@ def _decode(t, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k, window_left,
 
 
 @gluon.jit
+def head_columns(head_dim, head_dim_v, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr):
+    """The columns of the Q/K and V descriptors. Padded heads (rows of 16 bytes, the aligned8
+    variant): the real head dims, so the bulk copies fill the bucket's columns past them with
+    zeros, adding nothing to any product; unpadded: the buckets."""
+    if PAD_HEAD:
+        return head_dim, head_dim_v
+    else:
+        return BLOCK_D, BLOCK_DV
+
+
+@gluon.jit
 def _loader(loads, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
             STAGES: gl.constexpr, MASK: gl.constexpr, PERSISTENT: gl.constexpr):
     """The loader warp: per tile, each consumer's Q (once the consumer is done with the
@@ -377,16 +388,9 @@ def attn_fwd_ws(
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, WARPGROUP_ROWS, BLOCK_D], dtype)
     kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, BLOCK_D], dtype)
     # [batch, head, row, column]: rows past a sequence arrive as zeros (their scores are
-    # masked or their rows not stored)
-    # padded heads (rows of 16 bytes, the aligned8 variant): the descriptors span the real
-    # head dims, so the bulk copies fill the bucket's columns past them with zeros (adding
-    # nothing to Q K^T, and zero output columns, which the store drops)
-    if PAD_HEAD:
-        cols_qk = head_dim
-        cols_v = head_dim_v
-    else:
-        cols_qk: gl.constexpr = BLOCK_D
-        cols_v: gl.constexpr = BLOCK_DV
+    # masked or their rows not stored), and so do the columns past a padded head dim (the
+    # output's are zeros, which the store drops)
+    cols_qk, cols_v = head_columns(head_dim, head_dim_v, BLOCK_D, BLOCK_DV, PAD_HEAD)
     q_desc = tma.make_tensor_descriptor(Q, shape=[batch, num_heads_q, gl.maximum(seqlen_q, 1), cols_qk],
                                         strides=[stride_qz, stride_qh, stride_qm, 1],
                                         block_shape=[1, 1, WARPGROUP_ROWS, BLOCK_D], layout=q_layout)
