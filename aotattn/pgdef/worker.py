@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aotattn.pgdef.connection import Connector, jsonb
 from aotattn.pgdef.errors import ConfigError, ConnectionLost

@@ -20,7 +20,8 @@ from typing import Any
 from aotattn.paths import installed_tuning_db
 from aotattn.spec import Config, Functional
 from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, block_for, bucket_index,
-                                   fallback_chain, format_config, parse_config, parse_patch, parse_table,
+                                   fallback_chain, follow_fallbacks, format_config, parse_config, parse_patch,
+                                   parse_table,
                                    write_patch, write_table)
 
 ENV_VAR = "AOTATTN_TUNING_DB"
@@ -142,9 +143,11 @@ class Database:
         else:
             merged = own
         spec = self.spec(table)
+        added: dict[Functional, set[tuple[int, int]]] = {}  # refinement blocks the patches add
         for patch_path in self.patch_paths(arch, table)[:patches]:
             patch = parse_patch(spec, read_text(patch_path), str(patch_path))
-            merged = apply_patch(merged, patch, str(patch_path), only, spec.fallback)
+            merged = apply_patch(merged, patch, str(patch_path), only, spec.fallback, added)
+        follow_fallbacks(merged, added, spec.fallback)
         with self._lock:
             self._effective[key] = merged
         return merged

@@ -533,12 +533,15 @@ def write_patch(spec: Any, patch: Patch) -> str:
 
 
 def apply_patch(table: Table, patch: Patch, path: str = "<patch>",
-                only: Collection[Functional] | None = None, fallback: Any = None) -> Table:
+                only: Collection[Functional] | None = None, fallback: Any = None,
+                added: dict[Functional, set[tuple[int, int]]] | None = None) -> Table:
     """A copy of ``table`` with the patch's configurations added and its cells set.
 
     ``only``: the table holds just these functionals' blocks; edits of others are skipped.
     ``fallback``: the spec's fallback; a patch may then add a block for a functional the
     table lacks (a refinement), starting as a copy of the block its lookup falls back to.
+    ``added``: the blocks patches added so far and the cells they set, updated in place;
+    :func:`follow_fallbacks` then gives the other cells the fallback blocks' final values.
     """
     out = table.copy()
     out.configs.update(patch.configs)
@@ -549,6 +552,8 @@ def apply_patch(table: Table, patch: Patch, path: str = "<patch>",
             continue
         if edit.functional not in out.blocks and (grid := _fallback_grid(out, edit.functional, fallback)) is not None:
             out.blocks[edit.functional] = grid
+            if added is not None:
+                added[edit.functional] = set()
         if edit.functional not in out.blocks:
             raise TuningError(f"the patch edits a functional the table does not have: {dict(edit.functional.items)}",
                               where)
@@ -560,7 +565,38 @@ def apply_patch(table: Table, patch: Patch, path: str = "<patch>",
         for r in rows:
             for c in cols:
                 grid[r][c] = edit.config
+        if added is not None and edit.functional in added:
+            added[edit.functional].update((r, c) for r in rows for c in cols)
     return out
+
+
+def follow_fallbacks(table: Table, added: Mapping[Functional, Collection[tuple[int, int]]], fallback: Any) -> None:
+    """Give each block the patches added (``added``: its functional and the cells the patches
+    set) its fallback block's final cells wherever no patch set one, in place.
+
+    A refinement's block differs from the block its lookups fell back to only in the
+    cells patches set, whatever later patches (or later edits of the same patch) do to
+    that fallback: a re-tuned root moves the refinement's other cells with it."""
+    done: set[Functional] = set()
+
+    def resolve(functional: Functional) -> None:
+        if functional in done:
+            return
+        done.add(functional)
+        twin = next((f for f in fallback_chain(fallback, functional)[1:] if f in table.blocks), None)
+        if twin is None:
+            return
+        if twin in added:
+            resolve(twin)
+        grid, source, own = table.blocks[functional], table.blocks[twin], added[functional]
+        for r, row in enumerate(grid):
+            for c in range(len(row)):
+                if (r, c) not in own:
+                    row[c] = source[r][c]
+
+    for functional in added:
+        if functional in table.blocks:
+            resolve(functional)
 
 
 def fallback_chain(fallback: Any, functional: Functional) -> list[Functional]:

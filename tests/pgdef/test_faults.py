@@ -3,7 +3,6 @@ server, and eight workers racing over thousands of tasks."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -121,7 +121,6 @@ def test_every_configuration_the_sm90_database_uses_fits():
     """The hand-picked configurations ran on the H200: the estimates must not refuse them."""
     db = Database()
     for table, fp in (("flash." + k, v) for k, v in flash.FOOTPRINTS.items()):
-        spec = next(s for s in rules.TABLES if s.qualname == table)
         effective = db.effective("sm_90", table)
         for functional, grid in effective.blocks.items():
             for name in {n for row in grid for n in row} - {"."}:

@@ -361,6 +361,52 @@ def test_a_patch_may_add_a_refinement_block_that_starts_from_its_fallback(tmp_pa
     assert any("NOPE" in str(e) or "axis" in str(e) for e in Database(root).lint())
 
 
+TOY_PATCH = "#! aotattn-patch 1\n#! table toy.k\n\n"
+
+
+def _toy_db(tmp_path, *patches: str) -> Database:
+    files = {"nvidia/sm_90/toy.k.txt": TABLE}
+    files.update({f"nvidia/sm_90/toy.k.{i + 1:04d}-p.dbpatch": TOY_PATCH + text for i, text in enumerate(patches)})
+    make_db(tmp_path, files)
+    return Database(tmp_path, SPECS)
+
+
+@pytest.mark.parametrize("order", ["refinement first", "root first", "later patch"])
+def test_a_refinement_follows_its_fallbacks_final_cells_where_no_patch_set_its_own(tmp_path, order):
+    """A block a patch adds for a refinement differs from its fallback only in the cells
+    patches set: a later edit of the fallback (in a later patch or later in the same
+    patch) moves the refinement's other cells with it, and never its own."""
+    refine = "[dtype=fp16 PAD=True]\nseqlen_q=16 seqlen_k=16: big\n"
+    root = "[dtype=fp16 PAD=False]\nseqlen_q=16..32 seqlen_k=32..64: big\nseqlen_q=64 seqlen_k=16: small\n"
+    patches = {"refinement first": [refine + "\n" + root], "root first": [root + "\n" + refine],
+               "later patch": [refine, root]}[order]
+    db = _toy_db(tmp_path, *patches)
+    assert db.lint() == []
+    table = db.effective("sm_90", "toy.k")
+    plain, padded = (table.blocks[Functional.of(dict(dtype="fp16", PAD=p))] for p in (False, True))
+    assert padded[0][0] == "big" and plain[0][0] == "small"  # its own cell
+    assert all(padded[r][c] == plain[r][c] for r in range(3) for c in range(3) if (r, c) != (0, 0))
+    assert plain[0][1] == plain[1][2] == "big" and plain[2][0] == "small"  # the root's later edits
+    f = Functional.of(dict(dtype="fp16", PAD=True))
+    assert db.lookup("sm_90", TOY, f, {"seqlen_q": 20, "seqlen_k": 40})["BLOCK"] == 64
+    assert db.lookup("sm_90", TOY, f, {"seqlen_q": 64, "seqlen_k": 16})["BLOCK"] == 16
+
+
+def test_the_first_patches_and_squash_see_the_same_refinement_cells(tmp_path):
+    """``effective(patches=n)`` resolves a refinement against the fallback after n patches,
+    and a squashed table holds what the lookups saw before squashing."""
+    refine = "[dtype=fp16 PAD=True]\nseqlen_q=16 seqlen_k=16: big\n"
+    root = "[dtype=fp16 PAD=False]\nseqlen_q=64 seqlen_k=64: small\nseqlen_q=32 seqlen_k=32: big\n"
+    db = _toy_db(tmp_path, refine, root)
+    padded = Functional.of(dict(dtype="fp16", PAD=True))
+    first = db.effective("sm_90", "toy.k", patches=1).blocks[padded]
+    full = db.effective("sm_90", "toy.k").blocks[padded]
+    assert first[1][1] == "small" and full[1][1] == "big" and first[0][0] == full[0][0] == "big"
+    assert len(db.squash("sm_90", "toy.k")) == 2
+    assert not list(tmp_path.glob("nvidia/sm_90/*.dbpatch"))
+    assert Database(tmp_path, SPECS).effective("sm_90", "toy.k").blocks[padded] == full
+
+
 def test_a_knob_with_a_default_may_be_left_out_and_is_written_without_it():
     """The forward's OVERLAP came after its tables: a configuration without it means 0, one
     that spells OVERLAP=0 is the same configuration, and the writer leaves the default out
