@@ -23,7 +23,7 @@ from typing import Any
 
 from aotattn.spec import Functional
 
-CELLS = ("diagonal", "grid")
+CELLS = ("diagonal", "grid", "off-diagonal")
 
 
 class SelectionError(ValueError):
@@ -161,7 +161,8 @@ def _cells(spec: Any, seqlens: Sequence[int] | None, layout: str) -> list[tuple[
         return [(b, b) for b in chosen[0] if b in chosen[1]]
     if layout not in CELLS:
         raise SelectionError(f"--cells: expected one of {', '.join(CELLS)}, got {layout!r}")
-    return list(itertools.product(*chosen))
+    pairs = list(itertools.product(*chosen))
+    return [cell for cell in pairs if len(set(cell)) > 1] if layout == "off-diagonal" and len(keys) == 2 else pairs
 
 
 def enumerate_tasks(arch: str, tables: Sequence[str], where: Mapping[str, Sequence[str]] | None = None,
@@ -176,8 +177,9 @@ def enumerate_tasks(arch: str, tables: Sequence[str], where: Mapping[str, Sequen
             axis a table does not have is ignored for that table, a value it never takes
             is an error.
         seqlens: buckets kept on every tuning key (default: all).
-        cells: ``diagonal`` (seqlen_q = seqlen_k, the square problems) or ``grid``
-            (every pair of the chosen buckets).
+        cells: ``diagonal`` (seqlen_q = seqlen_k, the square problems), ``grid`` (every
+            pair of the chosen buckets) or ``off-diagonal`` (the pairs with seqlen_q !=
+            seqlen_k: the non-square problems, once the diagonal is tuned).
         all_functionals: also the refinements (padded heads, varlen, ...), not only roots.
     """
     where = dict(where or {})

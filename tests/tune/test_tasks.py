@@ -39,6 +39,10 @@ def test_where_seqlen_grid_and_all_functionals():
                                        seqlens=[1024, 4096], cells="grid"))
     fused = [t for t in found if t.table == "flash.attn_bwd_fused"]
     assert {t.cell for t in fused} == {(1024, 1024), (1024, 4096), (4096, 1024), (4096, 4096)}
+    off = list(tasks.enumerate_tasks("sm_90", ["flash.attn_bwd_fused"], where=where, seqlens=[512, 1024, 4096],
+                                     cells="off-diagonal"))
+    assert {t.cell for t in off} == {(q, k) for q in (512, 1024, 4096) for k in (512, 1024, 4096) if q != k}
+    assert len(off) == 6 * len({t.functional for t in fused})
     assert {t.functional["ATOMIC_DQ"] for t in fused} == {False, True}
     assert {t.functional["DETERMINISTIC"] for t in found if t.table == "flash.backward"} == {False, True}
     every = list(tasks.enumerate_tasks("sm_90", ["flash.attn_fwd"], where=where, seqlens=[64], all_functionals=True))
