@@ -4,35 +4,61 @@
 # run them (benchmarks/tune_session.sh), export the winners into a copy of the tuning
 # database, build images with it and time the perfmon entries SELECT names (every provider
 # beside aotattn). What comes back under $OUT: tuned.tgz (the copy's tables and patches:
-# copy them into tuning/ to land them, after `aotattn tuning lint`), the perfdb run, logs.
+# copy them into tuning/ to land them, after `aotattn tuning lint`), slice.tgz (every
+# stage's results), the perfdb run, logs.tgz: four files (a device call returns at most 8).
 #
 #   SELECT="-g dense -m *d64*" bash benchmarks/tune_cells_session.sh -- -c flash,attn_bwd_dkdv \
 #       --dtype fp16,bf16 --head-dim 64 --seqlen 512,1024 --limit 16
 #
-# Environment: SELECT (perfmon's selection; empty: no perfmon run), TUNE_S (200: the slice's
-# deadline), RUN_S (120: perfmon's deadline), TAG (h200-<date>-retuned).
+# Stages: `--then` starts another selection, planned, timed and exported on the copy the
+# previous stage exported into (kernel tiles first, then the operator's choice between
+# kernels on those tiles):
+#
+#   bash benchmarks/tune_cells_session.sh -- --all-functionals -c flash,attn_bwd_ws \
+#       --where PAD_HEAD=True --head-dim 256 --then --all-functionals -c flash,backward \
+#       --where "PAD_HEAD=True DETERMINISTIC=False" --head-dim 256
+#
+# Environment: SELECT (perfmon's selection; empty: no perfmon run), TUNE_S (200: each stage's
+# deadline, compile included), RUN_S (120: perfmon's deadline), TAG (h200-<date>-retuned).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 [ "${1:-}" = "--" ] && shift
 work=build/tune-cells
 rm -rf "$work" && mkdir -p "$work"
-aot() { python -m aotattn.cli "$@"; }
-aot tune plan "$@" --out "$work/tasks.jsonl" > "$OUT/plan.log" 2>&1
-tail -n 2 "$OUT/plan.log"
-OUT=$PWD/$work/slice bash benchmarks/tune_session.sh "$work/tasks.jsonl" "$work/images" "${TUNE_S:-200}" --compile \
-  > "$OUT/tune.log" 2>&1
-tail -n 2 "$OUT/tune.log"
 cp -r tuning "$work/tuning"
-aot tune export --arch sm_90 --tuning-db "$work/tuning" "$work/slice/results" > "$OUT/export.log" 2>&1
-cat "$OUT/export.log"
-aot tuning lint --tuning-db "$work/tuning" | tail -n 1
+export AOTATTN_TUNING_DB=$PWD/$work/tuning  # every stage plans, compiles and times on the copy
+aot() { python -m aotattn.cli "$@"; }
+
+stage() {  # n, then the plan's arguments
+  local n=$1; shift
+  local dir=$work/stage-$n
+  mkdir -p "$dir"
+  aot tune plan "$@" --out "$dir/tasks.jsonl" > "$OUT/plan-$n.log" 2>&1
+  tail -n 2 "$OUT/plan-$n.log"
+  OUT=$PWD/$dir/slice bash benchmarks/tune_session.sh "$dir/tasks.jsonl" "$dir/images" "${TUNE_S:-200}" --compile \
+    > "$OUT/tune-$n.log" 2>&1
+  tail -n 2 "$OUT/tune-$n.log"
+  aot tune export --arch sm_90 --tuning-db "$work/tuning" "$dir/slice/results" > "$OUT/export-$n.log" 2>&1
+  cat "$OUT/export-$n.log"
+  aot tuning lint --tuning-db "$work/tuning" | tail -n 1
+}
+
+n=1 args=()
+for arg in "$@"; do
+  if [ "$arg" = "--then" ]; then
+    stage "$n" "${args[@]}"; n=$((n + 1)) args=()
+  else
+    args+=("$arg")
+  fi
+done
+stage "$n" "${args[@]}"
 tar czf "$OUT/tuned.tgz" -C "$work" tuning
-tar czf "$OUT/slice.tgz" -C "$work/slice" results env.txt compile.log $(cd "$work/slice" && ls worker-*.log)
+tar czf "$OUT/slice.tgz" -C "$work" $(cd "$work" && ls -d stage-*/slice/results stage-*/slice/*.log stage-*/slice/env.txt)
+
 if [ -n "${SELECT:-}" ]; then
   read -r -a select <<< "$SELECT"
   tag=${TAG:-h200-$(date -u +%Y%m%d)-retuned}
-  export AOTATTN_TUNING_DB=$PWD/$work/tuning
   aot perfmon images --arch sm_90 --out build/img-retuned --cache build/cache --jobs "$(nproc)" "${select[@]}" \
     > "$OUT/images.log" 2>&1
   tail -n 1 "$OUT/images.log"
