@@ -6,6 +6,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from aotattn import families, tuning
@@ -390,6 +392,35 @@ def test_a_refinement_follows_its_fallbacks_final_cells_where_no_patch_set_its_o
     f = Functional.of(dict(dtype="fp16", PAD=True))
     assert db.lookup("sm_90", TOY, f, {"seqlen_q": 20, "seqlen_k": 40})["BLOCK"] == 64
     assert db.lookup("sm_90", TOY, f, {"seqlen_q": 64, "seqlen_k": 16})["BLOCK"] == 16
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.booleans(), st.integers(0, 2), st.integers(0, 2), st.sampled_from(["big", "small"])),
+                      min_size=1, max_size=12),
+       cuts=st.lists(st.integers(0, 12), max_size=2))
+def test_any_patch_sequence_gives_a_refinement_its_fallback_overlaid_with_its_own_edits(tmp_path_factory, edits, cuts):
+    """Whatever the edits and however they are split into patches: the root is its table
+    block with its edits applied in order, and the refinement is the final root with the
+    refinement's edits applied in order over it."""
+    buckets = (16, 32, 64)
+    texts = []
+    for chunk in (edits[a:b] for a, b in zip([0, *sorted(cuts)], [*sorted(cuts), len(edits)])):
+        if chunk:
+            texts.append("".join(f"[dtype=fp16 PAD={pad}]\nseqlen_q={buckets[r]} seqlen_k={buckets[c]}: {name}\n\n"
+                                 for pad, r, c, name in chunk))
+    db = _toy_db(tmp_path_factory.mktemp("db"), *texts)
+    root = [["small", "small", "big"], ["small", "small", "big"], ["big", "big", "big"]]
+    for pad, r, c, name in edits:
+        if not pad:
+            root[r][c] = name
+    refinement = [list(row) for row in root]
+    for pad, r, c, name in edits:
+        if pad:
+            refinement[r][c] = name
+    table = db.effective("sm_90", "toy.k")
+    assert table.blocks[Functional.of(dict(dtype="fp16", PAD=False))] == root
+    if any(pad for pad, *_ in edits):
+        assert table.blocks[Functional.of(dict(dtype="fp16", PAD=True))] == refinement
 
 
 def test_the_first_patches_and_squash_see_the_same_refinement_cells(tmp_path):
