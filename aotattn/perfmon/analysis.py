@@ -90,6 +90,9 @@ class Change:
     b_ms: float | None
     noise_ms: float
     verdict: str  # regression, improvement, same, failed in B, fixed in B, not measured, only in A/B, changed
+    # the plan's notes (backend choice, each kernel's configuration) that differ between the
+    # runs: () for the same plan, None where a run has no plan to compare (peers, failures)
+    plan_changes: tuple[str, ...] | None = None
 
     @property
     def speed(self) -> float | None:
@@ -153,8 +156,20 @@ def compare(a: Perfdb, b: Perfdb, providers: tuple[str, ...] = (AOTATTN,), thres
             verdict = "improvement"
         else:
             verdict = "same"
-        changes.append(Change(name, entry.group, pass_, provider, a_ms, b_ms, noise, verdict))
+        changes.append(Change(name, entry.group, pass_, provider, a_ms, b_ms, noise, verdict, _plan_changes(x, y)))
     return Comparison(changes)
+
+
+def _plan_changes(x: Record | None, y: Record | None) -> tuple[str, ...] | None:
+    """The plan notes (``choice=``, ``attn_bwd_ws=``, ...) that differ between two records of
+    one entry, sorted; None unless both ran and noted a plan. A timing change with the same
+    plan is drift between runs, or a change of kernel code under the same configurations."""
+    if x is None or y is None or not x.ok or not y.ok:
+        return None
+    na, nb = x.notes(), y.notes()
+    if not na or not nb:
+        return None
+    return tuple(sorted(k for k in na.keys() | nb.keys() if na.get(k) != nb.get(k)))
 
 
 # The features a cost is measured for, and the entry fields that switch them off.

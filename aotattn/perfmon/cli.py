@@ -382,8 +382,10 @@ def compare(a: str = typer.Argument(..., help="the baseline: a tag or a perfdb f
     for c in rows:
         style = {"regression": "red", "failed in B": "red", "improvement": "green"}.get(c.verdict)
         speed = "" if c.speed is None else f" (speed {c.speed:.3f}, noise {c.noise_ms:.3g} ms)"
+        plan = ("" if c.plan_changes is None or c.verdict not in ("regression", "improvement")
+                else f"; plan changed: {', '.join(c.plan_changes)}" if c.plan_changes else "; same plan")
         console.print(escape(f"  {c.verdict}: {c.entry} {c.pass_} {c.provider}: {_ms(c.a_ms)} -> {_ms(c.b_ms)} ms"
-                             f"{speed}"), style=style, highlight=False)
+                             f"{speed}{plan}"), style=style, highlight=False)
     console.print(f"{len(result.regressions)} regression(s), {len(result.failures)} lost figure(s), "
                   f"{len(result.improvements)} improvement(s) beyond noise and {threshold:.0%}, "
                   f"{len(result.changes)} compared")

@@ -175,6 +175,30 @@ def test_compare_flags_only_changes_beyond_noise_and_threshold():
     assert means[("all", "fwd", "aotattn")] == (1, pytest.approx(1.0))
 
 
+def test_compare_names_the_plan_notes_that_changed():
+    """A flagged change says whether the plan moved (backend choice, a kernel's
+    configuration) or stayed: the same plan timed apart is drift, or changed kernel code."""
+    entry = ENTRIES[0]
+
+    def run(ms: float, note: str, peer_ms: float = 3.0) -> Perfdb:
+        db = Perfdb()
+        db.add(entry, [Record(entry.name, "bwd", "aotattn", ms, 0.01, note=note),
+                       Record(entry.name, "bwd", "sdpa-flash", peer_ms, 0.01)])
+        return db
+
+    plain = "choice=split cell=x attn_bwd_dq=m64_n64 attn_bwd_dkdv=m64_n128"
+    moved = "choice=ws cell=x attn_bwd_ws=m64_n128_st2"
+
+    def change(a, b, provider="aotattn"):
+        return next(c for c in analysis.compare(a, b, ()).changes if c.provider == provider)
+
+    assert change(run(2.0, plain), run(1.0, plain)).plan_changes == ()
+    assert change(run(2.0, plain), run(1.0, moved)).plan_changes == ("attn_bwd_dkdv", "attn_bwd_dq",
+                                                                     "attn_bwd_ws", "choice")
+    assert change(run(2.0, plain), run(1.0, plain), "sdpa-flash").plan_changes is None  # a peer has no plan
+    assert change(run(2.0, plain), run(1.0, "")).plan_changes is None
+
+
 def _write(run: Perfdb, root: Path, tag: str) -> Path:
     run.header["tag"] = tag
     return run.write(root / "sm_90" / f"{tag}.txt")
@@ -207,6 +231,7 @@ def test_cli_faults_compare_summary_and_plot(tuning_copy, tmp_path):
     worse = invoke("perfdb", "compare", "before", "after", "--fail-on-regression")
     assert worse.exit_code == 1 and "regression" in worse.output
     assert "dense-bf16-d128-s4096-full" in worse.output
+    assert "plan changed: choice" in worse.output  # the bad patch moved the backend
     report = invoke("perfdb", "compare", "before", "after")
     assert report.exit_code == 0  # without the flag a regression is reported, not an error
     everyone = invoke("perfdb", "compare", "before", "after", "--provider", "all", "--all")
