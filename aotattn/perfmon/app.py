@@ -32,6 +32,7 @@ CATEGORY = f"{APP},{KIND}"
 DEVICE_VAR = "AOTATTN_PERFMON_DEVICE"
 RESULT_FORMAT = "aotattn-perfmon-result/1"
 _OPTION_FIELDS = ("rounds", "reps", "warmup", "peers", "flex", "seed")
+_OPTIONAL_FIELDS = {"hide_host_ms": 0.0}  # added later: a payload without it means the default
 
 app = App(APP, "perfmon: the public operators timed on one entry per task (docs/perfmon.md)")
 
@@ -41,7 +42,8 @@ def payload(tag: str, entry: Entry, options: Any) -> dict[str, Any]:
     plan = options.plan
     return {"tag": check_tag(tag), "entry": entry.name, "describe": entry.describe(),
             "options": {"rounds": plan.rounds, "reps": plan.reps, "warmup": plan.warmup, "peers": options.peers,
-                        "flex": options.flex, "seed": options.seed}}
+                        "flex": options.flex, "seed": options.seed,
+                        **({"hide_host_ms": plan.hide_host_ms} if plan.hide_host_ms else {})}}
 
 
 def task_spec(tag: str, entry: Entry, options: Any, priority: int = 0) -> TaskSpec:
@@ -59,16 +61,20 @@ def parse_payload(data: Any):
         tag = check_tag(data["tag"])
         entry = Entry.parse(data["entry"], data["describe"])
         raw = data["options"]
-        if not isinstance(raw, Mapping) or set(raw) != set(_OPTION_FIELDS):
+        if not isinstance(raw, Mapping) or not set(_OPTION_FIELDS) <= set(raw) <= {*_OPTION_FIELDS, *_OPTIONAL_FIELDS}:
             got = sorted(raw) if isinstance(raw, Mapping) else raw
-            raise ValueError(f"options: expected keys {_OPTION_FIELDS}, got {got}")
+            raise ValueError(f"options: expected keys {_OPTION_FIELDS} (and optionally {tuple(_OPTIONAL_FIELDS)}), "
+                             f"got {got}")
+        hide = raw.get("hide_host_ms", _OPTIONAL_FIELDS["hide_host_ms"])
         counts = [raw[k] for k in ("rounds", "reps", "warmup", "seed")]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in counts) or min(counts[:2]) < 1 \
                 or counts[2] < 0 or not isinstance(raw["peers"], bool) \
-                or not (isinstance(raw["flex"], bool) or raw["flex"] == "all"):
+                or not (isinstance(raw["flex"], bool) or raw["flex"] == "all") \
+                or isinstance(hide, bool) or not isinstance(hide, (int, float)) or not 0 <= hide <= 100:
             raise ValueError(f"options: rounds, reps >= 1, warmup >= 0, seed integers, peers a boolean, flex a "
-                             f"boolean or 'all'; got {raw}")
-        options = Options(Plan(raw["rounds"], raw["reps"], raw["warmup"]), raw["peers"], raw["flex"], raw["seed"])
+                             f"boolean or 'all', hide_host_ms milliseconds in [0, 100]; got {raw}")
+        options = Options(Plan(raw["rounds"], raw["reps"], raw["warmup"], float(hide)), raw["peers"], raw["flex"],
+                          raw["seed"])
     except (ValueError, TypeError) as exc:
         raise PayloadError(f"perfmon: bad payload ({exc}); {expected}") from exc
     return tag, entry, options

@@ -67,11 +67,14 @@ def call_ms(entry: Entry, pass_: str, provider: str) -> float:
 @dataclass(frozen=True)
 class Plan:
     """Repetitions of a run: ``rounds`` interleaved rounds of ``reps`` timed calls per
-    provider, after ``warmup`` untimed calls each."""
+    provider, after ``warmup`` untimed calls each; ``hide_host_ms``: a GPU wait queued
+    before each timed call but the training entries' (:func:`aotattn.tune.timing.measure`),
+    so that a call's host work does not show in its time (0: none)."""
 
     rounds: int = 3
     reps: int = 5
     warmup: int = 2
+    hide_host_ms: float = 0.0
 
 
 def entry_seconds(entry: Entry, providers: dict[str, list[str]], plan: Plan) -> float:
@@ -84,7 +87,7 @@ def entry_seconds(entry: Entry, providers: dict[str, list[str]], plan: Plan) -> 
     for pass_, names in providers.items():
         for provider in names:
             one = call_ms(entry, pass_, provider)
-            per_sample = one if entry.training else one + FLUSH_MS
+            per_sample = one if entry.training else one + FLUSH_MS + plan.hide_host_ms
             calls = plan.rounds * plan.reps
             seconds += (calls * per_sample + (plan.warmup + 2) * one) / 1e3
     return seconds

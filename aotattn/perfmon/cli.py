@@ -60,7 +60,7 @@ def _providers(entry: Entry, peers: bool, flex: bool | str) -> dict[str, list[st
 
 
 def _plan(entries: list[Entry], rounds: int, reps: int | None, warmup: int, budget: float | None,
-          peers: bool, flex: bool | str):
+          peers: bool, flex: bool | str, hide_host_ms: float = 0.0):
     """The repetitions: ``reps`` as given, or the most (1..20) whose estimate fits ``budget`` seconds."""
     from aotattn.perfmon.budget import Plan, entry_seconds
 
@@ -68,18 +68,23 @@ def _plan(entries: list[Entry], rounds: int, reps: int | None, warmup: int, budg
         return sum(entry_seconds(e, _providers(e, peers, flex), plan) for e in entries)
 
     if reps is not None:
-        plan = Plan(rounds, reps, warmup)
+        plan = Plan(rounds, reps, warmup, hide_host_ms)
         return plan, total(plan)
     if budget is None:
-        plan = Plan(rounds, 5, warmup)
+        plan = Plan(rounds, 5, warmup, hide_host_ms)
         return plan, total(plan)
-    best = Plan(rounds, 1, warmup)
+    best = Plan(rounds, 1, warmup, hide_host_ms)
     for candidate in range(1, 21):
-        plan = Plan(rounds, candidate, warmup)
+        plan = Plan(rounds, candidate, warmup, hide_host_ms)
         if total(plan) > budget:
             break
         best = plan
     return best, total(best)
+
+
+HIDE_HOST = typer.Option(0.0, "--hide-host-ms", min=0.0, max=100.0,
+                         help="queue a GPU wait this long before each timed call (not the training entries), so "
+                              "a call's host work does not show in its time (0: none)")
 
 
 @perfmon_app.command("list")
@@ -88,14 +93,14 @@ def list_entries(match: list[str] = MATCH, group: list[str] = GROUP,
                  reps: int = typer.Option(None, help="timed calls per round (default: 5, or what --budget allows)"),
                  budget: float = typer.Option(None, "--budget", help="seconds on an H200 to size --reps to"),
                  no_peers: bool = typer.Option(False, "--no-peers"), no_flex: bool = typer.Option(False, "--no-flex"),
-                 flex_all: bool = FLEX_ALL,
+                 flex_all: bool = FLEX_ALL, hide_host_ms: float = HIDE_HOST,
                  verbose: bool = typer.Option(False, "--verbose", "-v", help="one row per entry")) -> None:
     """The declared entries, their FLOPs and the estimated H200 time of a run."""
     from aotattn.perfmon.budget import entry_seconds
 
     entries = _entries(match, group)
     flex = _flex(no_flex, flex_all)
-    plan, seconds = _plan(entries, rounds, reps, 2, budget, not no_peers, flex)
+    plan, seconds = _plan(entries, rounds, reps, 2, budget, not no_peers, flex, hide_host_ms)
     table = Table("entry" if verbose else "group", "entries" if not verbose else "shape", "GFLOP (fwd)",
                   "est. s", title=f"{len(entries)} entries; {plan.rounds} rounds x {plan.reps} reps: "
                                   f"~{seconds:.0f} s on an H200")
@@ -124,7 +129,7 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
         deadline: float = typer.Option(None, "--deadline", help="start no entry after this many seconds"),
         no_peers: bool = typer.Option(False, "--no-peers", help="time aotattn only"),
         no_flex: bool = typer.Option(False, "--no-flex", help="skip FlexAttention (it compiles per shape)"),
-        flex_all: bool = FLEX_ALL,
+        flex_all: bool = FLEX_ALL, hide_host_ms: float = HIDE_HOST,
         resume: bool = typer.Option(False, "--resume", help="keep the tag's measured entries, run the others"),
         force: bool = typer.Option(False, "--force", help="replace an existing file of this tag"),
         device: str = typer.Option(None, help="cuda (default when present) or cpu (the interpreter: tiny entries)"),
@@ -143,7 +148,7 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
     dev = torch.device(device)
     entries = _entries(match, group)
     flex = _flex(no_flex, flex_all)
-    plan, estimate = _plan(entries, rounds, reps, warmup, budget, not no_peers, flex)
+    plan, estimate = _plan(entries, rounds, reps, warmup, budget, not no_peers, flex, hide_host_ms)
     options = Options(plan, peers=not no_peers, flex=flex, seed=seed)
     header = {"tag": tag, **environment(dev, plan)}
     path = out or store.path_for(tag, header["arch"], root)
@@ -265,7 +270,7 @@ def dispatch(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/
              reps: int = typer.Option(5, help="timed calls per provider and round"),
              warmup: int = typer.Option(2, help="untimed calls per provider first"),
              no_peers: bool = typer.Option(False, "--no-peers"), no_flex: bool = typer.Option(False, "--no-flex"),
-             flex_all: bool = FLEX_ALL,
+             flex_all: bool = FLEX_ALL, hide_host_ms: float = HIDE_HOST,
              seed: int = typer.Option(0, help="inputs and dropout draws"),
              priority: int = typer.Option(0, help="higher runs first"),
              dsn: str = DSN, home: Path = HOME) -> None:
@@ -276,7 +281,8 @@ def dispatch(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/
     from aotattn.pgdef import Client
 
     entries = _entries(match, group)
-    options = Options(Plan(rounds, reps, warmup), peers=not no_peers, flex=_flex(no_flex, flex_all), seed=seed)
+    options = Options(Plan(rounds, reps, warmup, hide_host_ms), peers=not no_peers, flex=_flex(no_flex, flex_all),
+                      seed=seed)
     with Client(dsn, home=home) as client:
         client.init()
         report = client.dispatch(CATEGORY, arch, [task_spec(tag, e, options, priority) for e in entries],

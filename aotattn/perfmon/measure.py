@@ -222,7 +222,8 @@ def _time(entry: Entry, runners: dict[str, Callable[[], object]], plan: Plan,
                             run()
                         continue
                     got = timing.measure(lambda _, run=run: run(), lambda: None, device=device, warmup=0,
-                                         repeats=plan.reps, flush=not entry.training)
+                                         repeats=plan.reps, flush=not entry.training,
+                                         hide_host_ms=0.0 if entry.training else plan.hide_host_ms)
                 except Exception as exc:
                     failed[provider] = _one_line(exc)
                     continue
@@ -286,8 +287,10 @@ def environment(device: torch.device, plan: Plan, command: str | None = None) ->
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "mode": run_mode,
         "timing": (f"median of {plan.rounds} interleaved rounds x {plan.reps} samples after {plan.warmup} warm-up "
-                   f"calls ({how}; training entries: back to back, no flush); "
-                   "spread = largest - smallest round median"),
+                   f"calls ({how}"
+                   + (f", each behind a {plan.hide_host_ms:g} ms GPU wait that hides the host's work"
+                      if plan.hide_host_ms else "")
+                   + "; training entries: back to back, no flush); spread = largest - smallest round median"),
         "command": command or " ".join(["aotattn", *sys.argv[1:]]),
     }
 

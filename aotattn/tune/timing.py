@@ -11,6 +11,10 @@ Before every call (timed or not):
 3. the call is bracketed by two CUDA events on the current stream; the host never waits
    between calls, so the flush ahead of each call also hides the call's host launch time
    (as a training step's queue does). All events are read after one synchronize.
+   The flush lasts tens of microseconds; a call whose host work takes longer (a backward
+   through autograd, 0.1-0.3 ms) shows it in its time. ``hide_host_ms`` queues a GPU wait
+   of that long before the flush, so the host issues the whole call while the GPU waits
+   and the events time the GPU alone.
 
 On a CPU (Triton's interpreter, tests) the same loop runs with ``time.perf_counter`` and
 no flush: that clock only exercises the code path; its figures mean nothing for speed.
@@ -131,15 +135,22 @@ def flush_buffer(device: torch.device) -> torch.Tensor:
 # ----------------------------------------------------------------------------- measuring
 
 
-def _check_counts(warmup: int, repeats: int) -> None:
+# SM clock cycles per millisecond a GPU wait counts (torch.cuda._sleep spins for cycles):
+# at most 2 GHz on the GPUs aotattn targets, so a wait lasts at least what was asked
+_CYCLES_PER_MS = 2_000_000
+
+
+def _check_counts(warmup: int, repeats: int, hide_host_ms: float = 0.0) -> None:
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
         raise ValueError(f"warmup: expected an integer >= 0, got {warmup!r}")
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats: expected an integer >= 1, got {repeats!r}")
+    if isinstance(hide_host_ms, bool) or not isinstance(hide_host_ms, (int, float)) or not 0 <= hide_host_ms <= 100:
+        raise ValueError(f"hide_host_ms: expected milliseconds in [0, 100], got {hide_host_ms!r}")
 
 
 def measure(fn: Callable[[T], Any], inputs: Callable[[], T], *, device: torch.device | str,
-            warmup: int = 3, repeats: int = 20, flush: bool = True) -> Timing:
+            warmup: int = 3, repeats: int = 20, flush: bool = True, hide_host_ms: float = 0.0) -> Timing:
     """Time ``fn(inputs())`` as users run it: the median of ``repeats`` calls after ``warmup``.
 
     Args:
@@ -153,17 +164,20 @@ def measure(fn: Callable[[T], Any], inputs: Callable[[], T], *, device: torch.de
         warmup: untimed calls first (loading, first-call work).
         repeats: timed calls; the median is reported.
         flush: evict the L2 before each call (GPU only).
+        hide_host_ms: a GPU wait of this many milliseconds queued before each call (GPU
+            only; 0: none), so the host's work for the call hides behind it and the figure
+            is the GPU's time alone.
 
     Returns:
         A :class:`Timing`. An exception raised by ``fn`` (or a CUDA error surfacing at the
         final synchronize) propagates: a caller treats it as a failed candidate.
     """
-    _check_counts(warmup, repeats)
+    _check_counts(warmup, repeats, hide_host_ms)
     if not callable(fn) or not callable(inputs):
         raise TypeError(f"fn and inputs: expected callables, got {type(fn).__name__} and {type(inputs).__name__}")
     device = torch.device(device)
     if device.type == "cuda":
-        return _measure_cuda(fn, inputs, device, warmup, repeats, flush)
+        return _measure_cuda(fn, inputs, device, warmup, repeats, flush, hide_host_ms)
     if device.type == "cpu":
         return _measure_cpu(fn, inputs, warmup, repeats)
     raise ValueError(f"device: expected a cuda or cpu device, got {device}")
@@ -182,7 +196,7 @@ def _measure_cpu(fn: Callable[[T], Any], inputs: Callable[[], T], warmup: int, r
 
 
 def _measure_cuda(fn: Callable[[T], Any], inputs: Callable[[], T], device: torch.device, warmup: int,
-                  repeats: int, flush: bool) -> Timing:
+                  repeats: int, flush: bool, hide_host_ms: float = 0.0) -> Timing:
     with torch.cuda.device(device):
         buffer = flush_buffer(device) if flush else None
         for _ in range(warmup):
@@ -191,6 +205,8 @@ def _measure_cuda(fn: Callable[[T], Any], inputs: Callable[[], T], device: torch
         events = []
         for _ in range(repeats):
             args = inputs()
+            if hide_host_ms > 0:
+                torch.cuda._sleep(int(hide_host_ms * _CYCLES_PER_MS))  # the host runs ahead meanwhile
             if buffer is not None:
                 buffer.zero_()  # after the inputs: they, too, must come from memory
             start = torch.cuda.Event(enable_timing=True)

@@ -83,6 +83,11 @@ def test_offline_batch_then_export_from_the_results_file(dsn, cpu_tasks, tmp_pat
     ({**perfmon_app.payload("x", ENTRIES[0], TINY), "options": {"rounds": 1}}, "options"),
     ({**perfmon_app.payload("x", ENTRIES[0], TINY), "options": {"rounds": 1, "reps": 1, "warmup": 0, "seed": 0,
                                                                 "peers": True, "flex": "some"}}, "flex a boolean or 'all'"),
+    ({**perfmon_app.payload("x", ENTRIES[0], TINY), "options": {"rounds": 1, "reps": 1, "warmup": 0, "seed": 0,
+                                                                "peers": True, "flex": True, "hide_host_ms": -1}},
+     "hide_host_ms"),
+    ({**perfmon_app.payload("x", ENTRIES[0], TINY), "options": {"rounds": 1, "reps": 1, "warmup": 0, "seed": 0,
+                                                                "peers": True, "flex": True, "nope": 1}}, "optionally"),
 ])
 def test_malformed_payloads_are_refused(payload, words):
     with pytest.raises(PayloadError, match=words):
@@ -94,6 +99,24 @@ def test_a_payload_round_trips():
     assert (tag, entry, options) == ("x", ENTRIES[1], TINY)
     every = dataclasses.replace(TINY, flex="all")
     assert perfmon_app.parse_payload(perfmon_app.payload("x", ENTRIES[1], every))[2] == every
+    hidden = dataclasses.replace(TINY, plan=dataclasses.replace(TINY.plan, hide_host_ms=0.5))
+    assert perfmon_app.payload("x", ENTRIES[1], hidden)["options"]["hide_host_ms"] == 0.5
+    assert "hide_host_ms" not in perfmon_app.payload("x", ENTRIES[1], TINY)["options"]  # older payloads unchanged
+    assert perfmon_app.parse_payload(perfmon_app.payload("x", ENTRIES[1], hidden))[2] == hidden
+
+
+def test_the_gpu_wait_counts_in_the_estimate_but_not_for_training_entries():
+    from aotattn.perfmon import entries as E
+    from aotattn.perfmon.budget import Plan, entry_seconds
+    from aotattn.perfmon.cli import _providers
+
+    dense = next(e for e in E.declared() if e.group == "dense")
+    training = next(e for e in E.declared() if e.training)
+    for e, extra in ((dense, True), (training, False)):
+        providers = _providers(e, True, False)
+        calls = 3 * 5 * sum(len(names) for names in providers.values())
+        grew = entry_seconds(e, providers, Plan(hide_host_ms=2.0)) - entry_seconds(e, providers, Plan())
+        assert grew == pytest.approx(calls * 2.0 / 1e3 if extra else 0.0)
 
 
 def test_flex_all_times_flexattention_wherever_it_supports_the_entry():

@@ -52,7 +52,8 @@ def test_exception_of_the_callable_propagates():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"warmup": -1}, "warmup"), ({"repeats": 0}, "repeats"), ({"repeats": 2.5}, "repeats"),
-    ({"device": "meta"}, "device"),
+    ({"device": "meta"}, "device"), ({"hide_host_ms": -1.0}, "hide_host_ms"), ({"hide_host_ms": True}, "hide_host_ms"),
+    ({"hide_host_ms": "1"}, "hide_host_ms"), ({"hide_host_ms": 1e3}, "hide_host_ms"),
 ])
 def test_bad_arguments(kwargs, message):
     args = {"device": "cpu", **kwargs}
@@ -98,6 +99,24 @@ def test_imports_without_triton():
     code = ("import sys; sys.modules['triton'] = None; import aotattn.tune.timing; "
             "assert 'triton' not in [m for m in sys.modules if sys.modules[m] is not None]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.gpu
+def test_a_gpu_wait_hides_the_host_work_of_a_call():
+    """A call whose host work (2 ms of Python) dwarfs its GPU work (a small copy): timed
+    as it is, the events see the host; behind a 5 ms GPU wait, the GPU alone."""
+    import time as clock
+
+    x = torch.randn(1 << 16, device="cuda")
+
+    def slow_host(t):
+        clock.sleep(0.002)
+        t.mul_(1.0001)
+
+    plain = timing.measure(slow_host, lambda: x, device="cuda", warmup=1, repeats=5)
+    hidden = timing.measure(slow_host, lambda: x, device="cuda", warmup=1, repeats=5, hide_host_ms=5.0)
+    assert plain.median_ms > 1.5, plain.samples_ms
+    assert hidden.median_ms < 0.5, hidden.samples_ms
 
 
 @pytest.mark.gpu
