@@ -9,7 +9,8 @@
 #
 #   bash benchmarks/ab_patch.sh ab.patch -g dense -g gqa -m '*bf16*'
 #
-# Environment: PEERS (0), BASE_S and NEW_S (150 each): each run's --deadline; BASE_TAG, NEW_TAG.
+# Environment: PEERS (0), BASE_S and NEW_S (150 each): each run's --deadline; BASE_TAG, NEW_TAG;
+# RUN_ARGS: more `perfmon run` options for both runs (e.g. "--hide-host-ms 1 --reps 10").
 # What comes back under $OUT: both perfdb files, the comparison, the logs (one archive).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -35,6 +36,8 @@ run_variant() {  # name tag deadline peers...
 
 patch -p1 -R < "$patch_file" > "$OUT/patch.log" 2>&1 || { stamp "patch -R failed"; cat "$OUT/patch.log"; exit 2; }
 peers=(--no-peers); [ "${PEERS:-0}" = 1 ] && peers=()
+read -r -a run_args <<< "${RUN_ARGS:-}"
+peers+=("${run_args[@]}")
 run_variant base "$base_tag" "${BASE_S:-150}" "${peers[@]}"
 patch -p1 < "$patch_file" >> "$OUT/patch.log" 2>&1 || { stamp "patch failed"; cat "$OUT/patch.log"; exit 2; }
 run_variant new "$new_tag" "${NEW_S:-150}" "${peers[@]}"

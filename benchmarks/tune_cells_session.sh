@@ -19,7 +19,8 @@
 #       --where "PAD_HEAD=True DETERMINISTIC=False" --head-dim 256
 #
 # Environment: SELECT (perfmon's selection; empty: no perfmon run), TUNE_S (200: each stage's
-# deadline, compile included), RUN_S (120: perfmon's deadline), TAG (h200-<date>-retuned).
+# deadline, compile included), RUN_S (120: perfmon's deadline), TAG (h200-<date>-retuned),
+# RUN_ARGS (more `perfmon run` options, e.g. "--hide-host-ms 1").
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -58,12 +59,13 @@ tar czf "$OUT/slice.tgz" -C "$work" $(cd "$work" && ls -d stage-*/slice/results 
 
 if [ -n "${SELECT:-}" ]; then
   read -r -a select <<< "$SELECT"
+  read -r -a run_args <<< "${RUN_ARGS:-}"
   tag=${TAG:-h200-$(date -u +%Y%m%d)-retuned}
   aot perfmon images --arch sm_90 --out build/img-retuned --cache build/cache --jobs "$(nproc)" "${select[@]}" \
     > "$OUT/images.log" 2>&1
   tail -n 1 "$OUT/images.log"
   AOTATTN_IMAGES=$PWD/build/img-retuned timeout $(( ${RUN_S:-120} + 120 )) python -m aotattn.cli perfmon run \
-    --tag "$tag" --out "$OUT/$tag.txt" --deadline "${RUN_S:-120}" "${select[@]}" > "$OUT/run.log" 2>&1
+    --tag "$tag" --out "$OUT/$tag.txt" --deadline "${RUN_S:-120}" "${run_args[@]}" "${select[@]}" > "$OUT/run.log" 2>&1
   grep -E "entries in" "$OUT/run.log"
   aot perfdb summary "$OUT/$tag.txt" > "$OUT/summary.log" 2>&1
 fi
