@@ -25,6 +25,7 @@ from aotattn.perfmon.budget import Plan
 from aotattn.perfmon.entries import Entry, by_name, declared
 from aotattn.perfmon.perfdb import Perfdb, Record, check_tag
 from aotattn.pgdef import App, PayloadError, TaskContext, TaskSpec
+from aotattn.tune import timing
 
 APP = "perfmon"
 KIND = "entry"
@@ -70,9 +71,10 @@ def parse_payload(data: Any):
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in counts) or min(counts[:2]) < 1 \
                 or counts[2] < 0 or not isinstance(raw["peers"], bool) \
                 or not (isinstance(raw["flex"], bool) or raw["flex"] == "all") \
-                or isinstance(hide, bool) or not isinstance(hide, (int, float)) or not 0 <= hide <= 100:
+                or not timing.valid_hide_host_ms(hide):
             raise ValueError(f"options: rounds, reps >= 1, warmup >= 0, seed integers, peers a boolean, flex a "
-                             f"boolean or 'all', hide_host_ms milliseconds in [0, 100]; got {raw}")
+                             f"boolean or 'all', hide_host_ms milliseconds in [0, {timing.MAX_HIDE_HOST_MS:g}]; "
+                             f"got {raw}")
         options = Options(Plan(raw["rounds"], raw["reps"], raw["warmup"], float(hide)), raw["peers"], raw["flex"],
                           raw["seed"])
     except (ValueError, TypeError) as exc:

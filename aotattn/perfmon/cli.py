@@ -15,6 +15,7 @@ from rich.table import Table
 from aotattn.perfmon import perfdb as store
 from aotattn.perfmon.entries import Entry
 from aotattn.pgdef.cli import DSN, HOME
+from aotattn.tune import timing
 
 console = Console(soft_wrap=True)  # one line per message, whatever the terminal's width
 perfmon_app = typer.Typer(help="Measure the public operators on the declared entries (docs/perfmon.md).",
@@ -82,7 +83,7 @@ def _plan(entries: list[Entry], rounds: int, reps: int | None, warmup: int, budg
     return best, total(best)
 
 
-HIDE_HOST = typer.Option(0.0, "--hide-host-ms", min=0.0, max=100.0,
+HIDE_HOST = typer.Option(0.0, "--hide-host-ms", min=0.0, max=timing.MAX_HIDE_HOST_MS,
                          help="queue a GPU wait this long before each timed call (not the training entries), so "
                               "a call's host work does not show in its time (0: none)")
 

@@ -138,6 +138,7 @@ def flush_buffer(device: torch.device) -> torch.Tensor:
 # SM clock cycles per millisecond a GPU wait counts (torch.cuda._sleep spins for cycles):
 # at most 2 GHz on the GPUs aotattn targets, so a wait lasts at least what was asked
 _CYCLES_PER_MS = 2_000_000
+MAX_HIDE_HOST_MS = 100.0  # the longest GPU wait before a call (hide_host_ms)
 
 
 def _check_counts(warmup: int, repeats: int, hide_host_ms: float = 0.0) -> None:
@@ -145,8 +146,13 @@ def _check_counts(warmup: int, repeats: int, hide_host_ms: float = 0.0) -> None:
         raise ValueError(f"warmup: expected an integer >= 0, got {warmup!r}")
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats: expected an integer >= 1, got {repeats!r}")
-    if isinstance(hide_host_ms, bool) or not isinstance(hide_host_ms, (int, float)) or not 0 <= hide_host_ms <= 100:
-        raise ValueError(f"hide_host_ms: expected milliseconds in [0, 100], got {hide_host_ms!r}")
+    if not valid_hide_host_ms(hide_host_ms):
+        raise ValueError(f"hide_host_ms: expected milliseconds in [0, {MAX_HIDE_HOST_MS:g}], got {hide_host_ms!r}")
+
+
+def valid_hide_host_ms(value: Any) -> bool:
+    """Whether ``value`` is a GPU wait :func:`measure` takes: milliseconds in [0, MAX_HIDE_HOST_MS]."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 <= value <= MAX_HIDE_HOST_MS
 
 
 def measure(fn: Callable[[T], Any], inputs: Callable[[], T], *, device: torch.device | str,

@@ -21,8 +21,7 @@ from aotattn.paths import installed_tuning_db
 from aotattn.spec import Config, Functional
 from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, block_for, bucket_index,
                                    fallback_chain, follow_fallbacks, format_config, parse_config, parse_patch,
-                                   parse_table,
-                                   write_patch, write_table)
+                                   parse_table, write_patch, write_table)
 
 ENV_VAR = "AOTATTN_TUNING_DB"
 MAX_BASE_DEPTH = 16  # `#! base` hops from a table to its root (the project's longest is 1)

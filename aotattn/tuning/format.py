@@ -583,7 +583,7 @@ def follow_fallbacks(table: Table, added: Mapping[Functional, Collection[tuple[i
         if functional in done:
             return
         done.add(functional)
-        twin = next((f for f in fallback_chain(fallback, functional)[1:] if f in table.blocks), None)
+        twin = _nearest_fallback(table, functional, fallback)
         if twin is None:
             return
         if twin in added:
@@ -594,9 +594,8 @@ def follow_fallbacks(table: Table, added: Mapping[Functional, Collection[tuple[i
                 if (r, c) not in own:
                     row[c] = source[r][c]
 
-    for functional in added:
-        if functional in table.blocks:
-            resolve(functional)
+    for functional in added:  # every one has its block: apply_patch adds it before recording it
+        resolve(functional)
 
 
 def fallback_chain(fallback: Any, functional: Functional) -> list[Functional]:
@@ -618,9 +617,14 @@ def block_for(table: Table, chain: Sequence[Functional], where: str, source: str
     return used
 
 
+def _nearest_fallback(table: Table, functional: Functional, fallback: Any) -> Functional | None:
+    """The nearest functional of ``functional``'s fallback chain that ``table`` has a block for, or None."""
+    return next((f for f in fallback_chain(fallback, functional)[1:] if f in table.blocks), None)
+
+
 def _fallback_grid(table: Table, functional: Functional, fallback: Any) -> list[list[str]] | None:
     """A copy of the grid of the nearest block in ``functional``'s fallback chain, or None."""
-    found = next((f for f in fallback_chain(fallback, functional)[1:] if f in table.blocks), None)
+    found = _nearest_fallback(table, functional, fallback)
     return None if found is None else [list(row) for row in table.blocks[found]]
 
 
