@@ -183,10 +183,15 @@ def default_limit(table: str) -> int:
 def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = None) -> bool:
     """Whether this harness can build problems for the functional (dense or dropout, no bias,
     not varlen) at the cell: none where a call of the cell's lengths runs another MASK
-    variant (rules.kernel_mask: top-left on the diagonal runs bottom-right)."""
+    variant (rules.kernel_mask: top-left on the diagonal runs bottom-right), nor a top-left
+    backward with fewer queries than keys and no dropout (its plans drop the keys no query
+    sees, planning.trim_keys: a causal call runs the Sq x Sq cell)."""
     f = functional.as_dict()
     if cell is not None and len(cell) == 2 and "MASK" in f \
             and rules.kernel_mask(f["MASK"], f.get("VARLEN", False), *cell) != f["MASK"]:
+        return False
+    if cell is not None and len(cell) == 2 and table not in FORWARD_TABLES and f.get("MASK") == rules.MASK_TOP_LEFT \
+            and not f.get("DROPOUT") and cell[0] < cell[1]:
         return False
     if table in ("flash.attn_fwd_ws", "flash.forward") and not rules.ws_serves(f):
         return False  # the forward table's choice matters only where the warp-specialized kernel serves

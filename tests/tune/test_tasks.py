@@ -85,3 +85,20 @@ def test_describe_names_the_cell():
     assert t.describe() == ("sm_90 flash.backward [BIAS=0,BLOCK_D=64,DETERMINISTIC=False,DROPOUT=False,MASK=2,"
                             "PAD_HEAD=False,VARLEN=False,dtype=bf16] seqlen_q=512 seqlen_k=1024")
     assert t.category == "flash,backward"
+
+
+def test_cells_a_call_never_looks_up_are_not_tuned():
+    """Top-left cells on the diagonal run the bottom-right variant (rules.kernel_mask); a
+    top-left backward with fewer queries than keys and no dropout plans only the keys some
+    query sees (planning.trim_keys): the tuner leaves both out; the forward, dropout and
+    Sq > Sk cells stay."""
+    where = tasks.parse_where("dtype=bf16 BLOCK_D=128 MASK=1 PAD_HEAD=False VARLEN=False BIAS=0")
+    tables = ["flash.attn_fwd", "flash.attn_bwd_fused", "flash.backward"]
+    found = list(tasks.enumerate_tasks("sm_90", tables, where=where, seqlens=[512, 4096], cells="grid",
+                                       all_functionals=True))
+    kept = {(t.table, t.functional["DROPOUT"], t.cell) for t in found
+            if harnesses.supported(t.table, t.functional, t.cell)}
+    for table in tables:
+        assert (table, False, (512, 512)) not in kept and (table, False, (4096, 512)) in kept
+        assert ((table, False, (512, 4096)) in kept) == (table == "flash.attn_fwd")
+        assert (table, True, (512, 4096)) in kept

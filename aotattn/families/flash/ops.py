@@ -19,7 +19,8 @@ from aotattn.families.flash.checks import (Problem, check_backend, check_bias, c
                                            check_sdpa, check_varlen)
 from aotattn.families.flash.planning import (Call, backward_buffers, backward_dout, backward_plans, choose_backend,
                                              dq_accumulates, dropout_mask_plan, finish_dq, forward_plan, lse_shape,
-                                             new_call, new_output, philox_state, run_backward, run_forward)
+                                             new_call, new_output, philox_state, run_backward, run_forward,
+                                             trim_keys)
 from aotattn.runtime import launch, prepare
 from aotattn.runtime.launcher import MODE_VAR
 from aotattn.tuning import ENV_VAR as TUNING_DB_VAR
@@ -261,11 +262,18 @@ class _Entry:
         if prepared is None:
             if flip:  # planning reads flash-attn's layout
                 q, k, v, out = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2)
-            chosen = backend or choose_backend(c, deterministic, q.device)
-            buffers = backward_buffers(c, q, k, v, chosen, deterministic)[:4]
-            plans = backward_plans(c, dout, q, k, v, out, lse, *buffers, None, chosen, deterministic)
-            zeroed = (False, dq_accumulates(chosen, deterministic), False, False)  # stats, dq, dk, dv
-            layouts = tuple(_layout(t, zero, i > 0 and flip) for i, (t, zero) in enumerate(zip(buffers, zeroed)))
+            trimmed = trim_keys(c)  # the plans solve only the keys some query sees
+            keys = trimmed.p.seqlen_k
+            chosen = backend or choose_backend(trimmed, deterministic, q.device)
+            stats, dq, dk, dv = backward_buffers(c, q, k, v, chosen, deterministic)[:4]
+            plans = backward_plans(trimmed, dout, q, k[:, :keys], v[:, :keys], out, lse, stats, dq, dk[:, :keys],
+                                   dv[:, :keys], None, chosen, deterministic)
+            # rows of each buffer zeroed on every call (stats, dq, dk, dv): all of an accumulated
+            # dQ; the dK/dV of keys no query sees (None: none)
+            tail = keys if keys < c.p.seqlen_k else None
+            zeroed = (None, 0 if dq_accumulates(chosen, deterministic) else None, tail, tail)
+            layouts = tuple(_layout(t, zero, i > 0 and flip)
+                            for i, (t, zero) in enumerate(zip((stats, dq, dk, dv), zeroed)))
             prepared = [_prepare(plan, _BACKWARD_ROLES) for plan in plans], layouts
             self.backwards[choice] = prepared  # a race stores an equal value twice
         launches, layouts = prepared
@@ -277,21 +285,28 @@ class _Entry:
         return finish_dq(dq, q), dk, dv
 
 
-def _layout(t: torch.Tensor, zeroed: bool, flip: bool) -> tuple:
-    """``(shape, stride, dtype, zeroed)`` of a backward buffer like ``t``, with dims 1 and 2
-    swapped when ``flip`` (the caller's layout of a heads-major entry)."""
+def _layout(t: torch.Tensor, zero_from: int | None, flip: bool) -> tuple:
+    """``(shape, stride, dtype, zeroing)`` of a backward buffer like ``t``, with dims 1 and 2
+    swapped when ``flip`` (the caller's layout of a heads-major entry). ``zero_from``: the
+    first row (along the sequence) each fresh buffer zeroes to its end, 0 for all of it;
+    None, none."""
     shape, stride = tuple(t.shape), t.stride()
+    rows_dim = 1
     if flip:
         shape = (shape[0], shape[2], shape[1], *shape[3:])
         stride = (stride[0], stride[2], stride[1], *stride[3:])
-    return shape, stride, t.dtype, zeroed
+        rows_dim = 2
+    return shape, stride, t.dtype, None if zero_from is None else (rows_dim, zero_from)
 
 
 def _buffer(layout: tuple, device: torch.device) -> torch.Tensor:
     """A fresh backward buffer of a recorded :func:`_layout`."""
-    shape, stride, dtype, zeroed = layout
+    shape, stride, dtype, zeroing = layout
     t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    return t.zero_() if zeroed else t
+    if zeroing is not None:
+        rows_dim, first = zeroing
+        (t if first == 0 else t.narrow(rows_dim, first, shape[rows_dim] - first)).zero_()
+    return t
 
 
 class _PlanCache:

@@ -293,6 +293,27 @@ def run_forward(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
     return lse
 
 
+def visible_keys(c: Call) -> int:
+    """How many leading keys some query sees: ``seqlen_k`` but under a top-left window whose
+    right side ends before the keys do (SDPA's ``is_causal`` with fewer queries than keys:
+    no row sees a key past ``seqlen_q - 1 + window_right``). Not under varlen (each sequence
+    has its own lengths) or dropout (the keep-mask's draws are indexed by ``seqlen_k``)."""
+    p = c.p
+    if p.mask != rules.MASK_TOP_LEFT or p.varlen or p.dropout_p > 0.0 or p.window_right < 0 or p.seqlen_q == 0:
+        return p.seqlen_k
+    return min(p.seqlen_k, p.seqlen_q + p.window_right)
+
+
+def trim_keys(c: Call) -> Call:
+    """The call over only the keys some query sees (:func:`visible_keys`): the backward's
+    plans. Its kernels then launch no program for a block of keys no row sees, whose dK and
+    dV are zero (:func:`backward_buffers` zeroes them), and look up the tuned cells of the
+    problem they actually solve (a top-left causal call of Sq < Sk is a causal Sq x Sq one).
+    Its tensors are views of the leading keys: same pointers and strides as the whole."""
+    keys = visible_keys(c)
+    return c if keys == c.p.seqlen_k else dataclasses.replace(c, p=dataclasses.replace(c.p, seqlen_k=keys))
+
+
 def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor, dq: torch.Tensor,
                    dk: torch.Tensor, dv: torch.Tensor, dbias: torch.Tensor | None, backend: str,
@@ -406,13 +427,18 @@ def dq_accumulates(backend: str, deterministic: bool) -> bool:
 def backward_buffers(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
                      deterministic: bool) -> tuple[torch.Tensor, ...]:
     """(stats, dq, dk, dv, dbias or None), fresh: the backward kernels' outputs (the stats:
-    :func:`row_stats`).
+    :func:`row_stats`), for the whole call ``c``, with the dK and dV of keys no query sees
+    zeroed (:func:`trim_keys`: the plans are the trimmed call's).
 
     The fused backend without ``deterministic`` accumulates dQ with atomics into a
     zeroed fp32 buffer (:func:`finish_dq` converts it)."""
     p, dev = c.p, q.device
     dk = torch.empty(tuple(k.shape), dtype=k.dtype, device=dev)
     dv = torch.empty(tuple(v.shape), dtype=v.dtype, device=dev)
+    keys = visible_keys(c)
+    if keys < p.seqlen_k:  # keys no query sees: the trimmed call's kernels never write them (trim_keys)
+        dk[:, keys:].zero_()
+        dv[:, keys:].zero_()
     stats = row_stats(p, q)
     if dq_accumulates(backend, deterministic):
         dq = torch.zeros(tuple(q.shape), dtype=torch.float32, device=dev)
@@ -435,10 +461,12 @@ def run_backward(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                  configs: Mapping[str, Config] | None = None):
     """dQ, dK, dV (contiguous, shaped like q, k, v) and dBias (``(B, Hq, Sq, Sk)`` or None)."""
     dout = backward_dout(c, dout)
-    backend = backend or choose_backend(c, deterministic, q.device)
+    trimmed = trim_keys(c)
+    backend = backend or choose_backend(trimmed, deterministic, q.device)
     stats, dq, dk, dv, dbias = backward_buffers(c, q, k, v, backend, deterministic)
-    for plan in backward_plans(c, dout, q, k, v, out, lse, stats, dq, dk, dv, dbias, backend, deterministic,
-                               configs):
+    keys = trimmed.p.seqlen_k
+    for plan in backward_plans(trimmed, dout, q, k[:, :keys], v[:, :keys], out, lse, stats, dq, dk[:, :keys],
+                               dv[:, :keys], dbias, backend, deterministic, configs):
         launch(plan)
     return finish_dq(dq, q), dk, dv, dbias
 

@@ -204,3 +204,77 @@ def test_a_contiguous_dout_at_an_odd_offset_is_copied(pad_head):
     ref, _ = reference.attention(*ref_in)
     for got, want in zip(grads, torch.autograd.grad(ref, ref_in, dout.double())):
         assert rel_err(got, want) < TOLERANCE[torch.float16]
+
+
+def _poisoned(monkeypatch) -> None:
+    """Fresh float tensors from ``torch.empty``/``empty_strided`` are NaN: an output element a
+    backward leaves unwritten fails the comparison instead of passing on an allocator's zeros."""
+    empty, empty_strided = torch.empty, torch.empty_strided
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() and t.numel() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_strided", lambda *a, **kw: poison(empty_strided(*a, **kw)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", [  # (Sq, Sk, mask, keys some query sees) on CPU, then at GPU sizes
+    pytest.param([(20, 77, {"causal": True, "diagonal": "top_left"}, 20),
+                  (800, 3080, {"causal": True, "diagonal": "top_left"}, 800)], id="causal"),
+    pytest.param([(20, 77, {"window_size": (4, 9), "diagonal": "top_left"}, 29),
+                  (800, 3080, {"window_size": (160, 360), "diagonal": "top_left"}, 1160)], id="window"),
+    pytest.param([(1, 77, {"causal": True, "diagonal": "top_left"}, 1),
+                  (1, 3080, {"causal": True, "diagonal": "top_left"}, 1)], id="one-query-one-key"),
+    pytest.param([(20, 77, {"window_size": (4, -1), "diagonal": "top_left"}, 77),
+                  (800, 3080, {"window_size": (160, -1), "diagonal": "top_left"}, 3080)], id="right-unbounded"),
+    pytest.param([(20, 77, {"causal": True}, 77), (800, 3080, {"causal": True}, 3080)], id="bottom-right"),
+])
+@pytest.mark.parametrize("layout", ["flash", "sdpa", "flash-bias"])  # a bias: no plan cache (run_backward)
+def test_keys_no_query_sees_launch_no_program_and_get_zero_gradient(request, monkeypatch, device, variant, case,
+                                                                     layout):
+    """A top-left window ending before the keys (SDPA's is_causal with Sq < Sk): the backward
+    plans only the keys some query sees (planning.trim_keys), and the others' dK/dV are
+    exactly zero, on the first call and on plan-cache hits, in either layout, and with a bias
+    (whose gradient there is zero too)."""
+    from aotattn.families.flash import ops, planning
+
+    seqlen_q, seqlen_k, mask, visible = case[device == "cuda"]
+    backend, deterministic = variant
+    seed_from(request.node.nodeid)
+    ops._PLANS.entries.clear()
+    seen: list = []
+    launch, prepare = planning.launch, ops._prepare
+    monkeypatch.setattr(planning, "launch", lambda plan: (seen.append(plan), launch(plan))[1])
+    monkeypatch.setattr(ops, "_prepare", lambda plan, roles: (seen.append(plan), prepare(plan, roles))[1])
+    _poisoned(monkeypatch)
+    q, k, v = make_qkv(2, seqlen_q, seqlen_k, 4, 2, 32, 32, torch.float32, device)
+    tensors = [q, k, v]
+    if layout == "flash-bias":
+        tensors.append(torch.randn(2, 4, seqlen_q, seqlen_k, device=device))
+    ref_inputs = [t.to(torch.float64).requires_grad_() for t in tensors]
+    ref_out, _ = reference.attention(*ref_inputs[:3], bias=ref_inputs[3] if len(tensors) > 3 else None, **mask)
+    dout = torch.randn_like(ref_out, dtype=torch.float32)
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, dout.to(torch.float64))
+    for call in range(3):  # the first plans, then cache hits
+        inputs = [t.clone().requires_grad_() for t in tensors]
+        if layout == "sdpa":
+            if mask.get("diagonal") != "top_left" or "window_size" in mask or variant != ("split", False):
+                pytest.skip("SDPA's causal is top-left, without a window or a backend argument")
+            q_, k_, v_ = (t.transpose(1, 2) for t in inputs)
+            out = aotattn.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True).transpose(1, 2)
+        else:
+            bias = inputs[3] if len(inputs) > 3 else None
+            out = aotattn.flash_attn_func(*inputs[:3], bias=bias, backend=backend, deterministic=deterministic,
+                                          **mask)
+        grads = torch.autograd.grad(out, inputs, dout)
+        for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
+            assert rel_err(g, r) < TOLERANCE[torch.float32], f"call {call}: {name}"
+        for g in grads[1:3]:
+            assert (g[:, visible:] == 0).all() and not g.isnan().any(), f"call {call}"
+        if len(grads) > 3:
+            assert (grads[3][..., visible:] == 0).all() and not grads[3].isnan().any(), f"call {call}"
+    planned = {dict(zip(p.kernel.argument_names, p.args)).get("max_seqlen_k") for p in seen
+               if p.kernel.name.startswith("attn_bwd") and p.kernel.name != "attn_bwd_preprocess"}
+    assert planned == {visible}, planned
