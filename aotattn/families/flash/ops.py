@@ -20,7 +20,7 @@ from aotattn.families.flash.checks import (Problem, check_backend, check_bias, c
 from aotattn.families.flash.planning import (Call, backward_buffers, backward_dout, backward_plans, choose_backend,
                                              dq_accumulates, dropout_mask_plan, finish_dq, forward_plan, lse_shape,
                                              new_call, new_output, philox_state, run_backward, run_forward,
-                                             trim_keys)
+                                             trim_keys, visible_keys)
 from aotattn.runtime import launch, prepare
 from aotattn.runtime.launcher import MODE_VAR
 from aotattn.tuning import ENV_VAR as TUNING_DB_VAR
@@ -262,18 +262,15 @@ class _Entry:
         if prepared is None:
             if flip:  # planning reads flash-attn's layout
                 q, k, v, out = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2)
-            trimmed = trim_keys(c)  # the plans solve only the keys some query sees
-            keys = trimmed.p.seqlen_k
-            chosen = backend or choose_backend(trimmed, deterministic, q.device)
-            stats, dq, dk, dv = backward_buffers(c, q, k, v, chosen, deterministic)[:4]
-            plans = backward_plans(trimmed, dout, q, k[:, :keys], v[:, :keys], out, lse, stats, dq, dk[:, :keys],
-                                   dv[:, :keys], None, chosen, deterministic)
+            chosen = backend or choose_backend(trim_keys(c), deterministic, q.device)  # the cell the plans solve
+            buffers = backward_buffers(c, q, k, v, chosen, deterministic)[:4]
+            plans = backward_plans(c, dout, q, k, v, out, lse, *buffers, None, chosen, deterministic)
             # rows of each buffer zeroed on every call (stats, dq, dk, dv): all of an accumulated
-            # dQ; the dK/dV of keys no query sees (None: none)
+            # dQ; the dK/dV of keys no query sees, which the plans never write (None: none)
+            keys = visible_keys(c)
             tail = keys if keys < c.p.seqlen_k else None
             zeroed = (None, 0 if dq_accumulates(chosen, deterministic) else None, tail, tail)
-            layouts = tuple(_layout(t, zero, i > 0 and flip)
-                            for i, (t, zero) in enumerate(zip((stats, dq, dk, dv), zeroed)))
+            layouts = tuple(_layout(t, zero, i > 0 and flip) for i, (t, zero) in enumerate(zip(buffers, zeroed)))
             prepared = [_prepare(plan, _BACKWARD_ROLES) for plan in plans], layouts
             self.backwards[choice] = prepared  # a race stores an equal value twice
         launches, layouts = prepared

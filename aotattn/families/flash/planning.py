@@ -305,11 +305,12 @@ def visible_keys(c: Call) -> int:
 
 
 def trim_keys(c: Call) -> Call:
-    """The call over only the keys some query sees (:func:`visible_keys`): the backward's
-    plans. Its kernels then launch no program for a block of keys no row sees, whose dK and
-    dV are zero (:func:`backward_buffers` zeroes them), and look up the tuned cells of the
-    problem they actually solve (a top-left causal call of Sq < Sk is a causal Sq x Sq one).
-    Its tensors are views of the leading keys: same pointers and strides as the whole."""
+    """The call over only the keys some query sees (:func:`visible_keys`): what
+    :func:`backward_plans` solve, and whose cell their callers choose the backend by. Its
+    kernels launch no program for a block of keys no row sees, whose dK and dV are zero
+    (:func:`backward_buffers` zeroes them), and look up the tuned cells of the problem they
+    actually solve (a top-left causal call of Sq < Sk is a causal Sq x Sq one). Its tensors
+    are views of the leading keys: same pointers and strides as the whole."""
     keys = visible_keys(c)
     return c if keys == c.p.seqlen_k else dataclasses.replace(c, p=dataclasses.replace(c.p, seqlen_k=keys))
 
@@ -319,7 +320,8 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                    dk: torch.Tensor, dv: torch.Tensor, dbias: torch.Tensor | None, backend: str,
                    deterministic: bool, configs: Mapping[str, Config] | None = None) -> list[LaunchPlan]:
     """The launches of one backward pass, in order: split, dQ (which also writes the
-    stats) then dK/dV; fused and ws, the preprocess (the stats) then the one kernel.
+    stats) then dK/dV; fused and ws, the preprocess (the stats) then the one kernel. They
+    solve the call over the keys some query sees (:func:`trim_keys`).
 
     With ``backend="ws"``, or ``"fused"`` and not ``deterministic``, ``dq`` must be a zeroed
     fp32 buffer that the kernel accumulates into (:func:`dq_accumulates`).
@@ -327,6 +329,10 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     if check_backend(backend) is None:
         raise ValueError("backend: backward_plans needs a backend, got None")
     configs = configs or {}
+    trimmed = trim_keys(c)  # only the keys some query sees (the others' dK/dV: backward_buffers)
+    if trimmed is not c:
+        c, keys = trimmed, trimmed.p.seqlen_k
+        k, v, dk, dv = k[:, :keys], v[:, :keys], dk[:, :keys], dv[:, :keys]
     p = c.p
     f = c.functional(backward=True)
     dev = q.device
@@ -428,7 +434,7 @@ def backward_buffers(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      deterministic: bool) -> tuple[torch.Tensor, ...]:
     """(stats, dq, dk, dv, dbias or None), fresh: the backward kernels' outputs (the stats:
     :func:`row_stats`), for the whole call ``c``, with the dK and dV of keys no query sees
-    zeroed (:func:`trim_keys`: the plans are the trimmed call's).
+    zeroed (:func:`trim_keys`: the plans never write them).
 
     The fused backend without ``deterministic`` accumulates dQ with atomics into a
     zeroed fp32 buffer (:func:`finish_dq` converts it)."""
@@ -461,12 +467,10 @@ def run_backward(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                  configs: Mapping[str, Config] | None = None):
     """dQ, dK, dV (contiguous, shaped like q, k, v) and dBias (``(B, Hq, Sq, Sk)`` or None)."""
     dout = backward_dout(c, dout)
-    trimmed = trim_keys(c)
-    backend = backend or choose_backend(trimmed, deterministic, q.device)
+    backend = backend or choose_backend(trim_keys(c), deterministic, q.device)  # the cell the plans solve
     stats, dq, dk, dv, dbias = backward_buffers(c, q, k, v, backend, deterministic)
-    keys = trimmed.p.seqlen_k
-    for plan in backward_plans(trimmed, dout, q, k[:, :keys], v[:, :keys], out, lse, stats, dq, dk[:, :keys],
-                               dv[:, :keys], dbias, backend, deterministic, configs):
+    for plan in backward_plans(c, dout, q, k, v, out, lse, stats, dq, dk, dv, dbias, backend, deterministic,
+                               configs):
         launch(plan)
     return finish_dq(dq, q), dk, dv, dbias
 
