@@ -301,8 +301,7 @@ def _buffer(layout: tuple, device: torch.device) -> torch.Tensor:
     shape, stride, dtype, zeroing = layout
     t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
     if zeroing is not None:
-        rows_dim, first = zeroing
-        (t if first == 0 else t.narrow(rows_dim, first, shape[rows_dim] - first)).zero_()
+        planning.zero_rows(t, *zeroing)
     return t
 
 

@@ -219,12 +219,45 @@ def _poisoned(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape, perm, dim", [
+    ((3, 50, 4, 8), (0, 1, 2, 3), 1),  # flash-attn's layout, rows along dim 1
+    ((3, 50, 4, 8), (0, 2, 1, 3), 1),  # SDPA's memory seen as flash-attn's (the plan cache's flipped buffers)
+    ((1, 50, 4, 8), (0, 1, 2, 3), 1),  # one batch: the tail is one block of memory
+    ((3, 4, 50, 8), (0, 1, 2, 3), 2),
+    ((2, 50, 3), (0, 1, 2), 1),
+])
+def test_zero_rows_zeroes_the_tail_and_leaves_the_rest_where_that_is_cheapest(device, shape, perm, dim):
+    """planning.zero_rows: every row from ``first`` on is zero; the rows before it keep their
+    values when the tail is one block of memory or under half the rows (a strided fill of
+    the tail is then the cheaper), and are zeroed with the whole buffer otherwise."""
+    from aotattn.families.flash import planning
+
+    rows = shape[dim]
+    for first in (0, 1, rows // 3, rows // 2, rows - 1, rows, rows + 5):
+        memory = [shape[i] for i in perm]
+        t = torch.randn(memory, device=device).permute([perm.index(i) for i in range(len(shape))])
+        assert tuple(t.shape) == shape
+        before = t.clone()
+        planning.zero_rows(t, dim, first)
+        tail = t.narrow(dim, min(first, rows), rows - min(first, rows))
+        assert (tail == 0).all(), first
+        head = t.narrow(dim, 0, min(first, rows))
+        one_block = all(size == 1 for size, stride in zip(t.shape, t.stride()) if stride > t.stride(dim))
+        if 0 < first and (one_block or 2 * (rows - first) < rows):
+            assert torch.equal(head, before.narrow(dim, 0, min(first, rows))), first
+        else:
+            assert (head == 0).all(), first
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", [  # (Sq, Sk, mask, keys some query sees) on CPU, then at GPU sizes
     pytest.param([(20, 77, {"causal": True, "diagonal": "top_left"}, 20),
                   (800, 3080, {"causal": True, "diagonal": "top_left"}, 800)], id="causal"),
     pytest.param([(20, 77, {"window_size": (4, 9), "diagonal": "top_left"}, 29),
                   (800, 3080, {"window_size": (160, 360), "diagonal": "top_left"}, 1160)], id="window"),
+    pytest.param([(60, 77, {"causal": True, "diagonal": "top_left"}, 60),  # a tail under half the keys
+                  (2600, 3080, {"causal": True, "diagonal": "top_left"}, 2600)], id="causal-short-tail"),
     pytest.param([(1, 77, {"causal": True, "diagonal": "top_left"}, 1),
                   (1, 3080, {"causal": True, "diagonal": "top_left"}, 1)], id="one-query-one-key"),
     pytest.param([(20, 77, {"window_size": (4, -1), "diagonal": "top_left"}, 77),
