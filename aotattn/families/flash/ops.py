@@ -18,9 +18,9 @@ from aotattn.families.flash import planning, rules
 from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_flash,
                                            check_sdpa, check_varlen)
 from aotattn.families.flash.planning import (Call, backward_buffers, backward_dout, backward_plans, choose_backend,
-                                             dq_accumulates, dropout_mask_plan, finish_dq, forward_plan, lse_shape,
-                                             new_call, new_output, philox_state, run_backward, run_forward,
-                                             trim_keys, visible_keys)
+                                             dropout_mask_plan, finish_dq, forward_plan, lse_shape, new_call,
+                                             new_output, philox_state, run_backward, run_forward, trim_keys,
+                                             zeroed_rows)
 from aotattn.runtime import launch, prepare
 from aotattn.runtime.launcher import MODE_VAR
 from aotattn.tuning import ENV_VAR as TUNING_DB_VAR
@@ -265,11 +265,7 @@ class _Entry:
             chosen = backend or choose_backend(trim_keys(c), deterministic, q.device)  # the cell the plans solve
             buffers = backward_buffers(c, q, k, v, chosen, deterministic)[:4]
             plans = backward_plans(c, dout, q, k, v, out, lse, *buffers, None, chosen, deterministic)
-            # rows of each buffer zeroed on every call (stats, dq, dk, dv): all of an accumulated
-            # dQ; the dK/dV of keys no query sees, which the plans never write (None: none)
-            keys = visible_keys(c)
-            tail = keys if keys < c.p.seqlen_k else None
-            zeroed = (None, 0 if dq_accumulates(chosen, deterministic) else None, tail, tail)
+            zeroed = zeroed_rows(c, chosen, deterministic)  # zeroed anew in every call's buffers
             layouts = tuple(_layout(t, zero, i > 0 and flip) for i, (t, zero) in enumerate(zip(buffers, zeroed)))
             prepared = [_prepare(plan, _BACKWARD_ROLES) for plan in plans], layouts
             self.backwards[choice] = prepared  # a race stores an equal value twice

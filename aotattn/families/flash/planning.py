@@ -441,20 +441,27 @@ def backward_buffers(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     p, dev = c.p, q.device
     dk = torch.empty(tuple(k.shape), dtype=k.dtype, device=dev)
     dv = torch.empty(tuple(v.shape), dtype=v.dtype, device=dev)
-    keys = visible_keys(c)
-    if keys < p.seqlen_k:  # keys no query sees: the trimmed call's kernels never write them (trim_keys)
-        zero_rows(dk, 1, keys)
-        zero_rows(dv, 1, keys)
     stats = row_stats(p, q)
-    if dq_accumulates(backend, deterministic):
-        dq = torch.zeros(tuple(q.shape), dtype=torch.float32, device=dev)
-    else:
-        dq = torch.empty(tuple(q.shape), dtype=q.dtype, device=dev)
+    dq_dtype = torch.float32 if dq_accumulates(backend, deterministic) else q.dtype
+    dq = torch.empty(tuple(q.shape), dtype=dq_dtype, device=dev)
+    for t, first in zip((stats, dq, dk, dv), zeroed_rows(c, backend, deterministic)):
+        if first is not None:
+            zero_rows(t, 1, first)
     dbias = None
     if c.bias_grad:
         # tiles outside the mask are skipped, never written: their gradient is exactly 0
         dbias = torch.zeros((p.batch, p.heads_q, p.seqlen_q, p.seqlen_k), dtype=torch.float32, device=dev)
     return stats, dq, dk, dv, dbias
+
+
+def zeroed_rows(c: Call, backend: str, deterministic: bool) -> tuple[int | None, ...]:
+    """For each backward buffer (stats, dq, dk, dv): the first row along the sequence from
+    which a fresh one must be zeroed (0: all of it), or None. An accumulated dQ
+    (:func:`dq_accumulates`) is zeroed whole; the dK/dV of keys no query sees, which the
+    trimmed call's kernels never write (:func:`trim_keys`), from the first of them."""
+    keys = visible_keys(c)
+    tail = keys if keys < c.p.seqlen_k else None
+    return None, 0 if dq_accumulates(backend, deterministic) else None, tail, tail
 
 
 def zero_rows(t: torch.Tensor, dim: int, first: int) -> None:
