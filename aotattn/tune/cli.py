@@ -101,7 +101,8 @@ def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE,
     _summary(chosen, total, limit, tokens, _db(tuning_db))
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(write_batch(chosen))
+        settings = _settings_by_table(chosen, limit, tokens)
+        out.write_text(write_batch(chosen, {table: s.to_json() for table, s in settings.items()}))
         console.print(f"wrote {out}")
 
 
@@ -170,14 +171,14 @@ def checkout(arch: str = ARCH, out: Path = typer.Option(..., "--out", "-o", help
 def _batch_tasks(path: Path):
     """Tasks and settings of a pgdef batch file or a `tune plan --out` file."""
     from aotattn.tune.runner import Settings
-    from aotattn.tune.tasks import read_batch
+    from aotattn.tune.tasks import read_batch_settings
 
     text = path.read_text()
     if text.lstrip().startswith("{") and '"format": "pgdef-batch/' in text[:200]:
         from aotattn.tune.app import parse_payload
 
         return [parse_payload(t["payload"]) for t in json.loads(text)["tasks"]]
-    return [(task, Settings.for_table(task.table)) for task in read_batch(text, str(path))]
+    return [(task, Settings.of_line(task.table, settings)) for task, settings in read_batch_settings(text, str(path))]
 
 
 @app.command("compile")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from aotattn.tune.runner import EXIT_DEVICE_LOST, DeviceLost, Settings, journal_dir, run_task
-from aotattn.tune.tasks import read_batch
+from aotattn.tune.tasks import read_batch_settings
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -48,19 +48,20 @@ def run_batch(batch: Path, results: Path, *, shard: str = "0/1", device: str | N
     """Run the shard's tasks of a ``tune plan --out`` file without pgdef; returns how many ran."""
     start = time.monotonic()
     index, count = parse_shard(shard)
-    tasks = read_batch(Path(batch).read_text(), str(batch))[index::count]
+    entries = read_batch_settings(Path(batch).read_text(), str(batch))[index::count]
     results = Path(results)
     results.mkdir(parents=True, exist_ok=True)
     ran = 0
-    for task in tasks:
+    for task, line_settings in entries:
         out = results / f"{task.id}.json"
         if out.is_file():
             continue
         if deadline_s is not None and time.monotonic() - start > deadline_s:
-            log(f"deadline: {len(tasks)} tasks in the shard, stopping before {task.describe()}")
+            log(f"deadline: {len(entries)} tasks in the shard, stopping before {task.describe()}")
             break
         log(f"{task.describe()}")
-        result = run_task(task, Settings.for_table(task.table), device=device, db=db, journal=journal_dir(), log=log)
+        result = run_task(task, Settings.of_line(task.table, line_settings), device=device, db=db,
+                          journal=journal_dir(), log=log)
         tmp = out.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
         tmp.replace(out)

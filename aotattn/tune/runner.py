@@ -116,6 +116,12 @@ class Settings:
         return settings
 
     @classmethod
+    def of_line(cls, table: str, data: Mapping[str, Any] | None) -> "Settings":
+        """A batch line's settings: the table's defaults, with what the line carries."""
+        default = cls.for_table(table)
+        return default if not data else cls.from_json({**default.to_json(), **data})
+
+    @classmethod
     def for_table(cls, table: str, **changes: Any) -> "Settings":
         """The defaults, timed at the table's own size (its harness's ``default_tokens``), with
         its harness's ``default_limit`` where it has one (a small space timed whole)."""

@@ -202,13 +202,25 @@ def enumerate_tasks(arch: str, tables: Sequence[str], where: Mapping[str, Sequen
                 yield Task(arch, table, functional, cell)
 
 
-def write_batch(tasks: Iterable[Task]) -> str:
-    """JSON lines, one task payload each (the offline batch format of the tuner's core)."""
-    return "".join(json.dumps({"id": t.id, **t.to_json()}, sort_keys=True) + "\n" for t in tasks)
+def write_batch(tasks: Iterable[Task], settings: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """JSON lines, one task payload each (the offline batch format of the tuner's core).
+
+    ``settings``: per table, how its tasks are measured (``Settings.to_json``), written into
+    each line so the offline worker and ``tune compile`` use the limit and size the batch
+    was planned with; a line without it is measured with its table's defaults.
+    """
+    lines = []
+    for t in tasks:
+        line: dict[str, Any] = {"id": t.id, **t.to_json()}
+        if settings is not None and t.table in settings:
+            line["settings"] = dict(settings[t.table])
+        lines.append(json.dumps(line, sort_keys=True) + "\n")
+    return "".join(lines)
 
 
-def read_batch(text: str, where: str = "<batch>") -> list[Task]:
-    tasks = []
+def read_batch_settings(text: str, where: str = "<batch>") -> list[tuple[Task, dict[str, Any] | None]]:
+    """Each line's task and the settings it carries (None: the table's defaults)."""
+    out = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -216,8 +228,17 @@ def read_batch(text: str, where: str = "<batch>") -> list[Task]:
             data = json.loads(line)
         except json.JSONDecodeError as exc:
             raise SelectionError(f"{where}:{number}: not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise SelectionError(f"{where}:{number}: expected a JSON object, got {type(data).__name__}")
+        settings = data.pop("settings", None)
+        if settings is not None and not isinstance(settings, dict):
+            raise SelectionError(f"{where}:{number}: settings: expected an object, got {settings!r}")
         task = Task.from_json(data)
         if "id" in data and data["id"] != task.id:
             raise SelectionError(f"{where}:{number}: id {data['id']} does not match the task ({task.id})")
-        tasks.append(task)
-    return tasks
+        out.append((task, settings))
+    return out
+
+
+def read_batch(text: str, where: str = "<batch>") -> list[Task]:
+    return [task for task, _ in read_batch_settings(text, where)]

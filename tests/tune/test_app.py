@@ -132,3 +132,37 @@ def test_core_batch_resumes_and_stops_at_the_deadline(forward_results, tmp_path)
     assert _load_results([out]) == [json.loads(json.dumps(results[0]))]
     with pytest.raises(ValueError, match="shard"):
         offline.run_batch(batch, out, shard="2/2")
+
+
+def test_a_planned_batch_is_measured_with_its_limit_and_size(tmp_path, monkeypatch):
+    """`tune plan --limit --tokens --out`: the offline worker and `tune compile` use what was planned."""
+    from aotattn.tune import runner as tune_runner
+
+    runner = CliRunner()
+    plans = {}
+    for name, extra in (("default", []), ("small", ["--limit", "2", "--tokens", "4096"])):
+        plans[name] = tmp_path / f"{name}.jsonl"
+        planned = runner.invoke(cli, ["tune", "plan", "-c", "flash,attn_fwd", "--dtype", "bf16", "--head-dim", "64",
+                                      "--seqlen", "1024", "--where", "MASK=0 DROPOUT=False", *extra,
+                                      "--out", str(plans[name])])
+        assert planned.exit_code == 0, planned.output
+    lines = [json.loads(line) for line in plans["small"].read_text().splitlines()]
+    assert lines and all(line["settings"]["limit"] == 2 and line["settings"]["tokens"] == 4096 for line in lines)
+    counts = {}
+    for name, path in plans.items():
+        counted = runner.invoke(cli, ["tune", "compile", str(path), "--images", str(tmp_path / "img"), "--dry-run"])
+        assert counted.exit_code == 0, counted.output
+        counts[name] = int(counted.output.split("need")[1].split()[0])
+    assert counts["small"] < counts["default"], counts
+    seen = []
+    monkeypatch.setattr(offline, "run_task", lambda task, settings, **_: seen.append(settings) or {"id": task.id})
+    assert offline.run_batch(plans["small"], tmp_path / "out") == len(lines)
+    default = tune_runner.Settings.for_table("flash.attn_fwd")
+    assert [(s.limit, s.tokens, s.finalists) for s in seen] == [(2, 4096, default.finalists)] * len(lines)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps({**lines[0], "settings": {"limit": 0}}) + "\n")
+    with pytest.raises(ValueError, match="limit"):
+        offline.run_batch(broken, tmp_path / "out2")
+    broken.write_text(json.dumps({**lines[0], "settings": [2]}) + "\n")
+    with pytest.raises(ValueError, match="settings"):
+        offline.run_batch(broken, tmp_path / "out3")
