@@ -95,6 +95,9 @@ class Footprint:
             the thread's 255 registers (a warp-specialized partition's register budget), or
             cannot run in the cell at all (an operator choice whose kernel does not serve it),
             or None. It sees the functional, the configuration and ``arch`` (the target's name).
+        loop: (knob, tuning key) of the main loop: its block walks that size (``BLOCK_N``
+            over ``seqlen_k``), so a short size means few iterations, whose loads and stores
+            only other resident programs can hide (:func:`score`); None: not modelled.
     """
 
     resident: tuple[Tile, ...] = ()
@@ -108,6 +111,7 @@ class Footprint:
     inert: Callable[[Mapping[str, Any]], str | None] = field(default=lambda values: None, compare=False)
     stages: str = "num_stages"
     budget: Callable[[Mapping[str, Any]], str | None] = field(default=lambda values: None, compare=False)
+    loop: tuple[str, str] | None = None
 
 
 def _values(functional: Functional, config: Config) -> dict[str, Any]:
@@ -180,7 +184,12 @@ def score(footprint: Footprint, functional: Functional, config: Config, tgt: Arc
     point; the per-iteration overhead of the loop (softmax rescaling, address updates,
     barriers: ``cols / (cols + 16)``); the fraction of each block that is not padding at
     these sizes; the pipelining (one stage: loads never overlap math, 0.8; two: 0.95);
-    and register pressure (over 128 accumulator registers a thread: 0.9).
+    register pressure (over 128 accumulator registers a thread: 0.9); and, for a kernel
+    whose ``loop`` is declared, latency hiding: a program's first load and last store
+    overlap only its own other iterations or other programs resident on the SM (by shared
+    memory), so ``sqrt(min(1, iterations x programs / 4))``. On the H200 the d128 forward
+    with 128 keys ran 1.22x faster with 32-key blocks (4 iterations, 2 programs an SM) than
+    with 128 (1 and 1), which this term alone ranks first (docs/tuner.md).
     """
     values = _values(functional, config)
     rows, cols = int(values[footprint.mma_rows]), int(values[footprint.mma_cols])
@@ -197,7 +206,19 @@ def score(footprint: Footprint, functional: Functional, config: Config, tgt: Arc
     stages = int(values.get(footprint.stages, 2))
     pipelined = 0.8 if stages == 1 else 0.95 if stages == 2 else 1.0
     pressure = 0.9 if accumulator_registers(footprint, functional, config, tgt) > 128 else 1.0
-    return mma * reuse * loop * useful * pipelined * pressure
+    return mma * reuse * loop * useful * pipelined * pressure * hiding(footprint, functional, config, tgt, sizes)
+
+
+def hiding(footprint: Footprint, functional: Functional, config: Config, tgt: Arch,
+           sizes: Mapping[str, int]) -> float:
+    """How well a short loop's loads and stores are hidden, 1.0 when the loop is long (:func:`score`)."""
+    if footprint.loop is None or footprint.loop[1] not in sizes:
+        return 1.0
+    knob, key = footprint.loop
+    values = _values(functional, config)
+    iterations = -(-int(sizes[key]) // int(values[knob]))
+    programs = max(1, tgt.shared_memory // max(1, shared_bytes(footprint, functional, config, tgt)))
+    return min(1.0, iterations * programs / 4) ** 0.5
 
 
 def space(spec: Any) -> list[Config]:

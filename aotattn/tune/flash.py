@@ -102,7 +102,8 @@ FOOTPRINTS: dict[str, Footprint] = {
     # descriptors; in padded heads too, spanning the real head dim)
     "attn_fwd": Footprint(resident=(_Q, Tile("BLOCK_N", "BLOCK_D", when="OVERLAP")), pipelined=(_K, _V, _BIAS),
                           accumulators=(Tile("BLOCK_M", "BLOCK_DV", "fp32"), *_SCORES,
-                                        Tile("BLOCK_M", "BLOCK_N", "fp32", when="OVERLAP")), pads=_PADS),
+                                        Tile("BLOCK_M", "BLOCK_N", "fp32", when="OVERLAP")), pads=_PADS,
+                          loop=("BLOCK_N", "seqlen_k")),
     # attn_fwd_ws: each consumer's Q tile resident, K and V in rings STAGES deep; its
     # accumulators are per consumer warpgroup (the budget), checked by _ws_registers
     "attn_fwd_ws": Footprint(resident=(_Q,), pipelined=(_K, _V), stages="STAGES", budget=_ws_registers, pads=_PADS),

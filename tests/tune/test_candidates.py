@@ -192,3 +192,23 @@ def test_tma_is_a_candidate_of_padded_and_unpadded_heads():
         assert cand.why_pruned(fp, functional, tma, SM90) is None
         kept, _ = cand.candidates(spec, functional, "sm_90", fp)
         assert {c.as_dict().get("TMA", 0) for c in kept} == {0, 1, 2}
+
+
+def test_short_key_loops_rank_configurations_that_hide_their_loads():
+    """The d128 forward with 128 keys (H200, whole space timed): 32-key blocks, 4 iterations and
+    2 programs an SM, 0.049 ms; 128-key blocks two stages deep, 1 and 1, 0.059 ms."""
+    fp, f = flash.FOOTPRINTS["attn_fwd"], _functional("attn_fwd", d=128)
+    short = {"seqlen_q": 4096, "seqlen_k": 128}
+    one_and_one, hidden = _cfg(128, 128, 8, 2), _cfg(128, 32, 8, 3)
+    assert cand.hiding(fp, f, one_and_one, SM90, short) == 0.5
+    assert cand.hiding(fp, f, hidden, SM90, short) == 1.0
+    assert cand.score(fp, f, hidden, SM90, short) > cand.score(fp, f, one_and_one, SM90, short)
+    kept, _ = cand.candidates(rules.KERNELS["attn_fwd"], f, "sm_90", fp, sizes=short, limit=16)
+    assert hidden in kept and one_and_one not in kept
+    # long loops: every configuration hides its loads in its own iterations, the term is 1
+    for size in (1024, 4096, 16384):
+        long = {"seqlen_q": 4096, "seqlen_k": size}
+        assert all(cand.hiding(fp, f, c, SM90, long) == 1.0 for c in cand.space(rules.KERNELS["attn_fwd"])
+                   if cand.why_pruned(fp, f, c, SM90) is None)
+    # kernels without a declared loop are not modelled
+    assert cand.hiding(flash.FOOTPRINTS["attn_bwd_dq"], f, one_and_one, SM90, short) == 1.0
