@@ -212,3 +212,51 @@ def test_short_key_loops_rank_configurations_that_hide_their_loads():
                    if cand.why_pruned(fp, f, c, SM90) is None)
     # kernels without a declared loop are not modelled
     assert cand.hiding(flash.FOOTPRINTS["attn_bwd_dq"], f, one_and_one, SM90, short) == 1.0
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):  # ties share their mean rank
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+
+
+def test_the_speed_model_ranks_measured_h200_forward_candidates():
+    """Rank correlation of the model's score with measured speed (the whole forward space timed
+    on the H200): positive in every cell; at seqlen_k 128 the latency term turns it from
+    negative (-0.12 to -0.39 without it) to positive, and --limit 16 keeps a candidate within 8%
+    of the fastest probe."""
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent / "data" / "h200_attn_fwd_probes.json").read_text())
+    fp = flash.FOOTPRINTS["attn_fwd"]
+    assert len(data["cells"]) == 8
+    for cell in data["cells"]:
+        f = Functional.of(cell["functional"])
+        sizes = dict(zip(("seqlen_q", "seqlen_k"), cell["cell"]))
+        configs = [Config.of(config) for config, _ in cell["probes"]]
+        speed = [-ms for _, ms in cell["probes"]]
+        score = [cand.score(fp, f, c, SM90, sizes) for c in configs]
+        without = [s / cand.hiding(fp, f, c, SM90, sizes) for s, c in zip(score, configs)]
+        assert _spearman(score, speed) > 0.25, cell["cell"]
+        if sizes["seqlen_k"] == 128:
+            assert _spearman(without, speed) < 0 < _spearman(score, speed)
+            kept, _ = cand.candidates(rules.KERNELS["attn_fwd"], f, "sm_90", fp, sizes=sizes, limit=16)
+            best = cell["probes"][0][1]
+            near = [c for c, (_, ms) in zip(configs, cell["probes"]) if ms <= 1.08 * best]  # a probe is one timing
+            assert set(near) & set(kept), (cell["functional"], cell["cell"])
