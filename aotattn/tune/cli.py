@@ -68,9 +68,8 @@ def _settings(limit: int | None, tokens: int | None, table: str):
     """A task's settings: ``limit`` and ``tokens`` when given, else its table's harness defaults."""
     from aotattn.tune.runner import Settings
 
-    default = Settings.for_table(table)
-    return Settings.from_json({"limit": default.limit if limit is None else limit,
-                               "tokens": default.tokens if tokens is None else tokens})
+    given = {"limit": limit, "tokens": tokens}
+    return Settings.of_line(table, {name: value for name, value in given.items() if value is not None})
 
 
 def _settings_by_table(chosen, limit: int, tokens: int | None) -> dict[str, Any]:
