@@ -50,10 +50,10 @@ def _noise(*records: Record | None) -> float:
     return max(spreads, default=0.0)
 
 
-def faults(db: Perfdb, margin: float = 0.0) -> list[Fault]:
-    """Every tuning fault in a run; ``margin``: also require the forced backend to win by
-    this fraction of the choice's time."""
-    found = []
+def _backward_passes(db: Perfdb):
+    """(entry, pass, unforced record, its backend choice, noise of that choice) of every
+    backward pass whose choice was recorded. The noise is :func:`_noise` of the unforced
+    and the forced runs of the chosen backend and the difference between them."""
     records = db.by_key()
     for name in db.entries:
         for pass_ in BACKWARD_PASSES:
@@ -67,15 +67,65 @@ def faults(db: Perfdb, margin: float = 0.0) -> list[Fault]:
             noise = _noise(unforced, same)
             if same is not None and same.ok:
                 noise = max(noise, abs(unforced.ms - same.ms))
-            for provider, backend in FORCED.items():
-                other = records.get((name, pass_, provider))
-                if backend == choice or other is None or not other.ok:
-                    continue
-                threshold = max(noise, _noise(other)) + margin * unforced.ms
-                if unforced.ms - other.ms > threshold:
-                    found.append(Fault(name, pass_, choice, unforced.ms, backend, other.ms,
-                                       max(noise, _noise(other)), unforced.notes().get("cell")))
+            yield name, pass_, unforced, choice, noise
+
+
+def _forced(records: dict[tuple[str, str, str], Record], name: str, pass_: str) -> dict[str, Record]:
+    """backend -> the forced run of it, for the backends that ran (``records``: Perfdb.by_key)."""
+    found = {}
+    for provider, backend in FORCED.items():
+        other = records.get((name, pass_, provider))
+        if other is not None and other.ok:
+            found[backend] = other
     return found
+
+
+def faults(db: Perfdb, margin: float = 0.0) -> list[Fault]:
+    """Every tuning fault in a run; ``margin``: also require the forced backend to win by
+    this fraction of the choice's time."""
+    found = []
+    records = db.by_key()
+    for name, pass_, unforced, choice, noise in _backward_passes(db):
+        for backend, other in _forced(records, name, pass_).items():
+            if backend == choice:
+                continue
+            threshold = max(noise, _noise(other)) + margin * unforced.ms
+            if unforced.ms - other.ms > threshold:
+                found.append(Fault(name, pass_, choice, unforced.ms, backend, other.ms,
+                                   max(noise, _noise(other)), unforced.notes().get("cell")))
+    return found
+
+
+def patchable(db: Perfdb, found: list[Fault]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """The backend each faulty cell can be set to, and the cells left alone with why.
+
+    Several entries can read one ``flash.backward`` cell (a window-span lookup reads the
+    cell of its span; a grouped-query call reads the cell of the same call without groups).
+    A cell is changed only when every entry of the run that reads it agrees. It is
+    contested when two faults on it name different winners, or when another entry reading
+    it timed the winner slower than its current choice by more than the noise. Setting that
+    cell would trade one entry's speed for another's.
+
+    Returns ``({cell: backend}, {cell: [reasons]})``, with the cells as the notes spell them.
+    """
+    winners: dict[str, set[str]] = defaultdict(set)
+    for f in found:
+        if f.cell:
+            winners[f.cell].add(f.winner)
+    contested: dict[str, list[str]] = {cell: [f"faults disagree ({', '.join(sorted(w))})"]
+                                       for cell, w in winners.items() if len(w) > 1}
+    changes = {cell: next(iter(w)) for cell, w in winners.items() if len(w) == 1}
+    records = db.by_key()
+    for name, pass_, unforced, choice, noise in _backward_passes(db):
+        cell = unforced.notes().get("cell")
+        backend = changes.get(cell)
+        if backend is None or backend == choice:
+            continue
+        other = _forced(records, name, pass_).get(backend)
+        if other is not None and other.ms - unforced.ms > max(noise, _noise(other)):
+            contested.setdefault(cell, []).append(
+                f"{name} {pass_} is faster with {choice} ({unforced.ms:.4g} ms against {backend} {other.ms:.4g} ms)")
+    return {cell: b for cell, b in changes.items() if cell not in contested}, contested
 
 
 @dataclass(frozen=True)

@@ -430,12 +430,18 @@ def faults(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: 
     db, path = _read(tag, arch, root)
     found = _print_faults(db, path.stem, margin)
     if patch is not None and found:
-        votes: dict = {}
-        for f in found:
-            if f.cell:
-                votes.setdefault(parse_cell(f.cell), set()).add(f.winner)
-        # a cell two entries disagree about is left for a person (or the tuner) to settle
-        changes = {cell: Config.of(backend=next(iter(w))) for cell, w in votes.items() if len(w) == 1}
+        from aotattn.perfmon.analysis import patchable
+
+        # a cell the run's entries disagree about is left for a person (or the tuner) to settle
+        agreed, contested = patchable(db, found)
+        for cell, reasons in contested.items():
+            console.print(escape(f"left out {cell}: {'; '.join(reasons)}"), style="yellow", highlight=False)
+        changes = {parse_cell(cell): Config.of(backend=backend) for cell, backend in agreed.items()}
+        if not changes:
+            console.print("no patch written: every faulty cell is contested")
+            if fail:
+                raise typer.Exit(1)
+            return
         texts = suggest_patch(changes, [f"from `aotattn perfdb faults {tag}` ({db.header.get('gpu', '?')}, "
                                         f"{db.header.get('date', '?')})"])
         as_file = patch.suffix == ".dbpatch"

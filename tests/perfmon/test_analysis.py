@@ -316,3 +316,70 @@ def test_feature_costs_pair_each_entry_with_its_plain_twin(tmp_path):
     lonely.write(tmp_path / "lonely.txt")
     result = CliRunner().invoke(cli, ["perfdb", "costs", str(tmp_path / "lonely.txt")])
     assert result.exit_code != 0 and "plain twin" in result.output
+
+
+def _shared_cell_run(times: dict[int, dict[str, float]], spread: float = 0.002, cell: str = "CELL") -> Perfdb:
+    """Entries that all read one flash.backward cell: ``{entry index: {provider: ms}}``, the
+    unforced call under "aotattn" choosing split."""
+    run = Perfdb(header={"arch": "sm_90", "gpu": "fabricated", "date": "2026-12-04"})
+    for i, by_provider in times.items():
+        entry = ENTRIES[i]
+        run.add(entry, [Record(entry.name, "bwd", provider, ms, spread,
+                               note=f"choice=split cell={cell}" if provider == "aotattn" else "")
+                        for provider, ms in by_provider.items()])
+    return run
+
+
+@pytest.mark.parametrize("times, agreed, contested", [
+    # one fault, the other entry on the cell did not time ws slower: the cell changes
+    ({0: {"aotattn": 1.0, "aotattn:split": 1.0, "aotattn:ws": 0.8},
+      1: {"aotattn": 2.0, "aotattn:split": 2.0, "aotattn:ws": 2.001}}, {"CELL": "ws"}, None),
+    # the other entry is 10% faster with split than with ws: the cell is contested
+    ({0: {"aotattn": 1.0, "aotattn:split": 1.0, "aotattn:ws": 0.8},
+      1: {"aotattn": 2.0, "aotattn:split": 2.0, "aotattn:ws": 2.2}}, {}, "is faster with split"),
+    # two faults on the cell name different winners
+    ({0: {"aotattn": 1.0, "aotattn:split": 1.0, "aotattn:ws": 0.8, "aotattn:fused": 1.1},
+      1: {"aotattn": 2.0, "aotattn:split": 2.0, "aotattn:ws": 2.3, "aotattn:fused": 1.7}}, {},
+     "faults disagree (fused, ws)"),
+])
+def test_a_cell_other_entries_read_faster_as_it_is_is_not_patched(times, agreed, contested):
+    """The faults' patch changes a cell only when no entry reading it loses: a window entry
+    and a dense entry that share a cell, or a grouped-query call and the same call without
+    groups, can want different backends (seen on the H200, run s35-dense)."""
+    run = _shared_cell_run(times)
+    found = analysis.faults(run)
+    assert found and all(f.cell == "CELL" for f in found)
+    changes, left = analysis.patchable(run, found)
+    assert changes == agreed
+    if contested is None:
+        assert left == {}
+    else:
+        assert list(left) == ["CELL"] and contested in " ".join(left["CELL"])
+
+
+def test_cli_faults_leaves_contested_cells_out_of_the_patch(tmp_path):
+    root = tmp_path / "perfdb"
+    # a real cell name, so that a patch could be written for it
+    cell = "flash.backward[dtype=bf16,BLOCK_D=128,PAD_HEAD=False,MASK=2,VARLEN=False,DROPOUT=False,BIAS=0," \
+           "DETERMINISTIC=False]@seqlen_q=512,seqlen_k=512"
+    run = _shared_cell_run({0: {"aotattn": 1.0, "aotattn:split": 1.0, "aotattn:ws": 0.8},
+                            1: {"aotattn": 2.0, "aotattn:split": 2.0, "aotattn:ws": 2.2}}, cell=cell)
+    _write(run, root, "shared")
+    out = CliRunner().invoke(cli, ["perfdb", "faults", "shared", "--patch", str(tmp_path / "p"), "--fail",
+                                   "--perfdb", str(root)])
+    assert out.exit_code == 1
+    assert "left out" in out.output and "is faster with split" in out.output.replace("\n", " ")
+    assert "no patch written" in out.output and not (tmp_path / "p").exists()
+
+    # beside it, a fault alone on its cell: the patch holds that cell only
+    alone = cell.replace("seqlen_q=512,seqlen_k=512", "seqlen_q=1024,seqlen_k=1024")
+    lone = _shared_cell_run({2: {"aotattn": 1.0, "aotattn:split": 1.0, "aotattn:ws": 0.7}}, cell=alone)
+    for entry in lone.entries.values():
+        run.add(entry, [r for r in lone.records if r.entry == entry.name])
+    _write(run, root, "both")
+    out = CliRunner().invoke(cli, ["perfdb", "faults", "both", "--patch", str(tmp_path / "p"), "--perfdb", str(root)])
+    assert out.exit_code == 0 and "left out" in out.output
+    (written,) = (tmp_path / "p").glob("*.dbpatch")
+    edits = parse_patch(rules.BACKWARD, written.read_text()).edits
+    assert "seqlen_q=1024 seqlen_k=1024: ws" in written.read_text() and "seqlen_q=512" not in written.read_text()
+    assert edits
