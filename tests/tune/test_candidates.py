@@ -104,9 +104,18 @@ def test_candidates_fit_and_respect_limit(table):
                                    limit=5)
     assert len(kept) == 6 and keep in kept and keep not in pruned
     assert set(kept) | set(pruned) == set(cand.space(spec))
-    scores = [cand.score(fp, f, c, SM90, {"seqlen_q": size, "seqlen_k": size}) for c in kept if c != keep]
-    assert min(scores) >= max(cand.score(fp, f, c, SM90, {"seqlen_q": size, "seqlen_k": size})
-                              for c in pruned if "ranked" in pruned[c])
+    # ranked out: a configuration scoring no higher than every kept one, or another knob
+    # variant of a tile already kept (tiles first: cand.tiles_first)
+    knobs = {name for name, _ in spec.knob_defaults}
+
+    def tile(c):
+        return tuple((k, v) for k, v in c.items if k not in knobs)
+
+    sizes = {"seqlen_q": size, "seqlen_k": size}
+    lowest = min(cand.score(fp, f, c, SM90, sizes) for c in kept if c != keep)
+    kept_tiles = {tile(c) for c in kept if c != keep}
+    for config in (c for c in pruned if "ranked" in pruned[c]):
+        assert tile(config) in kept_tiles or cand.score(fp, f, config, SM90, sizes) <= lowest
 
 
 def test_ranking_prefers_unpadded_blocks_for_short_sequences():
@@ -260,3 +269,51 @@ def test_the_speed_model_ranks_measured_h200_forward_candidates():
             best = cell["probes"][0][1]
             near = [c for c, (_, ms) in zip(configs, cell["probes"]) if ms <= 1.08 * best]  # a probe is one timing
             assert set(near) & set(kept), (cell["functional"], cell["cell"])
+
+
+def test_a_small_limit_keeps_distinct_tiles_before_knob_variants():
+    """The speed model does not rank the forward's OVERLAP and TMA knobs: each tile's
+    variants tie. Ranked tiles first, a limit no larger than the number of fitting tiles
+    keeps distinct tiles, each at its default knobs, in the model's order; a larger limit
+    adds the best tiles' second variants."""
+    spec, fp = rules.KERNELS["attn_fwd"], flash.FOOTPRINTS["attn_fwd"]
+    knobs = {name for name, _ in spec.knob_defaults}
+    f = Functional.of({"dtype": "bf16", "BLOCK_D": 128, "BLOCK_DV": 128, "PAD_HEAD": False, "MASK": 0,
+                       "VARLEN": False, "DROPOUT": False, "BIAS": 0})
+    sizes = {"seqlen_q": 2048, "seqlen_k": 2048}
+
+    def tile(c):
+        return tuple((k, v) for k, v in c.items if k not in knobs)
+
+    fitting, _ = cand.candidates(spec, f, "sm_90", fp, sizes=sizes)
+    tiles = {tile(c) for c in fitting}
+    assert len(fitting) > 2 * len(tiles)  # knob variants outnumber tiles
+    ranked = cand.tiles_first(spec, sorted(fitting, key=lambda c: -cand.score(fp, f, c, SM90, sizes)))
+    assert sorted(ranked, key=str) == sorted(fitting, key=str)
+    first = ranked[:len(tiles)]
+    assert {tile(c) for c in first} == tiles
+    assert all(not any(k in knobs for k, _ in c.items) for c in first)  # each tile at its defaults
+    scores = [cand.score(fp, f, c, SM90, sizes) for c in first]
+    assert scores == sorted(scores, reverse=True)
+    kept, _ = cand.candidates(spec, f, "sm_90", fp, sizes=sizes, limit=8)
+    assert len({tile(c) for c in kept}) == 8
+    kept, _ = cand.candidates(spec, f, "sm_90", fp, sizes=sizes, limit=len(tiles) + 2)
+    variants = [c for c in kept if any(k in knobs for k, _ in c.items)]
+    assert len(variants) == 2 and set(first) <= set(kept)  # every tile at its defaults, then two variants
+
+
+def test_the_default_limit_keeps_a_near_best_measured_forward_candidate():
+    """On the H200's measured forward candidates (8 cells, the speed model's top 64 each),
+    --limit 8 keeps a candidate within 1% of the fastest in every cell (with each tile's six
+    knob variants side by side, the best kept was up to 1.21x slower)."""
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent / "data" / "h200_attn_fwd_probes.json").read_text())
+    fp = flash.FOOTPRINTS["attn_fwd"]
+    for cell in data["cells"]:
+        f = Functional.of(cell["functional"])
+        sizes = dict(zip(("seqlen_q", "seqlen_k"), cell["cell"]))
+        ms = {Config.of(config): t for config, t in cell["probes"]}
+        kept, _ = cand.candidates(rules.KERNELS["attn_fwd"], f, "sm_90", fp, sizes=sizes, limit=8)
+        assert min(ms[c] for c in kept if c in ms) <= 1.01 * min(ms.values()), (cell["functional"], cell["cell"])
