@@ -127,11 +127,22 @@ def call_sdpa(entry: Entry, x: Inputs, provider: str, dropout_p: float | None = 
     return _heads_major(entry, out)
 
 
+# Dynamo's settings for FlexAttention's calls: one static graph a shape, however many
+# entries a run times. With automatic dynamic shapes, the second shape a run gave
+# flex_attention compiled one dynamic graph that served every later shape (not the
+# per-shape kernel FlexAttention's own benchmarks time). Past the recompile limit (8
+# graphs), Dynamo would fall back to eager FlexAttention silently, which is many times
+# slower and would flatter aotattn; with the limit raised, hitting it raises instead, and
+# the entry records the error.
+_FLEX_DYNAMO = {"recompile_limit": 100_000, "accumulated_recompile_limit": 100_000,
+                "fail_on_recompile_limit_hit": True}
+
+
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    return torch.compile(flex_attention, dynamic=False)
 
 
 @functools.lru_cache(maxsize=8)
@@ -160,7 +171,11 @@ def call_flex(entry: Entry, x: Inputs) -> torch.Tensor:
     if entry.masked:
         block_mask = _block_mask(entry.seqlen_q, entry.seqlen_k, entry.causal, entry.window, entry.diagonal,
                                  str(q.device))
-    out = _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=entry.group_size > 1)
+    import torch._dynamo
+
+    settings = {name: value for name, value in _FLEX_DYNAMO.items() if hasattr(torch._dynamo.config, name)}
+    with torch._dynamo.config.patch(**settings):
+        out = _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=entry.group_size > 1)
     return _heads_major(entry, out)
 
 

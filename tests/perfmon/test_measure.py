@@ -190,3 +190,21 @@ def test_inputs_that_cannot_be_made_leave_every_record_without_figures(monkeypat
     records = measure.measure_entry(SQUARE, CPU, QUICK)
     assert len(records) == len(SQUARE.passes) * len(P.ALL)
     assert all(not r.ok and r.note.startswith("error: inputs: RuntimeError: CUDA out of memory") for r in records)
+
+
+def test_flexattention_compiles_one_static_graph_a_shape():
+    """A run times FlexAttention over many shapes. Each shape gets its own static graph:
+    with automatic dynamic shapes, the third shape reused a dynamic graph compiled at the
+    second, and past Dynamo's recompile limit (8) the calls would have gone eager. Each
+    result matches the float64 reference."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    for seqlen in (128, 256, 384):
+        entry = dataclasses.replace(SQUARE, name=f"t-flex-{seqlen}", seqlen_q=seqlen, seqlen_k=seqlen, causal=True,
+                                    flex=True, passes=("fwd",))  # FlexAttention has no CPU backward
+        x = P.make_inputs(entry, CPU, seed=seqlen)
+        out = P.call_flex(entry, x)
+        want, _ = aotattn.reference.attention(x.q.double(), x.k.double(), x.v.double(), causal=True)
+        assert (out.double() - want).abs().max().item() < 1e-4
+    assert counters["stats"]["unique_graphs"] - before == 3
