@@ -161,6 +161,9 @@ class _Table:
     functionals: tuple[tuple[str, tuple[Any, ...]], ...]
     disabled: Callable[[Mapping[str, Any]], bool] | None
     knob_defaults: tuple[tuple[str, Any], ...]
+    # axes a functional leaves out at this value (:meth:`canonical_functional`); none but
+    # an operator table's so far
+    axis_defaults: tuple[tuple[str, Any], ...] = ()
 
     def canonical(self, config: Config) -> Config:
         """``config`` without the knobs that are at their default (``knob_defaults``: knobs
@@ -169,6 +172,16 @@ class _Table:
         if not any(k in defaults and defaults[k] == v for k, v in config.items):
             return config
         return Config(tuple((k, v) for k, v in config.items if not (k in defaults and defaults[k] == v)))
+
+    def canonical_functional(self, functional: Mapping[str, Any] | Functional) -> Functional:
+        """``functional`` without the axes at their ``axis_defaults`` value: the form the
+        database's blocks, headers and cell names use, so that an axis added to a table
+        later leaves every existing functional (and file) as it was."""
+        values = functional.as_dict() if isinstance(functional, Functional) else dict(functional)
+        for axis, default in self.axis_defaults:
+            if axis in values and values[axis] == default:
+                del values[axis]
+        return Functional.of(values)
 
     @property
     def qualname(self) -> str:
@@ -186,6 +199,7 @@ class _Table:
 
     def check_functional(self, functional: Mapping[str, Any]) -> None:
         choices = dict(self.functionals)
+        functional = {**dict(self.axis_defaults), **functional}
         if set(functional) != set(choices):
             raise ValueError(f"{self.qualname}: functional axes {sorted(functional)} != {sorted(choices)}")
         for axis, value in functional.items():
@@ -199,7 +213,7 @@ class _Table:
         for values in itertools.product(*(choices for _, choices in self.functionals)):
             f = dict(zip(names, values))
             if self.disabled is None or not self.disabled(f):
-                yield Functional.of(f)
+                yield self.canonical_functional(f)
 
 
 @dataclass(frozen=True)
@@ -360,6 +374,9 @@ class OperatorSpec(_Table):
     fallback: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
     disabled: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
     knob_defaults: tuple[tuple[str, Any], ...] = ()
+    # axes a functional leaves out at this value (_Table.canonical_functional): an axis
+    # added later keeps every file, recorded cell and caller's functional valid
+    axis_defaults: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,13 @@ def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = 
     not varlen) at the cell: none where a call of the cell's lengths runs another MASK
     variant (rules.kernel_mask: top-left on the diagonal runs bottom-right), nor a top-left
     backward with fewer queries than keys and no dropout (its plans drop the keys no query
-    sees, planning.trim_keys: a causal call runs the Sq x Sq cell)."""
+    sees, planning.trim_keys: a causal call runs the Sq x Sq cell). Grouped-query cells of
+    the backward operator are not timed here (its problems have as many key/value heads as
+    query heads); perfmon's GQA entries time every backend, and ``perfdb faults --patch``
+    sets them."""
     f = functional.as_dict()
+    if f.get("GROUPED"):
+        return False
     if cell is not None and len(cell) == 2 and "MASK" in f \
             and rules.kernel_mask(f["MASK"], f.get("VARLEN", False), *cell) != f["MASK"]:
         return False

@@ -153,7 +153,10 @@ class Database:
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, arch: str, spec: Any, functional: Functional, sizes: Mapping[str, int]) -> Config:
-        """The configuration for one call; a missing block or cell is an error, never a default."""
+        """The configuration for one call; a missing block or cell is an error, never a default.
+        An axis at its ``axis_defaults`` value may be given or left out (the same cell)."""
+        if spec.axis_defaults:
+            functional = spec.canonical_functional(functional)
         cell_index = tuple(bucket_index(buckets, sizes[name]) for name, buckets in spec.tuning_keys)
         key = (arch, spec.qualname, functional, cell_index)
         found = self._lookups.get(key)

@@ -124,9 +124,17 @@ def parse_value(token: str, choices: Sequence[Any], what: str, where: str) -> An
     raise TuningError(f"{what}: {token!r} is not one of {', '.join(map(format_value, choices))}", where)
 
 
+def _axis_defaults(spec: Any) -> dict[str, Any]:
+    return dict(getattr(spec, "axis_defaults", ()))
+
+
 def format_functional(spec: Any, functional: Functional) -> str:
-    values = functional.as_dict()
-    return "[" + " ".join(f"{axis}={format_value(values[axis])}" for axis in spec.axes) + "]"
+    """``[axis=value ...]`` in the spec's axis order, leaving out the axes a functional may
+    omit at their default (``axis_defaults``: written the same before and after such an
+    axis was added)."""
+    values, defaults = functional.as_dict(), _axis_defaults(spec)
+    return "[" + " ".join(f"{axis}={format_value(values[axis])}" for axis in spec.axes
+                          if axis in values and not (axis in defaults and values[axis] == defaults[axis])) + "]"
 
 
 def parse_functional(spec: Any, text: str, where: str) -> Functional:
@@ -141,12 +149,13 @@ def parse_functional(spec: Any, text: str, where: str) -> Functional:
         if axis in values:
             raise TuningError(f"axis {axis} given twice", where)
         values[axis] = parse_value(raw, choices[axis], axis, where)
-    missing = [a for a in spec.axes if a not in values]
+    defaults = _axis_defaults(spec)
+    missing = [a for a in spec.axes if a not in values and a not in defaults]
     if missing:
         raise TuningError(f"the functional lacks axes {', '.join(missing)}", where)
-    if spec.disabled is not None and spec.disabled(values):
+    if spec.disabled is not None and spec.disabled({**defaults, **values}):
         raise TuningError(f"functional {text.strip()} is disabled for {spec.qualname}", where)
-    return Functional.of(values)
+    return spec.canonical_functional(values) if defaults else Functional.of(values)
 
 
 def format_config(config: Config, spec: Any) -> str:
@@ -188,7 +197,7 @@ def _lines(text: str, path: str):
             yield number, line, f"{path}:{number}"
 
 
-def _blank_other_sections(text: str, wanted: set[tuple[str, ...]]) -> str:
+def _blank_other_sections(text: str, wanted: set[tuple[str, ...]], spec: Any = None) -> str:
     """``text`` with the lines of functional sections not in ``wanted`` blanked (line
     numbers kept): a lookup then neither parses nor numbers them."""
     lines = text.splitlines()
@@ -196,7 +205,7 @@ def _blank_other_sections(text: str, wanted: set[tuple[str, ...]]) -> str:
     for i, line in enumerate(lines):
         if line.startswith("["):
             header = line.rstrip()[1:-1]
-            keep = header == "configs" or header_key(header) in wanted
+            keep = header == "configs" or header_key(header, spec) in wanted
         if not keep:
             lines[i] = ""
     return "\n".join(lines)
@@ -324,9 +333,11 @@ def _parse_configs(spec: Any, body, configs: dict[str, Config], report: _Report,
             report(exc)
 
 
-def header_key(text: str) -> tuple[str, ...]:
-    """A section header's ``axis=value`` tokens, order-free: what matching a block needs."""
-    return tuple(sorted(text.split()))
+def header_key(text: str, spec: Any = None) -> tuple[str, ...]:
+    """A section header's ``axis=value`` tokens, order-free: what matching a block needs
+    (``spec``: the table, whose axes at their ``axis_defaults`` a header may spell out)."""
+    spelled = {f"{axis}={format_value(value)}" for axis, value in _axis_defaults(spec).items()}
+    return tuple(sorted(t for t in text.split() if t not in spelled))
 
 
 def functional_key(functional: Functional) -> tuple[str, ...]:
@@ -348,7 +359,7 @@ def parse_table(spec: Any, text: str, path: str = "<table>", only: Collection[Fu
     report = _Report(errors)
     wanted = None if only is None else {functional_key(f) for f in only}
     if wanted is not None:
-        text = _blank_other_sections(text, wanted)
+        text = _blank_other_sections(text, wanted, spec)
     directives, given, comments, rest = _header(spec, text, path, "tuning")
     table_arch = directives.get("arch")
     if not table_arch:

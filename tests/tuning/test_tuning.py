@@ -499,3 +499,39 @@ def test_set_knobs_rewrites_a_copy_and_back_byte_for_byte(tmp_path):
                          ("TMA", "expected knob=value")):
         result = runner.invoke(app, ["tuning", "set-knobs", bad, "--tuning-db", str(copy)])
         assert result.exit_code != 0 and message in str(result.output) + str(result.exception), (bad, result.output)
+
+
+def test_an_axis_at_its_default_is_left_out_of_functionals_headers_and_cells():
+    """flash.backward's GROUPED axis came after tables, patches and recorded perfdb cells
+    were written. A functional at GROUPED=False leaves the axis out, so those stay valid and
+    callers naming eight axes look up the same cell; a grouped functional names it."""
+    from aotattn.families.flash import rules
+    from aotattn.perfmon.provenance import cell_of, parse_cell
+    from aotattn.tuning.format import format_functional, functional_key, header_key, parse_functional
+
+    plain = "dtype=bf16 BLOCK_D=64 PAD_HEAD=False MASK=2 VARLEN=False DROPOUT=False BIAS=0 DETERMINISTIC=False"
+    f = parse_functional(rules.BACKWARD, plain, "test")
+    assert "GROUPED" not in f.as_dict()
+    assert parse_functional(rules.BACKWARD, plain + " GROUPED=False", "test") == f  # spelled out: the same
+    assert rules.BACKWARD.canonical_functional({**f.as_dict(), "GROUPED": False}) == f
+    assert format_functional(rules.BACKWARD, f) == f"[{plain}]"
+    assert functional_key(f) == header_key(plain) == header_key(plain + " GROUPED=False", rules.BACKWARD)
+    grouped = parse_functional(rules.BACKWARD, plain + " GROUPED=True", "test")
+    assert grouped.as_dict()["GROUPED"] is True
+    assert format_functional(rules.BACKWARD, grouped) == f"[{plain} GROUPED=True]"
+    assert functional_key(grouped) == header_key(plain + " GROUPED=True", rules.BACKWARD)
+    with pytest.raises(TuningError, match="lacks axes"):
+        parse_functional(rules.BACKWARD, plain.replace(" DETERMINISTIC=False", ""), "test")  # no default
+    rules.BACKWARD.check_functional(f.as_dict())
+    assert f in set(rules.BACKWARD.enumerate_functionals()) and grouped in set(rules.BACKWARD.enumerate_functionals())
+    db = tuning.database()
+    sizes = {"seqlen_q": 1000, "seqlen_k": 1000}
+    full = Functional.of({**f.as_dict(), "GROUPED": False})
+    assert db.lookup("sm_90", rules.BACKWARD, full, sizes) == db.lookup("sm_90", rules.BACKWARD, f, sizes)
+    # a cell recorded before the axis existed is the ungrouped one's
+    old = ("flash.backward[dtype=bf16,BLOCK_D=64,PAD_HEAD=False,MASK=2,VARLEN=False,DROPOUT=False,BIAS=0,"
+           "DETERMINISTIC=False]@seqlen_q=1024,seqlen_k=1024")
+    assert parse_cell(old).functional == f and str(parse_cell(old)) == old
+    assert cell_of("sm_90", rules.BACKWARD, f, sizes) == old
+    assert cell_of("sm_90", rules.BACKWARD, grouped, sizes) == old.replace("DETERMINISTIC=False]",
+                                                                             "DETERMINISTIC=False,GROUPED=True]")

@@ -32,7 +32,8 @@ def _cfg(bm: int, bn: int, w: int, s: int) -> Config:
 
 def _refinement(f: dict) -> bool:
     """An operator table's functional that is not a root: the seeds hold only roots."""
-    return bool(f["PAD_HEAD"] or f["VARLEN"] or f["DROPOUT"] or f["BIAS"] or f["MASK"] == rules.MASK_TOP_LEFT)
+    return bool(f["PAD_HEAD"] or f["VARLEN"] or f["DROPOUT"] or f["BIAS"] or f["MASK"] == rules.MASK_TOP_LEFT
+                or f.get("GROUPED"))
 
 
 def sm90(kernel, f: dict) -> Config:

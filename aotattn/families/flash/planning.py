@@ -405,7 +405,7 @@ def choose_backend(c: Call, deterministic: bool, device: torch.device) -> str:
     if device.type == "cpu":
         return "split"
     kernel_functional = c.functional(backward=True)
-    functional = rules.operator_functional(kernel_functional, deterministic)
+    functional = rules.operator_functional(kernel_functional, deterministic, c.p.group_size > 1)
     backend = rules.config_for(rules.BACKWARD, functional, device, **c.p.tuning_sizes)["backend"]
     if backend == "ws" and not rules.ws_backward_serves(kernel_functional, _device_arch(device), deterministic):
         return "split"  # the table of another architecture than the kernel's, or a cell it does not serve

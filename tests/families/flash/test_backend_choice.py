@@ -34,9 +34,9 @@ def _choice(monkeypatch, q, k, v, *, bias=None, bias_grad=False, deterministic=F
     return functional.as_dict(), sizes
 
 
-def _qkv(d=64, sq=300, sk=300, dtype=torch.bfloat16):
-    return (torch.randn(2, sq, 4, d, dtype=dtype), torch.randn(2, sk, 4, d, dtype=dtype),
-            torch.randn(2, sk, 4, d, dtype=dtype))
+def _qkv(d=64, sq=300, sk=300, dtype=torch.bfloat16, heads_k=4):
+    return (torch.randn(2, sq, 4, d, dtype=dtype), torch.randn(2, sk, heads_k, d, dtype=dtype),
+            torch.randn(2, sk, heads_k, d, dtype=dtype))
 
 
 @pytest.mark.parametrize("case, expect", [
@@ -49,14 +49,17 @@ def _qkv(d=64, sq=300, sk=300, dtype=torch.bfloat16):
     (dict(bias=True, bias_grad=True), {"BIAS": rules.BIAS_GRAD}),
     (dict(deterministic=True), {"DETERMINISTIC": True}),
     (dict(dtype=torch.float32, d=200), {"dtype": "fp32", "BLOCK_D": 256, "PAD_HEAD": True}),
+    (dict(heads_k=2), {"GROUPED": True}),
+    (dict(heads_k=1, causal=True), {"GROUPED": True, "MASK": rules.MASK_BOTTOM_RIGHT}),
 ])
 def test_the_operator_lookup_names_every_axis_of_the_call(monkeypatch, case, expect):
     case = dict(case)
-    q, k, v = _qkv(case.pop("d", 64), 300, case.pop("sk", 300), case.pop("dtype", torch.bfloat16))
+    q, k, v = _qkv(case.pop("d", 64), 300, case.pop("sk", 300), case.pop("dtype", torch.bfloat16),
+                   case.pop("heads_k", 4))
     bias = torch.randn(2, 4, q.shape[1], k.shape[1], dtype=q.dtype) if case.pop("bias", False) else None
     functional, sizes = _choice(monkeypatch, q, k, v, bias=bias, **case)
     base = dict(dtype="bf16", BLOCK_D=64, PAD_HEAD=False, MASK=0, VARLEN=False, DROPOUT=False, BIAS=0,
-                DETERMINISTIC=False)
+                DETERMINISTIC=False)  # GROUPED=False is left out (rules.BACKWARD.axis_defaults)
     assert functional == {**base, **expect}
     assert sizes == {"seqlen_q": 300, "seqlen_k": k.shape[1]}
 
@@ -70,16 +73,17 @@ def test_every_operator_functional_resolves_in_the_shipped_database():
             assert config["backend"] in rules.BACKENDS
 
 
-def test_operator_fallback_drops_padding_last():
+def test_operator_fallback_drops_grouping_first_and_padding_last():
     f = dict(dtype="bf16", BLOCK_D=64, PAD_HEAD=True, MASK=rules.MASK_TOP_LEFT, VARLEN=True, DROPOUT=True,
-             BIAS=rules.BIAS_GRAD, DETERMINISTIC=False)
+             BIAS=rules.BIAS_GRAD, DETERMINISTIC=False, GROUPED=True)
     chain = [f]
     while (twin := rules.BACKWARD.fallback(chain[-1])) is not None:
         chain.append(twin)
-    dropped = [next(a for a in f if chain[i][a] != chain[i + 1][a]) for i in range(len(chain) - 1)]
-    assert dropped == ["BIAS", "DROPOUT", "VARLEN", "MASK", "PAD_HEAD"]
-    assert chain[-1] == {**f, "PAD_HEAD": False, "MASK": rules.MASK_BOTTOM_RIGHT, "VARLEN": False,
-                         "DROPOUT": False, "BIAS": rules.BIAS_NONE}
+    dropped = [next(a for a in f if chain[i][a] != chain[i + 1].get(a, False)) for i in range(len(chain) - 1)]
+    assert dropped == ["GROUPED", "BIAS", "DROPOUT", "VARLEN", "MASK", "PAD_HEAD"]
+    assert "GROUPED" not in chain[1]  # an ungrouped functional leaves the axis out
+    assert chain[-1] == {**{a: v for a, v in f.items() if a != "GROUPED"}, "PAD_HEAD": False,
+                         "MASK": rules.MASK_BOTTOM_RIGHT, "VARLEN": False, "DROPOUT": False, "BIAS": rules.BIAS_NONE}
     assert Functional.of(chain[-1]) in tuning.database().effective("sm_90", "flash.backward").blocks
     assert Config.of(backend="split") in tuning.database().effective("sm_90", "flash.backward").configs.values()
 
@@ -141,3 +145,24 @@ def test_a_windowed_call_is_looked_up_at_its_span(monkeypatch, window, causal, s
         assert plan.grid == (blocks * q.shape[2] * q.shape[0], 1, 1)
     else:
         assert plan.grid == (blocks, q.shape[2], q.shape[0])
+
+
+def test_grouped_calls_read_their_own_cells_and_fall_back_to_the_ungrouped_ones(monkeypatch):
+    """A grouped-query call (Hq > Hk) looks up the GROUPED=True refinement: the shipped patch
+    gives d64 s1024 causal GQA calls ws (perfmon s35-dense, 1.14-1.42x), while the same
+    call without groups keeps its own choice, and the grouped calls' other cells read the
+    ungrouped ones."""
+    db = tuning.database()
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        choices = {}
+        for heads_k in (4, 2, 1):
+            for seqlen in (1000, 300, 3000):
+                q, k, v = _qkv(64, seqlen, seqlen, torch_dtype, heads_k)
+                functional, sizes = _choice(monkeypatch, q, k, v, causal=True)
+                assert functional.get("GROUPED", False) is (heads_k < 4)
+                choices[(heads_k, seqlen)] = db.lookup("sm_90", rules.BACKWARD, Functional.of(functional),
+                                                       sizes)["backend"]
+                monkeypatch.undo()
+        assert choices[(2, 1000)] == choices[(1, 1000)] == "ws" != choices[(4, 1000)]
+        for seqlen in (300, 3000):
+            assert choices[(2, seqlen)] == choices[(1, seqlen)] == choices[(4, seqlen)]
