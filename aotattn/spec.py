@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import string
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,16 +73,17 @@ class Functional:
     def __str__(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.items)
 
-    def matches(self, where: str | Mapping[str, str] | None) -> bool:
+    def matches(self, where: str | Mapping[str, str] | None, defaults: Iterable[tuple[str, Any]] = ()) -> bool:
         """Whether every axis ``where`` names that this functional has holds that value.
 
         ``where``: ``"dtype=bf16 BLOCK_D=128"``, or its :func:`parse_where` mapping (which
-        callers build first, to refuse axes and values no kernel has).
+        callers build first, to refuse axes and values no kernel has). ``defaults``: the
+        table's ``axis_defaults``, the values of the axes a functional leaves out.
         """
         if not where:
             return True
         wanted = where if not isinstance(where, str) else dict(t.partition("=")[::2] for t in where.split())
-        values = {k: str(v) for k, v in self.items}
+        values = {**{k: str(v) for k, v in defaults}, **{k: str(v) for k, v in self.items}}
         return all(values[axis] == value for axis, value in wanted.items() if axis in values)
 
 

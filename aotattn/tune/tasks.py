@@ -193,7 +193,7 @@ def enumerate_tasks(arch: str, tables: Sequence[str], where: Mapping[str, Sequen
                                      f"{', '.join(sorted(choices[axis]))} ({table})")
         table_cells = _cells(spec, seqlens, cells)
         for functional in spec.enumerate_functionals():
-            values = {axis: str(v) for axis, v in functional.items}
+            values = {axis: str(v) for axis, v in (*spec.axis_defaults, *functional.items)}
             if any(axis in values and values[axis] not in allowed for axis, allowed in where.items()):
                 continue
             if not all_functionals and not is_root(spec, functional):

@@ -41,7 +41,7 @@ def show(
     spec = db.spec(table)
     wanted = parse_where(where, [spec])
     effective = db.effective(arch, table)
-    chosen = [f for f in effective.blocks if f.matches(wanted)]
+    chosen = [f for f in effective.blocks if f.matches(wanted, spec.axis_defaults)]
     if not chosen:
         raise TuningError(f"--where {where!r} matches none of the {len(effective.blocks)} functionals of {arch} / "
                           f"{table}")

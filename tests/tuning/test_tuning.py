@@ -522,6 +522,9 @@ def test_an_axis_at_its_default_is_left_out_of_functionals_headers_and_cells():
     assert functional_key(grouped) == header_key(plain + " GROUPED=True", rules.BACKWARD)
     with pytest.raises(TuningError, match="lacks axes"):
         parse_functional(rules.BACKWARD, plain.replace(" DETERMINISTIC=False", ""), "test")  # no default
+    defaults = rules.BACKWARD.axis_defaults  # what `tuning show --where` and `tune plan --where` match with
+    assert f.matches("GROUPED=False", defaults) and not f.matches("GROUPED=True", defaults)
+    assert grouped.matches("GROUPED=True", defaults) and not grouped.matches("GROUPED=False", defaults)
     rules.BACKWARD.check_functional(f.as_dict())
     assert f in set(rules.BACKWARD.enumerate_functionals()) and grouped in set(rules.BACKWARD.enumerate_functionals())
     db = tuning.database()
