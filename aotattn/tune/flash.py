@@ -145,19 +145,25 @@ _TORCH_DTYPES = {name: dtype for dtype, name in rules.DTYPES.items()}
 
 @dataclass(frozen=True)
 class Shape:
-    """One attention problem: ``q (batch, seqlen_q, heads, head_dim)``, k and v alike."""
+    """One attention problem: ``q (batch, seqlen_q, heads, head_dim)``, k and v alike with
+    ``heads / group`` heads (a grouped-query problem when ``group`` > 1)."""
 
     batch: int
     heads: int
     seqlen_q: int
     seqlen_k: int
     head_dim: int
+    group: int = 1
 
     def __str__(self) -> str:
-        return f"B{self.batch} H{self.heads} Sq{self.seqlen_q} Sk{self.seqlen_k} D{self.head_dim}"
+        grouped = f" G{self.group}" if self.group > 1 else ""
+        return f"B{self.batch} H{self.heads}{grouped} Sq{self.seqlen_q} Sk{self.seqlen_k} D{self.head_dim}"
 
 
 OPERATOR_TABLE = "flash.backward"  # timed at training sizes (default_tokens)
+# query heads per key/value head of a grouped-query task (flash.backward GROUPED=True), as
+# the GQA models of the perfmon grid (4 and 8) and Llama-style checkpoints
+GROUP = 4
 
 
 def default_tokens(table: str) -> int:
@@ -186,13 +192,9 @@ def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = 
     not varlen) at the cell: none where a call of the cell's lengths runs another MASK
     variant (rules.kernel_mask: top-left on the diagonal runs bottom-right), nor a top-left
     backward with fewer queries than keys and no dropout (its plans drop the keys no query
-    sees, planning.trim_keys: a causal call runs the Sq x Sq cell). Grouped-query cells of
-    the backward operator are not timed here (its problems have as many key/value heads as
-    query heads); perfmon's GQA entries time every backend, and ``perfdb faults --patch``
-    sets them."""
+    sees, planning.trim_keys: a causal call runs the Sq x Sq cell). The backward operator's
+    grouped-query cells (``GROUPED=True``) are timed with groups of :data:`GROUP`."""
     f = functional.as_dict()
-    if f.get("GROUPED"):
-        return False
     if cell is not None and len(cell) == 2 and "MASK" in f \
             and rules.kernel_mask(f["MASK"], f.get("VARLEN", False), *cell) != f["MASK"]:
         return False
@@ -262,6 +264,9 @@ def timing_shape(functional: Functional, cell: tuple[int, ...], tokens: int = 2*
     per_row = element * 2 * (2 * seqlen_q + 2 * seqlen_k) * head_dim  # q, o, k, v and their gradients
     rows = max(1, min(rows, memory_bytes // per_row))
     heads = max(1, min(rows, 2048 // functional["BLOCK_D"]))
+    if functional.as_dict().get("GROUPED"):
+        heads = max(GROUP, heads // GROUP * GROUP)
+        return Shape(max(1, rows // heads), heads, seqlen_q, seqlen_k, head_dim, GROUP)
     return Shape(max(1, rows // heads), heads, seqlen_q, seqlen_k, head_dim)
 
 
@@ -272,8 +277,10 @@ def accuracy_shapes(functional: Functional, cell: tuple[int, ...], batch: int = 
     low_q = _previous(rules.SEQLEN_BUCKETS, seqlen_q)
     low_k = _previous(rules.SEQLEN_BUCKETS, seqlen_k)
     d1, d2 = head_dims(functional)
-    return [Shape(batch, heads, seqlen_q, seqlen_k, d1),
-            Shape(batch, heads, _irregular(seqlen_q, low_q, 3), _irregular(seqlen_k, low_k, 5), d2)]
+    group = GROUP if functional.as_dict().get("GROUPED") else 1
+    heads = heads if group == 1 else 2 * group  # two key/value heads
+    return [Shape(batch, heads, seqlen_q, seqlen_k, d1, group),
+            Shape(batch, heads, _irregular(seqlen_q, low_q, 3), _irregular(seqlen_k, low_k, 5), d2, group)]
 
 
 # ----------------------------------------------------------------------------- problems
@@ -299,8 +306,8 @@ class Problem:
         dtype = _TORCH_DTYPES[f["dtype"]]
         b, h, sq, sk, d = shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k, shape.head_dim
         self.q = torch.empty(b, sq, h, d, dtype=dtype, device=self.device)
-        self.k = torch.empty(b, sk, h, d, dtype=dtype, device=self.device)
-        self.v = torch.empty(b, sk, h, d, dtype=dtype, device=self.device)
+        self.k = torch.empty(b, sk, h // shape.group, d, dtype=dtype, device=self.device)
+        self.v = torch.empty(b, sk, h // shape.group, d, dtype=dtype, device=self.device)
         self.dout = torch.empty(b, sq, h, d, dtype=dtype, device=self.device)
         self.dropout_p = DROPOUT_P if f.get("DROPOUT") else 0.0
         p = check_flash(self.q, self.k, self.v, dropout_p=self.dropout_p, softmax_scale=None, window_size=(-1, -1),
@@ -337,7 +344,7 @@ class Problem:
         got = self.call.functional(backward=not self.forward)
         want = self.functional.as_dict()
         if self.kernel == "backward":
-            got = rules.operator_functional(got, want["DETERMINISTIC"]).as_dict()
+            got = rules.operator_functional(got, want["DETERMINISTIC"], self.call.p.group_size > 1).as_dict()
         elif self.kernel == "attn_bwd_fused":
             got["ATOMIC_DQ"] = want["ATOMIC_DQ"]
         if got != want:
@@ -414,13 +421,14 @@ class Problem:
             launch(planning.dropout_mask_plan(keep, self.shape.seqlen_q, self.shape.seqlen_k, self.shape.heads,
                                               self.dropout_p, self.call.seed, self.call.offset))
         names = tuple(self.outputs())
-        result = {name: torch.empty(t.shape, dtype=torch.float64, device=t.device)
+        result = {name: torch.zeros(t.shape, dtype=torch.float64, device=t.device)
                   for name, t in self.outputs().items()}
         for b in range(self.shape.batch):
             for h in range(self.shape.heads):
                 part = (slice(b, b + 1), slice(None), slice(h, h + 1))
-                q, k, v = (t[part].to(torch.float64).requires_grad_(not self.forward)
-                           for t in (self.q, self.k, self.v))
+                kv = (slice(b, b + 1), slice(None), slice(h // self.shape.group, h // self.shape.group + 1))
+                q, k, v = (t[p].to(torch.float64).requires_grad_(not self.forward)
+                           for t, p in ((self.q, part), (self.k, kv), (self.v, kv)))
                 if self.dropout_p:
                     dropped = {"dropout_mask": keep[b:b + 1, h:h + 1].bool(), "dropout_p": self.dropout_p}
                 else:
@@ -431,8 +439,8 @@ class Problem:
                     continue
                 grads = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v),
                                                                          self.dout[part].to(torch.float64))))
-                for name in names:
-                    result[name][part] = grads[name]
+                for name in names:  # a key/value head sums its group's gradients
+                    result[name][part if name == "dq" else kv] += grads[name]
         return result
 
 
@@ -466,7 +474,7 @@ def auxiliary(table: str, functional: Functional) -> list[tuple[str, Functional]
     with the database's configurations: their images must be built too."""
     f = functional.as_dict()
     kernel = table.split(".", 1)[1]
-    attention = {k: v for k, v in f.items() if k not in ("ATOMIC_DQ", "DETERMINISTIC")}
+    attention = {k: v for k, v in f.items() if k not in ("ATOMIC_DQ", "DETERMINISTIC", "GROUPED")}
     if kernel == "backward":
         attention["BLOCK_DV"] = f["BLOCK_D"]
     forward = {**attention, "BIAS": min(attention.get("BIAS", 0), 1)}

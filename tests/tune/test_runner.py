@@ -156,3 +156,34 @@ def test_dropout_problem_draws_one_mask_and_needs_the_mask_kernel():
     assert ("flash.dropout_mask", Functional.of({})) in flash.auxiliary("flash.attn_fwd", f)
     plain = Functional.of({**f.as_dict(), "DROPOUT": False})
     assert flash.auxiliary("flash.attn_fwd", plain) == []
+
+
+def test_grouped_operator_task_runs_with_groups_and_sums_each_key_heads_gradients():
+    """A grouped-query operator cell (flash.backward GROUPED=True) is timed on a problem with
+    GROUP query heads per key/value head: both backends run and match the float64 reference,
+    whose dK/dV sum each group's heads (a reference per query head alone would be off by
+    order one). A mutant problem without groups selects the ungrouped functional and is refused."""
+    from aotattn.tune import flash
+
+    f = Functional.of(dict(dtype="fp16", BLOCK_D=32, PAD_HEAD=False, MASK=2, VARLEN=False, DROPOUT=False, BIAS=0,
+                           DETERMINISTIC=False, GROUPED=True))
+    assert flash.supports("flash.backward", f, (32, 32))
+    shapes = flash.accuracy_shapes(f, (32, 32))
+    assert all(s.group == flash.GROUP and s.heads % s.group == 0 and s.heads > s.group for s in shapes)
+    timed = flash.timing_shape(f, (1024, 1024))
+    assert timed.group == flash.GROUP and timed.heads % flash.GROUP == 0 and "G4" in str(timed)
+    problem = flash.Problem("flash.backward", f, shapes[0], "cpu")
+    assert problem.k.shape[2] * flash.GROUP == problem.q.shape[2]
+    reference = problem.reference()
+    assert reference["dk"].shape == problem.k.shape
+    for backend in ("split", "fused"):
+        problem.reset()
+        problem.runner(Config.of(backend=backend))()
+        errors = flash.errors(problem.outputs(), reference)
+        assert max(errors.values()) < 5e-3, (backend, errors)
+    task = Task("sm_90", "flash.backward", f, (32, 32))
+    settings = dataclasses.replace(TINY, finalists=2, repeats=(1, 1))
+    result = runner.run_task(task, settings, device="cpu", db=Database(PROJECT_TUNING), journal=None)
+    assert {c["name"] for c in result["candidates"]} == {"split", "fused"}
+    with pytest.raises(ValueError, match="selects functional"):
+        flash.Problem("flash.backward", f, dataclasses.replace(shapes[0], group=1), "cpu")
