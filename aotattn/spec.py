@@ -162,8 +162,8 @@ class _Table:
     functionals: tuple[tuple[str, tuple[Any, ...]], ...]
     disabled: Callable[[Mapping[str, Any]], bool] | None
     knob_defaults: tuple[tuple[str, Any], ...]
-    # axes a functional leaves out at this value (:meth:`canonical_functional`); none but
-    # an operator table's so far
+    # axes a functional leaves out at this value (:meth:`canonical_functional`): an axis
+    # added later keeps every file, recorded cell and caller's functional valid
     axis_defaults: tuple[tuple[str, Any], ...] = ()
 
     def canonical(self, config: Config) -> Config:
@@ -375,9 +375,7 @@ class OperatorSpec(_Table):
     fallback: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = field(default=None, compare=False)
     disabled: Callable[[Mapping[str, Any]], bool] | None = field(default=None, compare=False)
     knob_defaults: tuple[tuple[str, Any], ...] = ()
-    # axes a functional leaves out at this value (_Table.canonical_functional): an axis
-    # added later keeps every file, recorded cell and caller's functional valid
-    axis_defaults: tuple[tuple[str, Any], ...] = ()
+    axis_defaults: tuple[tuple[str, Any], ...] = ()  # see _Table
 
 
 @dataclass(frozen=True)

@@ -50,11 +50,11 @@ def _noise(*records: Record | None) -> float:
     return max(spreads, default=0.0)
 
 
-def _backward_passes(db: Perfdb):
+def _backward_passes(db: Perfdb, records: dict[tuple[str, str, str], Record]):
     """(entry, pass, unforced record, its backend choice, noise of that choice) of every
-    backward pass whose choice was recorded. The noise is :func:`_noise` of the unforced
-    and the forced runs of the chosen backend and the difference between them."""
-    records = db.by_key()
+    backward pass whose choice was recorded (``records``: ``db.by_key()``). The noise is
+    :func:`_noise` of the unforced and the forced runs of the chosen backend and the
+    difference between them."""
     for name in db.entries:
         for pass_ in BACKWARD_PASSES:
             unforced = records.get((name, pass_, AOTATTN))
@@ -85,7 +85,7 @@ def faults(db: Perfdb, margin: float = 0.0) -> list[Fault]:
     this fraction of the choice's time."""
     found = []
     records = db.by_key()
-    for name, pass_, unforced, choice, noise in _backward_passes(db):
+    for name, pass_, unforced, choice, noise in _backward_passes(db, records):
         for backend, other in _forced(records, name, pass_).items():
             if backend == choice:
                 continue
@@ -116,7 +116,7 @@ def patchable(db: Perfdb, found: list[Fault]) -> tuple[dict[str, str], dict[str,
                                        for cell, w in winners.items() if len(w) > 1}
     changes = {cell: next(iter(w)) for cell, w in winners.items() if len(w) == 1}
     records = db.by_key()
-    for name, pass_, unforced, choice, noise in _backward_passes(db):
+    for name, pass_, unforced, choice, noise in _backward_passes(db, records):
         cell = unforced.notes().get("cell")
         backend = changes.get(cell)
         if backend is None or backend == choice:

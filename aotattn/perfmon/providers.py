@@ -140,9 +140,12 @@ _FLEX_DYNAMO = {"recompile_limit": 100_000, "accumulated_recompile_limit": 100_0
 
 @functools.cache
 def _compiled_flex():
+    """(FlexAttention compiled one static graph a shape, the Dynamo settings its calls run under)."""
+    import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    settings = {name: value for name, value in _FLEX_DYNAMO.items() if hasattr(torch._dynamo.config, name)}
+    return torch.compile(flex_attention, dynamic=False), settings
 
 
 @functools.lru_cache(maxsize=8)
@@ -171,11 +174,9 @@ def call_flex(entry: Entry, x: Inputs) -> torch.Tensor:
     if entry.masked:
         block_mask = _block_mask(entry.seqlen_q, entry.seqlen_k, entry.causal, entry.window, entry.diagonal,
                                  str(q.device))
-    import torch._dynamo
-
-    settings = {name: value for name, value in _FLEX_DYNAMO.items() if hasattr(torch._dynamo.config, name)}
+    compiled, settings = _compiled_flex()
     with torch._dynamo.config.patch(**settings):
-        out = _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=entry.group_size > 1)
+        out = compiled(q, k, v, block_mask=block_mask, enable_gqa=entry.group_size > 1)
     return _heads_major(entry, out)
 
 

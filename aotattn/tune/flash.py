@@ -166,6 +166,11 @@ OPERATOR_TABLE = "flash.backward"  # timed at training sizes (default_tokens)
 GROUP = 4
 
 
+def group_of(functional: Functional) -> int:
+    """Query heads per key/value head of a task's problems: :data:`GROUP` for a grouped one."""
+    return GROUP if functional.as_dict().get("GROUPED") else 1
+
+
 def default_tokens(table: str) -> int:
     """``batch x heads x seqlen_q`` a table's tasks are timed at unless ``--tokens`` says.
 
@@ -264,10 +269,9 @@ def timing_shape(functional: Functional, cell: tuple[int, ...], tokens: int = 2*
     per_row = element * 2 * (2 * seqlen_q + 2 * seqlen_k) * head_dim  # q, o, k, v and their gradients
     rows = max(1, min(rows, memory_bytes // per_row))
     heads = max(1, min(rows, 2048 // functional["BLOCK_D"]))
-    if functional.as_dict().get("GROUPED"):
-        heads = max(GROUP, heads // GROUP * GROUP)
-        return Shape(max(1, rows // heads), heads, seqlen_q, seqlen_k, head_dim, GROUP)
-    return Shape(max(1, rows // heads), heads, seqlen_q, seqlen_k, head_dim)
+    group = group_of(functional)
+    heads = max(group, heads // group * group)
+    return Shape(max(1, rows // heads), heads, seqlen_q, seqlen_k, head_dim, group)
 
 
 def accuracy_shapes(functional: Functional, cell: tuple[int, ...], batch: int = 3, heads: int = 5) -> list[Shape]:
@@ -277,7 +281,7 @@ def accuracy_shapes(functional: Functional, cell: tuple[int, ...], batch: int = 
     low_q = _previous(rules.SEQLEN_BUCKETS, seqlen_q)
     low_k = _previous(rules.SEQLEN_BUCKETS, seqlen_k)
     d1, d2 = head_dims(functional)
-    group = GROUP if functional.as_dict().get("GROUPED") else 1
+    group = group_of(functional)
     heads = heads if group == 1 else 2 * group  # two key/value heads
     return [Shape(batch, heads, seqlen_q, seqlen_k, d1, group),
             Shape(batch, heads, _irregular(seqlen_q, low_q, 3), _irregular(seqlen_k, low_k, 5), d2, group)]

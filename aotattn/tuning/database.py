@@ -155,14 +155,14 @@ class Database:
     def lookup(self, arch: str, spec: Any, functional: Functional, sizes: Mapping[str, int]) -> Config:
         """The configuration for one call; a missing block or cell is an error, never a default.
         An axis at its ``axis_defaults`` value may be given or left out (the same cell)."""
-        if spec.axis_defaults:
-            functional = spec.canonical_functional(functional)
         cell_index = tuple(bucket_index(buckets, sizes[name]) for name, buckets in spec.tuning_keys)
         key = (arch, spec.qualname, functional, cell_index)
         found = self._lookups.get(key)
         if found is not None:
             return found
         self.specs.setdefault(spec.qualname, spec)
+        if spec.axis_defaults:  # on a miss only: a hit costs what it did before the first such axis
+            functional = spec.canonical_functional(functional)
         chain = fallback_chain(spec.fallback, functional)
         table = self.effective(arch, spec.qualname, only=frozenset(chain))
         used = block_for(table, chain, f"{arch} / {spec.qualname}", str(self.table_path(arch, spec.qualname)))
