@@ -77,7 +77,7 @@ def chosen(entry, x, pass_: str, root: Path) -> tuple:
     from aotattn.perfmon.provenance import recording_lookups
 
     with database(root), P.quiet(), recording_lookups() as lookups:
-        measure._evaluate(entry, x, pass_, P.AOTATTN, entry.dropout_p)
+        measure.evaluate(entry, x, pass_, P.AOTATTN, entry.dropout_p)
     return tuple(sorted({(l.spec.qualname, str(l.functional), str(l.config)) for l in lookups}))
 
 

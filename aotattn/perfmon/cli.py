@@ -132,6 +132,8 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
         no_flex: bool = typer.Option(False, "--no-flex", help="skip FlexAttention (it compiles per shape)"),
         flex_all: bool = FLEX_ALL, hide_host_ms: float = HIDE_HOST,
         resume: bool = typer.Option(False, "--resume", help="keep the tag's measured entries, run the others"),
+        flex_jobs: int = typer.Option(0, "--flex-jobs", min=0, help="first compile FlexAttention's graphs for the "
+                                      "entries in this many processes (Inductor's disk cache then serves the run)"),
         force: bool = typer.Option(False, "--force", help="replace an existing file of this tag"),
         device: str = typer.Option(None, help="cuda (default when present) or cpu (the interpreter: tiny entries)"),
         seed: int = typer.Option(0, help="inputs and dropout draws"),
@@ -167,6 +169,8 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
             db.records = [r for r in db.records if r.entry != e.name]
     console.print(f"{len(todo)} of {len(entries)} entries to measure on {header['gpu']} "
                   f"({plan.rounds} rounds x {plan.reps} reps, estimate ~{estimate:.0f} s for all) -> {path}")
+    if flex and flex_jobs:
+        _warm_flex(todo, device, flex, seed, flex_jobs)
     start = time.monotonic()
     done = 0
     for entry in todo:
@@ -188,6 +192,29 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
     _print_faults(db, path.stem)
     if problems:
         raise typer.Exit(1)
+
+
+def _warm_flex(entries: list[Entry], device: str, flex: bool | str, seed: int, jobs: int) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from aotattn.perfmon import flexwarm
+
+    count = sum(1 for e in entries if flexwarm.flex_passes(e, flex))
+    if not count:
+        return
+    start = time.monotonic()
+    with Progress(TextColumn("compiling FlexAttention"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task("flex", total=count)
+
+        def done(name: str, error: str | None) -> None:
+            progress.advance(task)
+            if error:
+                progress.console.print(escape(f"  FlexAttention on {name} did not compile: {error}"), style="yellow")
+
+        errors = sum(1 for e in flexwarm.warm(entries, device, flex, seed, jobs, done).values() if e)
+    console.print(f"FlexAttention compiled for {count - errors} of {count} entries in {jobs} processes, "
+                  f"{time.monotonic() - start:.0f} s")
 
 
 def _progress(entry: Entry, records, seconds: float, done: int, total: int) -> str:

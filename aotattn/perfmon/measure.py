@@ -56,7 +56,7 @@ def _results(out: torch.Tensor, grads: Iterable[torch.Tensor] = ()) -> dict[str,
     return found
 
 
-def _evaluate(entry: Entry, x: P.Inputs, pass_: str, provider: str, dropout_p: float) -> dict[str, torch.Tensor]:
+def evaluate(entry: Entry, x: P.Inputs, pass_: str, provider: str, dropout_p: float) -> dict[str, torch.Tensor]:
     """One untimed call (forward, plus backward for backward passes) and its results."""
     if pass_ == "fwd":
         with torch.set_grad_enabled(entry.training):
@@ -167,7 +167,7 @@ def measure_pass(entry: Entry, x: P.Inputs, pass_: str, options: Options, device
         torch.manual_seed(options.seed)
         try:
             with P.quiet(), recording_lookups() as lookups:
-                got = _evaluate(entry, x, pass_, provider, dropout)
+                got = evaluate(entry, x, pass_, provider, dropout)
             if provider == P.AOTATTN:
                 notes[provider] = provenance_note(lookups, pass_, arch)
             against = baseline if (provider != P.AOTATTN and (ours or not entry.dropout_p)) else None

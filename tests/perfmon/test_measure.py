@@ -208,3 +208,32 @@ def test_flexattention_compiles_one_static_graph_a_shape():
         want, _ = aotattn.reference.attention(x.q.double(), x.k.double(), x.v.double(), causal=True)
         assert (out.double() - want).abs().max().item() < 1e-4
     assert counters["stats"]["unique_graphs"] - before == 3
+
+
+def test_flex_graphs_compiled_ahead_in_other_processes_serve_the_run(tmp_path, monkeypatch):
+    """``perfmon run --flex-jobs``: FlexAttention's graphs compiled in spawned processes land
+    in Inductor's disk cache, so the timing process's own compile of the same call is a
+    cache hit (and its result is still right); an entry that fails to compile there is
+    reported, not raised; entries that never call FlexAttention are not started."""
+    from torch._dynamo.utils import counters
+
+    from aotattn.perfmon import flexwarm
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    entry = dataclasses.replace(SQUARE, name="t-flex-warm", seqlen_q=208, seqlen_k=208, head_dim=32, head_dim_v=32,
+                                causal=True, flex=True, passes=("fwd",))  # FlexAttention has no CPU backward
+    broken = dataclasses.replace(entry, name="t-flex-warm-bwd", passes=("fwd", "bwd"))
+    unasked = dataclasses.replace(entry, name="t-flex-unasked", flex=False)
+    errors = flexwarm.warm([entry, broken, unasked], "cpu", True, seed=3, jobs=2)
+    assert set(errors) == {entry.name, broken.name}
+    assert errors[entry.name] is None and "backward" in errors[broken.name]
+    assert any((tmp_path / "inductor").rglob("*")), "nothing reached the disk cache"
+
+    before = counters["inductor"]["fxgraph_cache_hit"]
+    x = P.make_inputs(entry, CPU, seed=3)
+    with torch.no_grad():
+        out = P.call_flex(entry, x)
+    assert counters["inductor"]["fxgraph_cache_hit"] - before >= 1
+    want, _ = aotattn.reference.attention(x.q.double(), x.k.double(), x.v.double(), causal=True)
+    assert (out.double() - want).abs().max().item() < 1e-4
+    assert flexwarm.warm([unasked], "cpu", True, seed=3, jobs=2) == {}
