@@ -237,3 +237,18 @@ def test_flex_graphs_compiled_ahead_in_other_processes_serve_the_run(tmp_path, m
     want, _ = aotattn.reference.attention(x.q.double(), x.k.double(), x.v.double(), causal=True)
     assert (out.double() - want).abs().max().item() < 1e-4
     assert flexwarm.warm([unasked], "cpu", True, seed=3, jobs=2) == {}
+
+
+@pytest.mark.gpu
+def test_flexattention_backward_is_timed_on_the_gpu():
+    """FlexAttention's backward pass is timed like every provider's: the backward of one
+    forward run again and again. Compiled with donated buffers, AOTAutograd refused that,
+    and every FlexAttention backward record was the refusal instead of a figure."""
+    entry = Entry("t-flex-gpu", "dense", "bf16", 2, 4, 4, 384, 384, 64, 64, causal=True, flex=True,
+                  passes=("fwd", "bwd"))
+    options = measure.Options(Plan(rounds=2, reps=2, warmup=1), seed=5)
+    records = by_key(measure.measure_entry(entry, torch.device("cuda"), options))
+    for pass_ in entry.passes:
+        flex = records[(pass_, "flex")]
+        assert flex.ok and flex.ms > 0, (pass_, flex.note)
+        assert records[(pass_, "aotattn")].ok
