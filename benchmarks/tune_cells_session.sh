@@ -20,7 +20,8 @@
 #
 # Environment: SELECT (perfmon's selection; empty: no perfmon run), TUNE_S (200: each stage's
 # deadline, compile included), RUN_S (120: perfmon's deadline), TAG (h200-<date>-retuned),
-# RUN_ARGS (more `perfmon run` options, e.g. "--hide-host-ms 1").
+# RUN_ARGS (more `perfmon run` options, e.g. "--hide-host-ms 1"), RUN_EXTRA_S (120: perfmon is stopped
+# this long after its deadline; add the FlexAttention compile with "--flex-all --flex-jobs N").
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -64,7 +65,7 @@ if [ -n "${SELECT:-}" ]; then
   aot perfmon images --arch sm_90 --out build/img-retuned --cache build/cache --jobs "$(nproc)" "${select[@]}" \
     > "$OUT/images.log" 2>&1
   tail -n 1 "$OUT/images.log"
-  AOTATTN_IMAGES=$PWD/build/img-retuned timeout $(( ${RUN_S:-120} + 120 )) python -m aotattn.cli perfmon run \
+  AOTATTN_IMAGES=$PWD/build/img-retuned timeout $(( ${RUN_S:-120} + ${RUN_EXTRA_S:-120} )) python -m aotattn.cli perfmon run \
     --tag "$tag" --out "$OUT/$tag.txt" --deadline "${RUN_S:-120}" "${run_args[@]}" "${select[@]}" > "$OUT/run.log" 2>&1
   grep -E "entries in" "$OUT/run.log"
   aot perfdb summary "$OUT/$tag.txt" > "$OUT/summary.log" 2>&1
