@@ -136,24 +136,26 @@ def call_sdpa(entry: Entry, x: Inputs, provider: str, dropout_p: float | None = 
 #   limit raised, hitting it raises instead, and the entry records the error.
 # - No donated buffers: a backward pass is timed by running the backward of one forward
 #   again and again (retain_graph=True), which AOTAutograd refuses for a backward compiled
-#   to reuse the forward's saved buffers. Until the thirtieth session every FlexAttention
+#   to reuse the forward's saved buffers. It checks its setting when the backward runs,
+#   outside the call, so it is turned off for the whole process (perfmon's: aotattn does
+#   not compile through torch.compile). Until the thirtieth session every FlexAttention
 #   backward record was that refusal.
 _FLEX_DYNAMO = {"recompile_limit": 100_000, "accumulated_recompile_limit": 100_000,
                 "fail_on_recompile_limit_hit": True}
-_FLEX_FUNCTORCH = {"donated_buffer": False}
 
 
 @functools.cache
 def _compiled_flex():
-    """(FlexAttention compiled one static graph a shape, the Dynamo and AOTAutograd settings
-    its calls run under)."""
+    """(FlexAttention compiled one static graph a shape, the Dynamo settings its calls run
+    under); turns AOTAutograd's donated buffers off in this process."""
     import torch._dynamo
     import torch._functorch.config
     from torch.nn.attention.flex_attention import flex_attention
 
-    dynamo = {name: value for name, value in _FLEX_DYNAMO.items() if hasattr(torch._dynamo.config, name)}
-    functorch = {name: value for name, value in _FLEX_FUNCTORCH.items() if hasattr(torch._functorch.config, name)}
-    return torch.compile(flex_attention, dynamic=False), dynamo, functorch
+    if hasattr(torch._functorch.config, "donated_buffer"):
+        torch._functorch.config.donated_buffer = False
+    settings = {name: value for name, value in _FLEX_DYNAMO.items() if hasattr(torch._dynamo.config, name)}
+    return torch.compile(flex_attention, dynamic=False), settings
 
 
 @functools.lru_cache(maxsize=8)
@@ -182,8 +184,8 @@ def call_flex(entry: Entry, x: Inputs) -> torch.Tensor:
     if entry.masked:
         block_mask = _block_mask(entry.seqlen_q, entry.seqlen_k, entry.causal, entry.window, entry.diagonal,
                                  str(q.device))
-    compiled, dynamo, functorch = _compiled_flex()
-    with torch._dynamo.config.patch(**dynamo), torch._functorch.config.patch(**functorch):
+    compiled, settings = _compiled_flex()
+    with torch._dynamo.config.patch(**settings):
         out = compiled(q, k, v, block_mask=block_mask, enable_gqa=entry.group_size > 1)
     return _heads_major(entry, out)
 
