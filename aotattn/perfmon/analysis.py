@@ -20,12 +20,13 @@ time ratio per pass, for aotattn and for each peer that timed both.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+import re
+from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
 
 from aotattn.perfmon.entries import BACKWARD_PASSES
 from aotattn.perfmon.perfdb import Perfdb, Record
-from aotattn.perfmon.providers import AOTATTN, FORCED
+from aotattn.perfmon.providers import AOTATTN, FORCED, PEERS
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,20 @@ class Comparison:
                 logs[(c.group, c.pass_, c.provider)].append(math.log(c.speed))
                 logs[("all", c.pass_, c.provider)].append(math.log(c.speed))
         return {key: (len(v), math.exp(sum(v) / len(v))) for key, v in sorted(logs.items())}
+
+
+# a peer's record whose call raised ("skipped: <Exception>: ..."), not one the run chose
+# not to make ("skipped: no sliding window")
+_RAISED = re.compile(r"skipped: (while timing, )?[A-Za-z_.]*(Error|Exception|Interrupt)\b")
+
+
+def peer_failures(db: Perfdb) -> list[tuple[str, str, int, str]]:
+    """(peer, pass, entries, message) for each way a peer's call raised in this run, most
+    entries first: a peer that raises on every entry (FlexAttention's backward before the
+    thirtieth session) leaves no figure to compare with, which a summary would not show."""
+    counts = Counter((r.provider, r.pass_, r.note) for r in db.records
+                     if r.provider in PEERS and not r.ok and _RAISED.match(r.note))
+    return [(provider, pass_, n, note) for (provider, pass_, note), n in counts.most_common()]
 
 
 def compare(a: Perfdb, b: Perfdb, providers: tuple[str, ...] = (AOTATTN,), threshold: float = 0.03) -> Comparison:

@@ -44,7 +44,7 @@ def _entries(match: list[str] | None, group: list[str] | None) -> list[Entry]:
 
 
 FLEX_ALL = typer.Option(False, "--flex-all", help="time FlexAttention on every entry it supports, not only those "
-                        "that ask for it (about 20 s of compiling per entry)")
+                        "that ask for it (about 20 s of compiling per entry; see run --flex-jobs)")
 
 
 def _flex(no_flex: bool, flex_all: bool) -> bool | str:
@@ -189,6 +189,7 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
                   + (f"; {left} not started (deadline): rerun with --resume" if left else ""))
     for r in problems:
         console.print(escape(f"  {r.entry} {r.pass_} {r.provider}: {r.note}"), style="red")
+    _print_peer_failures(db)
     _print_faults(db, path.stem)
     if problems:
         raise typer.Exit(1)
@@ -427,6 +428,14 @@ def compare(a: str = typer.Argument(..., help="the baseline: a tag or a perfdb f
         raise typer.Exit(1)
 
 
+def _print_peer_failures(db: store.Perfdb) -> None:
+    from aotattn.perfmon.analysis import peer_failures
+
+    for provider, pass_, count, note in peer_failures(db):
+        console.print(escape(f"  {provider} {pass_}: raised on {count} entr{'y' if count == 1 else 'ies'}, no figure: "
+                             f"{note.removeprefix('skipped: ')}"), style="yellow", highlight=False)
+
+
 def _print_faults(db: store.Perfdb, tag: str, margin: float = 0.0):
     from aotattn.perfmon.analysis import faults as find_faults
 
@@ -521,6 +530,7 @@ def summary(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch:
             table.add_row(group, pass_, provider, str(len(values)), f"{math.exp(sum(values) / len(values)):.2f}")
     console.print(escape(" ".join(f"{k}: {v};" for k, v in db.header.items() if k in ("gpu", "tuning", "date"))))
     console.print(table)
+    _print_peer_failures(db)
 
 
 @perfdb_app.command()

@@ -383,3 +383,32 @@ def test_cli_faults_leaves_contested_cells_out_of_the_patch(tmp_path):
     edits = parse_patch(rules.BACKWARD, written.read_text()).edits
     assert "seqlen_q=1024 seqlen_k=1024: ws" in written.read_text() and "seqlen_q=512" not in written.read_text()
     assert edits
+
+
+def test_a_peer_that_raises_is_reported_not_only_recorded(tmp_path):
+    """A peer whose call raises leaves a record without a figure. ``peer_failures`` groups
+    those by peer, pass and message (the run and ``perfdb summary`` print them), so a peer
+    that fails on every entry (FlexAttention's backward before the thirtieth session) is
+    seen. Peers the run chose not to call, and aotattn's own records, are not counted."""
+    chosen = select(declared(), ["dense-bf16-d64-*"])
+    refusal = "skipped: RuntimeError: This backward function was compiled with non-empty donated buffers"
+    run = Perfdb(header={"tag": "peers", "arch": "sm_90"})
+    for i, entry in enumerate(chosen):
+        records = [Record(entry.name, "fwd", "flex", 1.0, 0.0, 1.0, 1.0),
+                   Record(entry.name, "bwd", "flex", note=refusal),
+                   Record(entry.name, "fwd", "sdpa-cudnn", note="skipped: not asked"),
+                   Record(entry.name, "bwd", "aotattn", note="error: RuntimeError: out of memory")]
+        if i == 0:
+            records.append(Record(entry.name, "bwd", "sdpa-flash", note="skipped: while timing, ValueError: odd"))
+        run.add(entry, records)
+    found = analysis.peer_failures(run)
+    assert found == [("flex", "bwd", len(chosen), refusal),
+                     ("sdpa-flash", "bwd", 1, "skipped: while timing, ValueError: odd")]
+    assert analysis.peer_failures(Perfdb(header={"tag": "empty"})) == []
+
+    root = tmp_path / "perfdb"
+    _write(run, root, "peers")
+    shown = CliRunner().invoke(cli, ["perfdb", "summary", "peers", "--perfdb", str(root)])
+    assert shown.exit_code == 0, shown.output
+    assert f"flex bwd: raised on {len(chosen)} entries, no figure: RuntimeError" in shown.output
+    assert "sdpa-flash bwd: raised on 1 entry" in shown.output and "not asked" not in shown.output
