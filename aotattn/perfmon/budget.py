@@ -29,7 +29,10 @@ _RATES = {
 CALL_MS = 0.03  # launch and autograd bookkeeping of one call on the GPU's critical path
 TRAINING_CALL_MS = {"fwd": 0.13, "fwdbwd": 0.8}  # host time per small training call (FACTS)
 FLUSH_MS = 0.07  # zeroing a 256 MB buffer at ~4 TB/s between timed calls
-SETUP_S = {"entry": 0.25, "flex": 20.0}  # inputs, reference check, first calls; FlexAttention compiles
+# inputs, reference check, first calls; FlexAttention's compile in the timing process, or,
+# after `run --flex-jobs` compiled it ahead, its trace and cache load there (H200 host,
+# thirtieth session: 79 entries compiled in 75-107 s by 14 processes, ~20 s each)
+SETUP_S = {"entry": 0.25, "flex": 20.0, "flex_cached": 1.0}
 
 
 def _bucket(head_dim: int) -> int:
@@ -77,13 +80,21 @@ class Plan:
     hide_host_ms: float = 0.0
 
 
-def entry_seconds(entry: Entry, providers: dict[str, list[str]], plan: Plan) -> float:
+def flex_setup_seconds(flex_jobs: int = 0) -> float:
+    """FlexAttention's compile per entry: in the timing process, or spread over ``flex_jobs``
+    processes ahead of it (``run --flex-jobs``) plus the cached load in the timing process."""
+    if flex_jobs > 0:
+        return SETUP_S["flex_cached"] + SETUP_S["flex"] / flex_jobs
+    return SETUP_S["flex"]
+
+
+def entry_seconds(entry: Entry, providers: dict[str, list[str]], plan: Plan, flex_jobs: int = 0) -> float:
     """Estimated wall time of one entry: setup, checks, warm-up and the timed rounds.
 
-    ``providers``: per pass, the providers timed.
+    ``providers``: per pass, the providers timed; ``flex_jobs``: see :func:`flex_setup_seconds`.
     """
     flex = any("flex" in names for names in providers.values())
-    seconds = SETUP_S["entry"] + (SETUP_S["flex"] if flex else 0.0)
+    seconds = SETUP_S["entry"] + (flex_setup_seconds(flex_jobs) if flex else 0.0)
     for pass_, names in providers.items():
         for provider in names:
             one = call_ms(entry, pass_, provider)

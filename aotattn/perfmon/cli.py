@@ -47,6 +47,10 @@ FLEX_ALL = typer.Option(False, "--flex-all", help="time FlexAttention on every e
                         "that ask for it (about 20 s of compiling per entry; see run --flex-jobs)")
 
 
+FLEX_JOBS = typer.Option(0, "--flex-jobs", min=0, help="first compile FlexAttention's graphs for the entries in "
+                         "this many processes (Inductor's disk cache then serves the run)")
+
+
 def _flex(no_flex: bool, flex_all: bool) -> bool | str:
     if no_flex and flex_all:
         raise _fail("--no-flex and --flex-all: choose one")
@@ -61,12 +65,12 @@ def _providers(entry: Entry, peers: bool, flex: bool | str) -> dict[str, list[st
 
 
 def _plan(entries: list[Entry], rounds: int, reps: int | None, warmup: int, budget: float | None,
-          peers: bool, flex: bool | str, hide_host_ms: float = 0.0):
+          peers: bool, flex: bool | str, hide_host_ms: float = 0.0, flex_jobs: int = 0):
     """The repetitions: ``reps`` as given, or the most (1..20) whose estimate fits ``budget`` seconds."""
     from aotattn.perfmon.budget import Plan, entry_seconds
 
     def total(plan: Plan) -> float:
-        return sum(entry_seconds(e, _providers(e, peers, flex), plan) for e in entries)
+        return sum(entry_seconds(e, _providers(e, peers, flex), plan, flex_jobs) for e in entries)
 
     if reps is not None:
         plan = Plan(rounds, reps, warmup, hide_host_ms)
@@ -94,27 +98,27 @@ def list_entries(match: list[str] = MATCH, group: list[str] = GROUP,
                  reps: int = typer.Option(None, help="timed calls per round (default: 5, or what --budget allows)"),
                  budget: float = typer.Option(None, "--budget", help="seconds on an H200 to size --reps to"),
                  no_peers: bool = typer.Option(False, "--no-peers"), no_flex: bool = typer.Option(False, "--no-flex"),
-                 flex_all: bool = FLEX_ALL, hide_host_ms: float = HIDE_HOST,
+                 flex_all: bool = FLEX_ALL, hide_host_ms: float = HIDE_HOST, flex_jobs: int = FLEX_JOBS,
                  verbose: bool = typer.Option(False, "--verbose", "-v", help="one row per entry")) -> None:
     """The declared entries, their FLOPs and the estimated H200 time of a run."""
     from aotattn.perfmon.budget import entry_seconds
 
     entries = _entries(match, group)
     flex = _flex(no_flex, flex_all)
-    plan, seconds = _plan(entries, rounds, reps, 2, budget, not no_peers, flex, hide_host_ms)
+    plan, seconds = _plan(entries, rounds, reps, 2, budget, not no_peers, flex, hide_host_ms, flex_jobs)
     table = Table("entry" if verbose else "group", "entries" if not verbose else "shape", "GFLOP (fwd)",
                   "est. s", title=f"{len(entries)} entries; {plan.rounds} rounds x {plan.reps} reps: "
                                   f"~{seconds:.0f} s on an H200")
     if verbose:
         for e in entries:
             table.add_row(e.name, e.describe(), f"{e.flops('fwd') / 1e9:.1f}",
-                          f"{entry_seconds(e, _providers(e, not no_peers, flex), plan):.2f}")
+                          f"{entry_seconds(e, _providers(e, not no_peers, flex), plan, flex_jobs):.2f}")
     else:
         groups: dict[str, list[Entry]] = {}
         for e in entries:
             groups.setdefault(e.group, []).append(e)
         for name, members in groups.items():
-            seconds_of = sum(entry_seconds(e, _providers(e, not no_peers, flex), plan) for e in members)
+            seconds_of = sum(entry_seconds(e, _providers(e, not no_peers, flex), plan, flex_jobs) for e in members)
             table.add_row(name, str(len(members)), f"{sum(e.flops('fwd') for e in members) / 1e9:.0f}",
                           f"{seconds_of:.0f}")
     console.print(table)
@@ -132,8 +136,7 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
         no_flex: bool = typer.Option(False, "--no-flex", help="skip FlexAttention (it compiles per shape)"),
         flex_all: bool = FLEX_ALL, hide_host_ms: float = HIDE_HOST,
         resume: bool = typer.Option(False, "--resume", help="keep the tag's measured entries, run the others"),
-        flex_jobs: int = typer.Option(0, "--flex-jobs", min=0, help="first compile FlexAttention's graphs for the "
-                                      "entries in this many processes (Inductor's disk cache then serves the run)"),
+        flex_jobs: int = FLEX_JOBS,
         force: bool = typer.Option(False, "--force", help="replace an existing file of this tag"),
         device: str = typer.Option(None, help="cuda (default when present) or cpu (the interpreter: tiny entries)"),
         seed: int = typer.Option(0, help="inputs and dropout draws"),
@@ -151,7 +154,7 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
     dev = torch.device(device)
     entries = _entries(match, group)
     flex = _flex(no_flex, flex_all)
-    plan, estimate = _plan(entries, rounds, reps, warmup, budget, not no_peers, flex, hide_host_ms)
+    plan, estimate = _plan(entries, rounds, reps, warmup, budget, not no_peers, flex, hide_host_ms, flex_jobs)
     options = Options(plan, peers=not no_peers, flex=flex, seed=seed)
     header = {"tag": tag, **environment(dev, plan)}
     path = out or store.path_for(tag, header["arch"], root)

@@ -4,6 +4,7 @@ ending in a perfdb file (tasks run in the interpreter: AOTATTN_PERFMON_DEVICE=cp
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from typer.testing import CliRunner
@@ -136,3 +137,28 @@ def test_flex_all_times_flexattention_wherever_it_supports_the_entry():
     asked, every = _providers(dense, True, True), _providers(dense, True, P.FLEX_ALL)
     assert "flex" not in asked["fwd"] and "flex" in every["fwd"] and "flex" in every["bwd"]
     assert entry_seconds(dense, every, Plan()) > entry_seconds(dense, asked, Plan()) + 19
+
+
+def test_flex_jobs_spread_the_compile_in_the_estimate():
+    """``--flex-jobs N``: each entry's FlexAttention compile counts 1/N (the processes
+    compiling ahead) plus its cached load, in ``list`` and ``run`` alike; entries without
+    FlexAttention cost the same either way."""
+    from aotattn.perfmon import entries as E
+    from aotattn.perfmon import providers as P
+    from aotattn.perfmon.budget import SETUP_S, Plan, entry_seconds
+    from aotattn.perfmon.cli import _providers
+
+    dense = next(e for e in E.declared() if e.group == "dense" and not e.flex)
+    every, none = _providers(dense, True, P.FLEX_ALL), _providers(dense, True, False)
+    serial, spread = entry_seconds(dense, every, Plan()), entry_seconds(dense, every, Plan(), flex_jobs=10)
+    assert math.isclose(serial - spread, SETUP_S["flex"] * 0.9 - SETUP_S["flex_cached"])
+    assert entry_seconds(dense, none, Plan(), flex_jobs=10) == entry_seconds(dense, none, Plan())
+
+    def estimate(*args):
+        result = CliRunner().invoke(cli, ["perfmon", "list", "-g", "model", "--flex-all", *args])
+        assert result.exit_code == 0, result.output
+        return float(result.output.split("~")[1].split(" s")[0])
+
+    assert estimate("--flex-jobs", "7") < estimate() - 7 * 15
+    bad = CliRunner().invoke(cli, ["perfmon", "list", "--flex-jobs", "-1"])
+    assert bad.exit_code != 0
