@@ -28,6 +28,10 @@ _RATES = {
 }
 CALL_MS = 0.03  # launch and autograd bookkeeping of one call on the GPU's critical path
 TRAINING_CALL_MS = {"fwd": 0.13, "fwdbwd": 0.8}  # host time per small training call (FACTS)
+# A training entry's call is host-bound, so one sample moves with the host's jitter: at 5 a
+# round, its round medians spread 20-85% on the H200 host (run s35-dense), too much to rank
+# providers 10% apart. Forty calls of at most a millisecond cost little.
+TRAINING_REPS = 40
 FLUSH_MS = 0.07  # zeroing a 256 MB buffer at ~4 TB/s between timed calls
 # inputs, reference check, first calls; FlexAttention's compile in the timing process, or,
 # after `run --flex-jobs` compiled it ahead, its trace and cache load there (H200 host,
@@ -79,6 +83,11 @@ class Plan:
     warmup: int = 2
     hide_host_ms: float = 0.0
 
+    def reps_for(self, entry: Entry) -> int:
+        """Timed calls per round for ``entry``: at least :data:`TRAINING_REPS` for a training
+        entry, whose calls are host-bound and a tenth of a millisecond long."""
+        return max(self.reps, TRAINING_REPS) if entry.training else self.reps
+
 
 def flex_setup_seconds(flex_jobs: int = 0) -> float:
     """FlexAttention's compile per entry: in the timing process, or spread over ``flex_jobs``
@@ -99,6 +108,6 @@ def entry_seconds(entry: Entry, providers: dict[str, list[str]], plan: Plan, fle
         for provider in names:
             one = call_ms(entry, pass_, provider)
             per_sample = one if entry.training else one + FLUSH_MS + plan.hide_host_ms
-            calls = plan.rounds * plan.reps
+            calls = plan.rounds * plan.reps_for(entry)
             seconds += (calls * per_sample + (plan.warmup + 2) * one) / 1e3
     return seconds

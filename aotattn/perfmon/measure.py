@@ -23,7 +23,7 @@ import torch
 
 import aotattn
 from aotattn.perfmon import providers as P
-from aotattn.perfmon.budget import Plan
+from aotattn.perfmon.budget import TRAINING_REPS, Plan
 from aotattn.perfmon.entries import BACKWARD_PASSES, Entry
 from aotattn.perfmon.perfdb import Perfdb, Record, tuning_revision
 from aotattn.perfmon.provenance import Lookup, cell_of, recording_lookups
@@ -204,8 +204,10 @@ def _time(entry: Entry, runners: dict[str, Callable[[], object]], plan: Plan,
     and the providers that raised meanwhile (out of memory, say), with the error.
 
     Training entries are timed without the cache flush: back to back, the host's time to
-    issue a call shows whenever it exceeds the GPU's.
+    issue a call shows whenever it exceeds the GPU's; with more calls a round (Plan.reps_for),
+    as a host-bound call's time jitters with the host.
     """
+    repeats = plan.reps_for(entry) if device.type == "cuda" else plan.reps  # the interpreter's clock: a code path
     samples: dict[str, list[float]] = {p: [] for p in runners}
     rounds: dict[str, list[float]] = {p: [] for p in runners}
     failed: dict[str, str] = {}
@@ -222,7 +224,7 @@ def _time(entry: Entry, runners: dict[str, Callable[[], object]], plan: Plan,
                             run()
                         continue
                     got = timing.measure(lambda _, run=run: run(), lambda: None, device=device, warmup=0,
-                                         repeats=plan.reps, flush=not entry.training,
+                                         repeats=repeats, flush=not entry.training,
                                          hide_host_ms=0.0 if entry.training else plan.hide_host_ms)
                 except Exception as exc:
                     failed[provider] = _one_line(exc)
@@ -290,7 +292,8 @@ def environment(device: torch.device, plan: Plan, command: str | None = None) ->
                    f"calls ({how}"
                    + (f", each behind a {plan.hide_host_ms:g} ms GPU wait that hides the host's work"
                       if plan.hide_host_ms else "")
-                   + "; training entries: back to back, no flush); spread = largest - smallest round median"),
+                   + f"; training entries: back to back, no flush, {max(plan.reps, TRAINING_REPS)} samples a round); "
+                   "spread = largest - smallest round median"),
         "command": command or " ".join(["aotattn", *sys.argv[1:]]),
     }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 
 import pytest
 import torch
@@ -252,3 +253,39 @@ def test_flexattention_backward_is_timed_on_the_gpu():
         flex = records[(pass_, "flex")]
         assert flex.ok and flex.ms > 0, (pass_, flex.note)
         assert records[(pass_, "aotattn")].ok
+
+
+def test_host_bound_training_entries_take_more_samples_a_round(monkeypatch):
+    """On a GPU, a training entry's call is host-bound and jitters with the host: each round
+    times at least TRAINING_REPS calls of every provider (five left round medians 20-85%
+    apart on the H200 host); other entries, and the interpreter, keep the plan's count. The
+    estimate and the run's header count them too."""
+    from aotattn.perfmon.budget import TRAINING_REPS, entry_seconds
+    from aotattn.tune import timing
+
+    asked = []
+
+    def fake(fn, inputs, *, device, warmup, repeats, flush, hide_host_ms):
+        asked.append((torch.device(device).type, repeats, flush))
+        samples = tuple(0.1 + 0.01 * i for i in range(repeats))
+        return timing.Timing(statistics.median(samples), samples, timing.CLOCK_CUDA, 0)
+
+    monkeypatch.setattr(timing, "measure", fake)
+    runners = {"aotattn": lambda: None, "sdpa-flash": lambda: None}
+    gpu = torch.device("cuda")
+    timed, failed = measure._time(TRAINING, runners, QUICK.plan, gpu)
+    assert not failed and set(timed) == set(runners)
+    assert asked == [("cuda", TRAINING_REPS, False)] * (len(runners) * QUICK.plan.rounds)
+    asked.clear()
+    measure._time(SQUARE, runners, QUICK.plan, gpu)
+    assert set(asked) == {("cuda", QUICK.plan.reps, True)}
+    asked.clear()
+    measure._time(TRAINING, runners, QUICK.plan, CPU)
+    assert set(asked) == {("cpu", QUICK.plan.reps, False)}
+
+    many = Plan(rounds=2, reps=TRAINING_REPS + 7, warmup=0)
+    assert many.reps_for(TRAINING) == TRAINING_REPS + 7 and QUICK.plan.reps_for(TRAINING) == TRAINING_REPS
+    assert QUICK.plan.reps_for(SQUARE) == QUICK.plan.reps
+    providers = {"fwd": ["aotattn"]}
+    assert entry_seconds(TRAINING, providers, QUICK.plan) > TRAINING_REPS * QUICK.plan.rounds * 0.1e-3
+    assert f"{TRAINING_REPS} samples a round" in measure.environment(CPU, QUICK.plan)["timing"]
