@@ -11,12 +11,7 @@
 # (12), CALL_S (560: the run is interrupted this long after the call began, so the file
 # still comes back within a device call's 600 s), IMAGES (an image folder; built here with `perfmon images` when missing: carry
 # build/img to skip that), RUN_ARGS (more `perfmon run` options; default --hide-host-ms 1).
-set -uo pipefail
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-start=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
-aot() { python -m aotattn.cli "$@"; }
+source "$(dirname "$0")/session_common.sh"
 read -r -a select <<< "${SELECT:--g dense -g model}"
 read -r -a run_args <<< "${RUN_ARGS:---hide-host-ms 1}"
 tag=${TAG:-h200-$(date -u +%Y%m%d)-flex}

@@ -7,12 +7,7 @@
 #
 # Environment: SELECT (default "-g dense -m *bf16*"), RUN_S (perfmon's deadline, 150),
 # LATENCY (1: also benchmarks/bench_latency.py from the image subset; 0: not).
-set -uo pipefail
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-start=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
-aot() { python -m aotattn.cli "$@"; }
+source "$(dirname "$0")/session_common.sh"
 read -r -a select <<< "${SELECT:--g dense -m *bf16*}"
 tag=${TAG:-h200-$(date -u +%Y%m%d)-dense}
 stamp "images of the entries"

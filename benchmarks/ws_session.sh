@@ -21,12 +21,7 @@
 # on 16 cores in the twenty-first session, whatever WS_SEQLEN, as every cell needs all 48
 # configurations of its functional), SELECT (perfmon's selection, default "-g dense -m *bf16*";
 # empty: no perfmon), TAG (h200-<date>-ws).
-set -uo pipefail
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-start=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
-aot() { python -m aotattn.cli "$@"; }
+source "$(dirname "$0")/session_common.sh"
 
 if [ "${WS:-forward}" = backward ]; then
   kernel=attn_bwd_ws operator=backward

@@ -96,6 +96,7 @@ def test_cli_images_dry_run_and_bad_patch_guard(tmp_path):
 
 SESSION_SCRIPTS = {"perfmon_session.sh": {("perfmon", "images"), ("perfmon", "run"), ("perfdb", "faults"),
                                             ("perfdb", "plot"), ("perfdb", "compare"), ("perfmon", "bad-patch")},
+                   "flex_session.sh": {("perfmon", "images"), ("perfmon", "run"), ("perfdb", "summary")},
                    "odd_dims_session.sh": {("perfmon", "images"), ("perfmon", "run"), ("perfdb", "summary"),
                                            ("perfdb", "compare")},
                    "tune_cells_session.sh": {("tune", "plan"), ("tune", "export"), ("tuning", "lint"),
