@@ -83,10 +83,15 @@ class Plan:
     warmup: int = 2
     hide_host_ms: float = 0.0
 
+    @property
+    def training_reps(self) -> int:
+        """Timed calls per round for a training entry, whose calls are host-bound and a
+        tenth of a millisecond long: at least :data:`TRAINING_REPS`."""
+        return max(self.reps, TRAINING_REPS)
+
     def reps_for(self, entry: Entry) -> int:
-        """Timed calls per round for ``entry``: at least :data:`TRAINING_REPS` for a training
-        entry, whose calls are host-bound and a tenth of a millisecond long."""
-        return max(self.reps, TRAINING_REPS) if entry.training else self.reps
+        """Timed calls per round for ``entry``."""
+        return self.training_reps if entry.training else self.reps
 
 
 def flex_setup_seconds(flex_jobs: int = 0) -> float:

@@ -23,7 +23,7 @@ import torch
 
 import aotattn
 from aotattn.perfmon import providers as P
-from aotattn.perfmon.budget import TRAINING_REPS, Plan
+from aotattn.perfmon.budget import Plan
 from aotattn.perfmon.entries import BACKWARD_PASSES, Entry
 from aotattn.perfmon.perfdb import Perfdb, Record, tuning_revision
 from aotattn.perfmon.provenance import Lookup, cell_of, recording_lookups
@@ -292,7 +292,7 @@ def environment(device: torch.device, plan: Plan, command: str | None = None) ->
                    f"calls ({how}"
                    + (f", each behind a {plan.hide_host_ms:g} ms GPU wait that hides the host's work"
                       if plan.hide_host_ms else "")
-                   + f"; training entries: back to back, no flush, {max(plan.reps, TRAINING_REPS)} samples a round); "
+                   + f"; training entries: back to back, no flush, {plan.training_reps} samples a round); "
                    "spread = largest - smallest round median"),
         "command": command or " ".join(["aotattn", *sys.argv[1:]]),
     }
