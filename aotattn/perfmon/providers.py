@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -323,14 +324,36 @@ def result_slice(entry: Entry, x: Inputs, name: str, t: torch.Tensor) -> torch.T
     return sequence_slice(entry, t, kh if name in ("dk", "dv") else qh)
 
 
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64 (inf when a has a NaN)."""
-    a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
-    if torch.isnan(a64).any():
-        return math.inf
-    denom = b64.norm().item()
-    diff = (a64 - b64).norm().item()
+def rel_diff(a: torch.Tensor, b: torch.Tensor, *, chunk: int = 1 << 24) -> float:
+    """||a - b|| / ||b|| in float64 (inf when a has a NaN), a piece of at most ``chunk``
+    elements at a time: a whole gradient of a large entry in float64 would not fit beside
+    the tensors being compared (dK of B128 H32 Sk16384 D64 is 32 GiB in float64)."""
+    if a.shape != b.shape:
+        raise ValueError(f"rel_diff of shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    diff = torch.zeros((), dtype=torch.float64, device=a.device)
+    norm = torch.zeros((), dtype=torch.float64, device=b.device)
+    for pa, pb in zip(_pieces(a.detach(), chunk), _pieces(b.detach(), chunk)):
+        a64, b64 = pa.to(torch.float64), pb.to(torch.float64)
+        if torch.isnan(a64).any():
+            return math.inf
+        diff += (a64 - b64.to(a64.device)).square().sum()
+        norm += b64.square().sum()
+    diff, denom = math.sqrt(diff.item()), math.sqrt(norm.item())
     return diff / denom if denom > 0 else diff
+
+
+def _pieces(t: torch.Tensor, chunk: int) -> Iterable[torch.Tensor]:
+    """Views of ``t`` of at most ``chunk`` elements that cover it, split along the leading
+    dimensions (the same shape gives the same pieces, whatever the strides)."""
+    if t.numel() <= chunk or t.dim() == 0:
+        yield t
+    elif t.dim() == 1:
+        yield from t.split(chunk)
+    elif t.shape[0] == 1:
+        yield from _pieces(t[0], chunk)
+    else:
+        for part in t.split(max(1, chunk // (t.numel() // t.shape[0]))):
+            yield from _pieces(part, chunk)
 
 
 @contextlib.contextmanager

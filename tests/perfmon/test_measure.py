@@ -289,3 +289,27 @@ def test_host_bound_training_entries_take_more_samples_a_round(monkeypatch):
     providers = {"fwd": ["aotattn"]}
     assert entry_seconds(TRAINING, providers, QUICK.plan) > TRAINING_REPS * QUICK.plan.rounds * 0.1e-3
     assert f"{TRAINING_REPS} samples a round" in measure.environment(CPU, QUICK.plan)["timing"]
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7, 11), (1, 1, 40, 9), (1, 257), (6, 1, 1, 1, 13), (0, 4), ()])
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 24])
+def test_rel_diff_in_pieces_equals_the_whole_in_float64(shape, chunk):
+    """The check of a forced backend or a peer against aotattn's whole result goes a piece at
+    a time (a whole gradient of a large entry in float64 does not fit beside the inputs):
+    same figure as one float64 pass, whatever the strides, no piece over the bound."""
+    g = torch.Generator().manual_seed(len(shape) * 1000 + chunk % 997)
+    b = torch.randn(shape, generator=g, dtype=torch.float64)
+    a = (b + 1e-3 * torch.randn(shape, generator=g, dtype=torch.float64)).to(torch.bfloat16)
+    whole = (a.double() - b).norm().item() / b.norm().item() if b.numel() else 0.0
+    strided = a.transpose(0, -1).contiguous().transpose(0, -1) if a.dim() >= 2 else a  # same values, other strides
+    for x in (a, strided):
+        assert P.rel_diff(x, b, chunk=chunk) == pytest.approx(whole, rel=1e-9, abs=1e-300)
+        pieces = list(P._pieces(x, chunk))
+        assert sum(p.numel() for p in pieces) == x.numel()
+        assert all(p.numel() <= chunk or p.dim() == 0 for p in pieces)
+        assert [p.shape for p in pieces] == [p.shape for p in P._pieces(b, chunk)]
+    if b.numel():
+        a.view(-1)[b.numel() // 2] = float("nan")
+        assert P.rel_diff(a, b, chunk=chunk) == math.inf
+    with pytest.raises(ValueError, match="shapes"):
+        P.rel_diff(a, b.unsqueeze(0))
