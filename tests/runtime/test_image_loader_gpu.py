@@ -168,4 +168,7 @@ def test_with_no_images_the_default_mode_runs_forward_and_backward_through_the_j
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert max(result["errors"]) < 1e-2, result
     warned = result["warned"]
-    assert "flash.attn_fwd" in warned and len(warned) == len(set(warned)) >= 3, warned
+    # the forward is whichever kernel the tuning database picks for this cell (attn_fwd or
+    # attn_fwd_ws); each kernel the call needs warns once
+    assert any(name.startswith("flash.attn_fwd") for name in warned), warned
+    assert len(warned) == len(set(warned)) >= 3, warned
