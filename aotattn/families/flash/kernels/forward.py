@@ -77,6 +77,21 @@ def attn_fwd(
     m_in = offs_m < seqlen_q
     rows = q_start + offs_m[:, None].to(tl.int64)
 
+    if MASK != MASK_NONE:
+        # a block no row of which sees a key (bottom-right causal with Sq > Sk, a window past
+        # the keys) stores its zeros and leaves before loading Q. Not in MASK_NONE kernels:
+        # there only an empty key set does it, and the pointers computed this early cost
+        # registers (d64 attn_fwd m128_n64_w8: 124 -> 132, one program per SM instead of two)
+        o_ptrs = Out + off_z * stride_oz + off_h * stride_oh + rows * stride_om + offs_dv[None, :]
+        lse_ptrs = Lse + off_z * stride_lz + off_h * stride_lh + q_start + offs_m
+        diag = diagonal(seqlen_q, seqlen_k, MASK)
+        lo, a, b, hi = key_blocks(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q), seqlen_k, diag,
+                                  window_left, window_right, MASK, BLOCK_N)
+        if hi == lo:
+            _store(o_ptrs, lse_ptrs, tl.full((BLOCK_M, BLOCK_DV), 0.0, tl.float32),
+                   tl.full((BLOCK_M,), float("inf"), tl.float32), m_in, dv_mask, PAD_HEAD)
+            return
+
     q = load_rows(Q + off_z * stride_qz + off_h * stride_qh + rows * stride_qm + offs_d[None, :],
                   0, 0, m_in, d_mask, True, PAD_HEAD)
     # [BLOCK_N, BLOCK_D] and [BLOCK_N, BLOCK_DV] tiles at key 0; the loop adds start_n * stride
@@ -107,9 +122,10 @@ def attn_fwd(
     l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
     acc = tl.full((BLOCK_M, BLOCK_DV), 0.0, tl.float32)
 
-    diag = diagonal(seqlen_q, seqlen_k, MASK)
-    lo, a, b, hi = key_blocks(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q), seqlen_k, diag,
-                              window_left, window_right, MASK, BLOCK_N)
+    if MASK == MASK_NONE:
+        diag = diagonal(seqlen_q, seqlen_k, MASK)
+        lo, a, b, hi = key_blocks(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q), seqlen_k, diag,
+                                  window_left, window_right, MASK, BLOCK_N)
     for seg in tl.static_range(3):
         # runs 0 and 2 (the window's edges) are masked: `seg != 1`, see common.segment
         start, end = segment(seg, lo, a, b, hi)
@@ -157,12 +173,20 @@ def attn_fwd(
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
 
-    o_ptrs = Out + off_z * stride_oz + off_h * stride_oh + rows * stride_om + offs_dv[None, :]
+    if MASK == MASK_NONE:
+        o_ptrs = Out + off_z * stride_oz + off_h * stride_oh + rows * stride_om + offs_dv[None, :]
+        lse_ptrs = Lse + off_z * stride_lz + off_h * stride_lh + q_start + offs_m
+    _store(o_ptrs, lse_ptrs, out, lse, m_in, dv_mask, PAD_HEAD)
+
+
+@triton.jit
+def _store(o_ptrs, lse_ptrs, out, lse, m_in, dv_mask, PAD_HEAD: tl.constexpr):
+    """The block's output rows (in the output's dtype) and their log-sum-exp."""
     if PAD_HEAD:
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None] & dv_mask[None, :])
+        tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=m_in[:, None] & dv_mask[None, :])
     else:
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None])
-    tl.store(Lse + off_z * stride_lz + off_h * stride_lh + q_start + offs_m, lse, mask=m_in)
+        tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=m_in[:, None])
+    tl.store(lse_ptrs, lse, mask=m_in)
 
 
 @triton.jit
