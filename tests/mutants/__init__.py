@@ -134,8 +134,8 @@ MUTANTS = (
     _mutant(
         "empty-row-unwritten", "rows that saw no key are skipped at the store, leaving whatever the buffer held",
         FORWARD,
-        "tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None])",
-        "tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(m_in & (l_i > 0))[:, None])",
+        "tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=m_in[:, None])",
+        'tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=(m_in & (lse != float("inf")))[:, None])',
         NULL_ROWS,
     ),
     _mutant(
@@ -173,8 +173,8 @@ MUTANTS = (
     _mutant(
         "store-padded-dv", "the output store bounded by the padded head dim (the bucket) instead of the real one",
         FORWARD,
-        "tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None] & dv_mask[None, :])",
-        "tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_in[:, None])",
+        "tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=m_in[:, None] & dv_mask[None, :])",
+        "tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=m_in[:, None])",
         MISTAKES + "::test_padded_head_dim_store_stays_in_its_row",
     ),
     _mutant(
