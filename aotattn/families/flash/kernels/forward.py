@@ -122,7 +122,7 @@ def attn_fwd(
     l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
     acc = tl.full((BLOCK_M, BLOCK_DV), 0.0, tl.float32)
 
-    if MASK == MASK_NONE:
+    if MASK == MASK_NONE:  # masked kernels computed these before loading Q (the early exit above)
         diag = diagonal(seqlen_q, seqlen_k, MASK)
         lo, a, b, hi = key_blocks(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q), seqlen_k, diag,
                                   window_left, window_right, MASK, BLOCK_N)
@@ -173,7 +173,7 @@ def attn_fwd(
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
 
-    if MASK == MASK_NONE:
+    if MASK == MASK_NONE:  # late, as the early exit's registers note says
         o_ptrs = Out + off_z * stride_oz + off_h * stride_oh + rows * stride_om + offs_dv[None, :]
         lse_ptrs = Lse + off_z * stride_lz + off_h * stride_lh + q_start + offs_m
     _store(o_ptrs, lse_ptrs, out, lse, m_in, dv_mask, PAD_HEAD)
