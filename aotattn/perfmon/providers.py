@@ -330,13 +330,12 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor, *, chunk: int = 1 << 24) -> float
     the tensors being compared (dK of B128 H32 Sk16384 D64 is 32 GiB in float64)."""
     if a.shape != b.shape:
         raise ValueError(f"rel_diff of shapes {tuple(a.shape)} and {tuple(b.shape)}")
-    diff = torch.zeros((), dtype=torch.float64, device=a.device)
-    norm = torch.zeros((), dtype=torch.float64, device=b.device)
+    diff, norm = torch.zeros(2, dtype=torch.float64, device=a.device)
     for pa, pb in zip(_pieces(a.detach(), chunk), _pieces(b.detach(), chunk)):
         a64, b64 = pa.to(torch.float64), pb.to(torch.float64)
         if torch.isnan(a64).any():
             return math.inf
-        diff += (a64 - b64.to(a64.device)).square().sum()
+        diff += (a64 - b64).square().sum()
         norm += b64.square().sum()
     diff, denom = math.sqrt(diff.item()), math.sqrt(norm.item())
     return diff / denom if denom > 0 else diff
