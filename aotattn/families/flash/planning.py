@@ -383,9 +383,8 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         scalars = c.scalars(backward=True)
         bound = dict(Q=q, K=k, V=v, DO=dout, DQ=dq, DK=dk, DV=dv, Stats=stats,
                      **c.tile_strides(ws, q=q, k=k, v=v, do=dout, dq=dq, dk=dk, dv=dv), **c.stats_strides(ws, stats),
-                     **{arg.name: scalars[arg.name] for arg in ws.arguments if arg.name in scalars})
-        plans.append(_plan(ws, f, p, dev, configs.get(ws.name),
-                           lambda cfg: (_cdiv(p.seqlen_k, cfg["BLOCK_N"]), p.heads_k, p.batch), bound))
+                     **{arg.name: scalars[arg.name] for arg in ws.arguments if arg.name in scalars}, batch=p.batch)
+        plans.append(_plan(ws, f, p, dev, configs.get(ws.name), lambda cfg: _ws_backward_grid(p, cfg, dev), bound))
         return plans
     fused = rules.ATTN_BWD_FUSED
 
@@ -398,6 +397,16 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     plans.append(_plan(fused, {**f, "ATOMIC_DQ": not deterministic}, p, dev, configs.get(fused.name), grid,
                        args(fused, DQ=dq, DK=dk, DV=dv, DBias=dbias)))
     return plans
+
+
+def _ws_backward_grid(p: Problem, cfg: Config, device: torch.device) -> tuple[int, int, int]:
+    """(n blocks, Hk, B): a program per tile of keys; with PERSISTENT a program per SM (at
+    most one per tile) walking the tiles (kernels/backward_ws.py)."""
+    blocks = _cdiv(p.seqlen_k, cfg["BLOCK_N"])
+    if cfg.as_dict().get("PERSISTENT", 0):
+        tiles = blocks * p.heads_k * p.batch
+        return (min(tiles, multiprocessors(device) or tiles), 1, 1)
+    return (blocks, p.heads_k, p.batch)
 
 
 def choose_backend(c: Call, deterministic: bool, device: torch.device) -> str:

@@ -347,12 +347,14 @@ def _ws_bwd_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [operator_functional(functional, False, grouped).as_dict() for grouped in (False, True)]
 
 
-# The warp-specialized backward (Gluon, sm_90 only): BLOCK_N keys per program, 64 per
-# consumer warpgroup (two); BLOCK_M query rows per step; STAGES slots in the q and dO rings.
+# The warp-specialized backward (Gluon, sm_90 only): BLOCK_N keys per tile, 64 per
+# consumer warpgroup (two); BLOCK_M query rows per step; STAGES slots in the q and dO rings;
+# PERSISTENT, one program per SM walks the tiles (planning.backward_plans' grid).
 _WS_BWD_TUNING = (
     ("BLOCK_M", (64, 128)),
     ("BLOCK_N", (64, 128)),  # 128: the consumers split the keys (d64, d128); 64: the columns (d256)
     ("STAGES", (2, 3)),
+    ("PERSISTENT", (0, 1)),
     ("num_warps", (4,)),
     ("num_stages", (1,)),
 )
@@ -362,11 +364,12 @@ ATTN_BWD_WS = _ws_kernel(
     (
         _tile("Q"), _tile("K"), _tile("V"), _tile("DO"), _tile("DQ", "*fp32"), _tile("DK"), _tile("DV"), _STATS,
         *_QKV_DO_STRIDES, *_DQ_STRIDES, *_DKDV_STRIDES, *_STATS_STRIDES,
-        Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("num_heads_q", _I32), Arg("group_size", _I32),
-        Arg("sm_scale", _F32), Arg("qk_scale", _F32), Arg("window_left", _I32), Arg("window_right", _I32),
-        Arg("head_dim", _I32), Arg("head_dim_v", _I32),
+        Arg("max_seqlen_q", _I32), Arg("max_seqlen_k", _I32), Arg("batch", _I32), Arg("num_heads_q", _I32),
+        Arg("group_size", _I32), Arg("sm_scale", _F32), Arg("qk_scale", _F32), Arg("window_left", _I32),
+        Arg("window_right", _I32), Arg("head_dim", _I32), Arg("head_dim_v", _I32),
     ),
     _BWD_AXES, _WS_BWD_TUNING, _ws_bwd_unserved, ChosenBy("flash.backward", "backend", "ws", _ws_bwd_calls),
+    knob_defaults=_WS_KNOB_DEFAULTS,
 )
 
 

@@ -76,9 +76,10 @@ def test_explicit_ws_where_it_does_not_serve_says_what_does_in_one_line():
         aotattn.flash_attn_func(q, k, v, backend="cudnn")
 
 
-def test_cpu_tensors_plan_it_but_the_interpreter_refuses_to_run_it():
+def test_cpu_tensors_plan_it_but_the_interpreter_refuses_to_run_it(monkeypatch):
     """perfmon plans calls on CPU tensors for a GPU's tables: the plan is made (dQ zeroed
-    fp32, the stats first), and a launch of it on CPU is refused in one line."""
+    fp32, the stats first; with PERSISTENT a grid of at most one program per SM), and a
+    launch of it on CPU is refused in one line."""
     q, k, v = make_qkv(2, 300, 500, 4, 2, 64, 64, torch.bfloat16, "cpu")
     c = planning.new_call(problem(q, k, v, causal=True), q, k, v)
     out, dout = torch.empty_like(q), torch.randn_like(q)
@@ -90,6 +91,16 @@ def test_cpu_tensors_plan_it_but_the_interpreter_refuses_to_run_it():
                                     {rules.ATTN_BWD_WS.name: config})
     assert [p.kernel for p in plans] == [rules.ATTN_BWD_PREPROCESS, rules.ATTN_BWD_WS]
     assert plans[1].grid == (4, 2, 2)  # key blocks of 128, key heads, batch
+    names = [arg.name for arg in rules.ATTN_BWD_WS.arguments]
+    assert plans[1].args[names.index("batch")] == 2
+    persistent = Config.of({**config.as_dict(), "PERSISTENT": 1})
+    walking = planning.backward_plans(c, dout, q, k, v, out, lse, stats, dq, dk, dv, None, "ws", False,
+                                      {rules.ATTN_BWD_WS.name: persistent})[1]
+    assert walking.grid == (4 * 2 * 2, 1, 1)  # one program per tile without an SM count (CPU), at most one per SM
+    monkeypatch.setattr(planning, "multiprocessors", lambda device: 5)
+    walking = planning.backward_plans(c, dout, q, k, v, out, lse, stats, dq, dk, dv, None, "ws", False,
+                                      {rules.ATTN_BWD_WS.name: persistent})[1]
+    assert walking.grid == (5, 1, 1)
     assert planning.choose_backend(c, False, q.device) == "split"  # CPU: the interpreter's backend
     with pytest.raises(ValueError, match="Gluon kernel: Triton's interpreter cannot run it"):
         launch(plans[1])
@@ -118,7 +129,13 @@ def test_the_tuner_times_it_where_it_serves_within_its_budgets():
     assert {(c["BLOCK_M"], c["STAGES"]) for c in fitting(64)} == {(64, 2), (64, 3), (128, 2)}
     assert {c["BLOCK_N"] for d in (64, 128) for c in fitting(d)} == {128}  # the key split
     # d256: the column split, its one fitting tile (q in 2 slots, dO in 1, P^T and dS^T twice)
-    assert [(c["BLOCK_M"], c["BLOCK_N"], c["STAGES"]) for c in fitting(256)] == [(64, 64, 2)]
+    assert [(c["BLOCK_M"], c["BLOCK_N"], c["STAGES"]) for c in fitting(256)] == [(64, 64, 2)] * 2
+    # one tile per program or one program per SM walking the tiles, at every tile size
+    for d in (64, 128, 256):
+        by_tile = {}
+        for c in fitting(d):
+            by_tile.setdefault((c["BLOCK_M"], c["BLOCK_N"], c["STAGES"]), set()).add(c.as_dict().get("PERSISTENT", 0))
+        assert set(map(frozenset, by_tile.values())) == {frozenset({0, 1})}, d
     f = Functional.of(functional())
     assert tune_flash.supports(TABLE, f) and tune_flash.supports(TABLE, Functional.of(functional(d=256)))
     assert not tune_flash.supports(TABLE, Functional.of(functional(d=96)))
@@ -131,9 +148,10 @@ def test_the_tuner_times_it_where_it_serves_within_its_budgets():
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton package carries no cuobjdump")
+@pytest.mark.parametrize("persistent", [0, 1])
 @pytest.mark.parametrize("d, pad", [(64, False), (128, False), (256, False), (64, True), (256, True)],
                          ids=["d64", "d128", "d256", "d64-padded", "d256-padded"])
-def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies_and_reduces(d, pad):
+def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies_and_reduces(d, pad, persistent):
     """In the sm_90 machine code: the partitions (more warps than compiled with, setmaxnreg),
     wgmma with a register A operand (dV, dK: P and dS from registers; at d256, the column
     split, from shared memory, 128 columns per consumer, and S^T, dP^T of 32 queries) and
@@ -143,7 +161,8 @@ def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies_and_reduces(d
     (descriptors of the real head dims, masked dK/dV stores), no wgmma hazard (compile_job checks)."""
     f = Functional.of(functional(d=d, mask=rules.MASK_BOTTOM_RIGHT, PAD_HEAD=pad))
     footprint = tune_flash.footprint(TABLE)
-    config = max(fitting(d), key=lambda c: candidates.shared_bytes(footprint, f, c, candidates.target("sm_90")))
+    config = max((c for c in fitting(d) if c.as_dict().get("PERSISTENT", 0) == persistent),
+                 key=lambda c: candidates.shared_bytes(footprint, f, c, candidates.target("sm_90")))
     entry, cubin = compile_job(Job("sm_90", TABLE, f, config))
     assert entry.num_warps == 12  # two consumer warpgroups and the loader's
     assert abs(candidates.shared_bytes(footprint, f, config, candidates.target("sm_90")) - entry.shared) <= 1024
@@ -226,6 +245,12 @@ CASES = [
     Case("d256-one-query", (3, 1, 333, 2, 1, 256), {"softmax_scale": -0.3}),
     Case("d256-long", (1, 8192, 8192, 2, 2, 256), {"causal": True}),
     Case("d256-one-key-column", (2, 300, 1, 4, 4, 256)),
+    # short queries, long keys: many tiles per program under PERSISTENT (the rings, K/V and
+    # dS buffers' phases run on across tiles), some of them seen by no query (zero steps)
+    Case("many-tiles-gqa", (8, 128, 8192, 16, 8, 64)),
+    Case("many-tiles-causal", (4, 256, 8192, 8, 8, 128), {"causal": True}),
+    Case("many-tiles-window-fp16", (4, 100, 6000, 8, 4, 128), {"window_size": (900, 3)}, torch.float16),
+    Case("d256-many-tiles-window", (4, 200, 6000, 4, 2, 256), {"window_size": (700, 50)}),
     Case("d256-shorter-than-a-block", (2, 40, 50, 4, 2, 256), {"causal": True, "diagonal": "top_left"}),
     # padded heads: the descriptors span the real head dims (zeros past them), dK/dV stores masked
     Case("d192-full-tails", (2, 1000, 1777, 4, 4, 192)),

@@ -45,7 +45,7 @@ from aotattn.families.flash.kernels.common import key_blocks, program_order
 # the MASK axis, a consumer's 64 rows (here keys), the partitions' register budgets and the
 # descriptors' columns: the forward's
 from aotattn.families.flash.kernels.forward_ws import (LOADER_REGS, MASK_BOTTOM_RIGHT, MASK_NONE, WARPGROUP_ROWS,
-                                                       consumer_regs, head_columns)
+                                                       consumer_regs, head_columns, program_tiles, round_tile)
 
 
 @builtin
@@ -74,28 +74,76 @@ def _step(i, last_m, group, head0, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _loader(loads, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
-    """The loader warp: the program's K and V, then Q (with its rows' delta and lse) and dO
-    of every step into the rings."""
-    (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem, v_smem, do_smem, stats_smem, kv_bar, q_ready,
-     do_ready, q_empty, do_empty, start_n, last_m, group, n_steps, head0) = loads
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [start_n, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [start_n, 0], kv_bar, v_smem)
-    for i in range(n_steps):
-        slot = i % STAGES
-        free = ((i // STAGES) & 1) ^ 1  # a fresh barrier passes the wait on parity 1
-        do_slot = i % DO_STAGES
-        do_free = ((i // DO_STAGES) & 1) ^ 1
-        off_h, start_m = _step(i, last_m, group, head0, BLOCK_M)
-        mbarrier.wait(q_empty.index(slot), free)
-        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_h, start_m, 0], q_ready.index(slot), q_smem.index(slot))
-        tma.async_copy_global_to_shared(stats_desc, [0, off_h, start_m], q_ready.index(slot), stats_smem.index(slot))
-        mbarrier.wait(do_empty.index(do_slot), do_free)
-        mbarrier.expect(do_ready.index(do_slot), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [off_h, start_m, 0], do_ready.index(do_slot),
-                                        do_smem.index(do_slot))
+def _key_tile(r, sizes, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The program's tile of round r: ``BLOCK_N`` keys of one key/value head of one sequence
+    and the query blocks that see them, as (z, hk, head0, start_n, a, b, last_m, n_steps,
+    tail). Without PERSISTENT the program ids name it (grid (n blocks, Hk, B), renumbered by
+    :func:`.common.program_order`); with it, tile t of the list: without a mask the key
+    blocks of a head one after another (the programs running together read the same q and
+    dO, from L2), under one the first key block of every head first, then the second, ...
+    (the first is the costliest: every query block that sees any key sees it), dealt back
+    and forth (:func:`.forward_ws.round_tile`)."""
+    n_n, batch, heads_k, group_size, seqlen_q, seqlen_k, diag, window_left, window_right = sizes
+    if PERSISTENT:
+        t = round_tile(r, PERSISTENT)
+        if MASK == MASK_NONE:
+            pair = t // n_n
+            pid_n = t - pair * n_n
+        else:
+            pid_n = t // (batch * heads_k)
+            pair = t - pid_n * (batch * heads_k)
+        z = pair // heads_k
+        hk = pair - z * heads_k
+    else:
+        pid_n, hk, z = program_order(0, MASK)
+    start_n = pid_n * BLOCK_N
+    # the query blocks that see these keys (the window transposed); [a, b) sees all of them
+    lo, a, b, hi = key_blocks(start_n, gl.minimum(start_n + BLOCK_N, seqlen_k), seqlen_q, -diag, window_right,
+                              window_left, MASK, BLOCK_M)
+    blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    n_steps = group_size * blocks
+    last_m = lo + (blocks - 1) * BLOCK_M
+    tail = start_n + BLOCK_N > seqlen_k  # keys past the sequence: masked at every step
+    return z, hk, hk * group_size, start_n, a, b, last_m, n_steps, tail
+
+
+@gluon.jit
+def _loader(loads, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            DO_STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """The loader warp: per tile, Q (with its rows' delta and lse) and dO of every step into
+    the rings (their positions run on across tiles), and the tile's K and V once the
+    consumers are done with the last tile's (after the first step's Q: it does not wait
+    on them)."""
+    (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem, v_smem, do_smem, stats_smem, kv_bar, kv_empty,
+     q_ready, do_ready, q_empty, do_empty, sizes) = loads
+    n_n, batch, heads_k, group, seqlen_q, seqlen_k, diag, window_left, window_right = sizes
+    g = 0  # steps of the tiles before (the rings' position)
+    kv = 0  # tiles before with a step (the K and V buffer's uses)
+    for r in range(0, program_tiles(n_n * heads_k * batch, PERSISTENT)):
+        z, hk, head0, start_n, a, b, last_m, n_steps, tail = _key_tile(r, sizes, MASK, BLOCK_M, BLOCK_N, PERSISTENT)
+        for i in range(n_steps):
+            s = g + i
+            slot = s % STAGES
+            free = ((s // STAGES) & 1) ^ 1  # a fresh barrier passes the wait on parity 1
+            do_slot = s % DO_STAGES
+            do_free = ((s // DO_STAGES) & 1) ^ 1
+            off_h, start_m = _step(i, last_m, group, head0, BLOCK_M)
+            mbarrier.wait(q_empty.index(slot), free)
+            mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + stats_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [z, off_h, start_m, 0], q_ready.index(slot), q_smem.index(slot))
+            tma.async_copy_global_to_shared(stats_desc, [z, 0, off_h, start_m], q_ready.index(slot),
+                                            stats_smem.index(slot))
+            if i == 0:
+                mbarrier.wait(kv_empty, (kv & 1) ^ 1)
+                mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [z, hk, start_n, 0], kv_bar, k_smem)
+                tma.async_copy_global_to_shared(v_desc, [z, hk, start_n, 0], kv_bar, v_smem)
+            mbarrier.wait(do_empty.index(do_slot), do_free)
+            mbarrier.expect(do_ready.index(do_slot), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [z, off_h, start_m, 0], do_ready.index(do_slot),
+                                            do_smem.index(do_slot))
+        g += n_steps
+        kv += (n_steps > 0).to(gl.int32)
 
 
 @gluon.jit
@@ -110,12 +158,6 @@ def _step_zero(i):
     800 under a mask; with this 547 and 552, 635 and 667, no local memory; the key split's
     d128 loops spilled 1-3 a step, now none; tests/compiler/test_machine_code.py)."""
     return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _one_slot(tile):
-    """A 2-D shared tile as a ring of one slot, to index with :func:`_step_zero`."""
-    return tile._reinterpret(tile.dtype, [1, tile.shape[0], tile.shape[1]], tile.layout)
 
 
 @gluon.jit
@@ -134,11 +176,14 @@ def _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left,
 
 
 @gluon.jit
-def _store_key_grads(dk, dv, out_rows, cols, dk_ptr, dv_ptr, stride_dkn, stride_dvn, sm_scale, seqlen_k, head_dim,
-                     head_dim_v, dtype: gl.constexpr, PAD_HEAD: gl.constexpr):
-    """A consumer's dK (scaled) and dV at rows ``out_rows`` (keys) and columns ``cols``:
-    keys past the sequence and, for padded heads, the columns past the head dims (zeros
-    read through the descriptors) are not stored."""
+def _store_key_grads(dk, dv, out_rows, cols, key_grads, z, hk, sm_scale, seqlen_k, head_dim, head_dim_v,
+                     dtype: gl.constexpr, PAD_HEAD: gl.constexpr):
+    """A consumer's dK (scaled) and dV of key head hk of sequence z at rows ``out_rows``
+    (keys) and columns ``cols``: keys past the sequence and, for padded heads, the columns
+    past the head dims (zeros read through the descriptors) are not stored."""
+    DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn = key_grads
+    dk_ptr = DK + z.to(gl.int64) * stride_dkz + hk.to(gl.int64) * stride_dkh
+    dv_ptr = DV + z.to(gl.int64) * stride_dvz + hk.to(gl.int64) * stride_dvh
     keep_k = out_rows[:, None] < seqlen_k
     keep_v = keep_k
     if PAD_HEAD:
@@ -151,11 +196,13 @@ def _store_key_grads(dk, dv, out_rows, cols, dk_ptr, dv_ptr, stride_dkn, stride_
 
 @gluon.jit
 def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                   STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PAD_HEAD: gl.constexpr):
-    """Consumer warpgroup c of a 128-key program: keys start_n + 64 c .. start_n + 64 c + 63."""
-    (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
-     do_empty, ds_ready, dq_desc, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, last_m, a, b, group, n_steps,
-     head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail, head_dim, head_dim_v) = work
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PAD_HEAD: gl.constexpr,
+                   PERSISTENT: gl.constexpr):
+    """Consumer warpgroup c of 128-key tiles: keys start_n + 64 c .. start_n + 64 c + 63 of
+    every tile of the program."""
+    (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, kv_empty, q_ready, do_ready,
+     q_empty, do_empty, ds_ready, dq_desc, key_grads, sizes, qk_scale, sm_scale, head_dim, head_dim_v) = work
+    n_n, batch, heads_k, group, seqlen_q, seqlen_k, diag, window_left, window_right = sizes
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -169,83 +216,91 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
     # the stats ring as rows of BLOCK_M floats: (slot, plane) -> 2 slot + plane
     stats_rows = stats_smem._reinterpret(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
-    first_key = start_n + c * WARPGROUP_ROWS
-    keys = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, s_layout))
-    k_all = _one_slot(k_smem)  # indexed anew each step (_step_zero)
-    v_all = _one_slot(v_smem)
     dq_tile = dq_smem.index(c)
-    dk = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
-    dv = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
     no_scores = gl.zeros([WARPGROUP_ROWS, BLOCK_M], gl.float32, s_layout)
     no_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
     offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
-    mbarrier.wait(kv_bar, 0)
-    for i in range(n_steps):
-        slot = i % STAGES
-        phase = (i // STAGES) & 1
-        buf = i % 2
-        off_h, start_m = _step(i, last_m, group, head0, BLOCK_M)
-        rows = start_m + offs_m
-        q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
-        do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
-        zero = _step_zero(i)
-        k_step = k_all.index(zero)
-        k_mine = k_step.slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
-        v_mine = v_all.index(zero).slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
-        mbarrier.wait(q_ready.index(slot), phase)
-        s_t = warpgroup_mma(k_mine, q_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
-        delta = stats_rows.index(2 * slot).load(row_layout)
-        mbarrier.wait(do_ready.index(slot), phase)
-        # dP^T - delta: the product accumulates onto -delta (delta's registers die before it runs)
-        dp_t = warpgroup_mma(v_mine, do_tile.permute((1, 0)), no_scores - delta[None, :], is_async=True)
-        lse2 = stats_rows.index(2 * slot + 1).load(row_layout)
-        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-        if tail or start_m < a or start_m >= b:
-            p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, True,
-                                 MASK)
-        else:
-            p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, False,
-                                 MASK)
-        p_op = gl.convert_layout(p_t.to(dtype), op_layout)
-        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-        dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
-        ds_t = (p_t * dp_t).to(dtype)
-        ds_op = gl.convert_layout(ds_t, op_layout)
-        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
-        # dS^T rows of this consumer into the shared tile; the other consumers' rows and
-        # this one's meet on ds_ready (the tile two steps back was read before any consumer
-        # arrived on the last one: double-buffered without an empty barrier)
-        ds_tile = ds_smem.index(buf)
-        ds_tile.slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0).store(ds_t)
-        fence_async_shared()
-        mbarrier.arrive(ds_ready.index(buf), count=1)
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
-        mbarrier.arrive(q_empty.index(slot), count=1)
-        mbarrier.arrive(do_empty.index(slot), count=1)
-        mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
-        k_cols = k_step.slice(c * DQ_COLS, DQ_COLS, dim=1)  # dQ's columns of this consumer, every key
-        dq = warpgroup_mma(ds_tile.permute((1, 0)), k_cols, no_dq, use_acc=False)
-        # the last step's reduce has read the staging tile by now (a whole step ago): rarely a wait
-        tma.store_wait(0)
-        dq_tile.store(gl.reshape(dq * sm_scale, [1, BLOCK_M, DQ_COLS]))
-        fence_async_shared()
-        _reduce_add(dq_desc, [off_h, start_m, c * DQ_COLS], dq_tile)
+    g = 0  # steps of the tiles before (the rings' position)
+    kv = 0  # tiles before with a step (kv_bar's phase)
+    for r in range(0, program_tiles(n_n * heads_k * batch, PERSISTENT)):
+        z, hk, head0, start_n, a, b, last_m, n_steps, tail = _key_tile(r, sizes, MASK, BLOCK_M, BLOCK_N, PERSISTENT)
+        first_key = start_n + c * WARPGROUP_ROWS
+        keys = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, s_layout))
+        dk = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
+        dv = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
+        if n_steps > 0:
+            mbarrier.wait(kv_bar, kv & 1)
+        for i in range(n_steps):
+            s = g + i
+            slot = s % STAGES
+            phase = (s // STAGES) & 1
+            buf = s % 2
+            off_h, start_m = _step(i, last_m, group, head0, BLOCK_M)
+            rows = start_m + offs_m
+            q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+            do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+            zero = _step_zero(i)  # K and V addressed anew each step
+            k_step = k_smem.index(zero).reshape([BLOCK_N, HEAD_D])
+            k_mine = k_step.slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
+            v_mine = v_smem.index(zero).reshape([BLOCK_N, HEAD_D]).slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
+            mbarrier.wait(q_ready.index(slot), phase)
+            s_t = warpgroup_mma(k_mine, q_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
+            delta = stats_rows.index(2 * slot).load(row_layout)
+            mbarrier.wait(do_ready.index(slot), phase)
+            # dP^T - delta: the product accumulates onto -delta (delta's registers die before it runs)
+            dp_t = warpgroup_mma(v_mine, do_tile.permute((1, 0)), no_scores - delta[None, :], is_async=True)
+            lse2 = stats_rows.index(2 * slot + 1).load(row_layout)
+            s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+            if tail or start_m < a or start_m >= b:
+                p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, True,
+                                     MASK)
+            else:
+                p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, False,
+                                     MASK)
+            p_op = gl.convert_layout(p_t.to(dtype), op_layout)
+            dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+            dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+            ds_t = (p_t * dp_t).to(dtype)
+            ds_op = gl.convert_layout(ds_t, op_layout)
+            dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+            # dS^T rows of this consumer into the shared tile; the other consumers' rows and
+            # this one's meet on ds_ready (the tile two steps back was read before any consumer
+            # arrived on the last one: double-buffered without an empty barrier)
+            ds_tile = ds_smem.index(buf)
+            ds_tile.slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0).store(ds_t)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            mbarrier.arrive(do_empty.index(slot), count=1)
+            mbarrier.wait(ds_ready.index(buf), (s // 2) & 1)
+            k_cols = k_step.slice(c * DQ_COLS, DQ_COLS, dim=1)  # dQ's columns of this consumer, every key
+            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_cols, no_dq, use_acc=False)
+            # the last step's reduce has read the staging tile by now (a whole step ago): rarely a wait
+            tma.store_wait(0)
+            dq_tile.store(gl.reshape(dq * sm_scale, [1, 1, BLOCK_M, DQ_COLS]))
+            fence_async_shared()
+            _reduce_add(dq_desc, [z, off_h, start_m, c * DQ_COLS], dq_tile)
+        if n_steps > 0:  # done with K and V (the last dQ product read K): the loader may bring the next
+            mbarrier.arrive(kv_empty, count=1)
+        g += n_steps
+        kv += (n_steps > 0).to(gl.int32)
+        out_rows = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+        _store_key_grads(dk, dv, out_rows, cols, key_grads, z, hk, sm_scale, seqlen_k, head_dim, head_dim_v, dtype,
+                         PAD_HEAD)
     tma.store_wait(0)
-
-    out_rows = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
-    _store_key_grads(dk, dv, out_rows, cols, dk_ptr, dv_ptr, stride_dkn, stride_dvn, sm_scale, seqlen_k, head_dim,
-                     head_dim_v, dtype, PAD_HEAD)
 
 
 @gluon.jit
 def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr, DQ_COLS: gl.constexpr, PAD_HEAD: gl.constexpr):
-    """Consumer warpgroup c of a 64-key program: columns c D/2 .. (c + 1) D/2 - 1 of the
-    keys' dK and dV, and of every step's dQ; half of the step's queries for S^T and dP^T."""
-    (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
-     do_empty, ds_ready, dq_desc, dk_ptr, dv_ptr, stride_dkn, stride_dvn, start_n, last_m, a, b, group, n_steps,
-     head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail, head_dim, head_dim_v) = work
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr, PAD_HEAD: gl.constexpr,
+                      PERSISTENT: gl.constexpr):
+    """Consumer warpgroup c of 64-key tiles: columns c D/2 .. (c + 1) D/2 - 1 of the keys'
+    dK and dV, and of every step's dQ; half of the step's queries for S^T and dP^T."""
+    (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, kv_empty, q_ready, do_ready,
+     q_empty, do_empty, ds_ready, dq_desc, key_grads, sizes, qk_scale, sm_scale, head_dim, head_dim_v) = work
+    n_n, batch, heads_k, group, seqlen_q, seqlen_k, diag, window_left, window_right = sizes
     HALF_M: gl.constexpr = BLOCK_M // 2
     COLS: gl.constexpr = HEAD_D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -259,89 +314,100 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
     stats_rows = stats_smem._reinterpret(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     col0: gl.constexpr = c * COLS
-    keys = start_n + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, s_layout))
     dq_tile = dq_smem.index(c)
-    dk = gl.zeros([WARPGROUP_ROWS, COLS], gl.float32, acc_layout)
-    dv = gl.zeros([WARPGROUP_ROWS, COLS], gl.float32, acc_layout)
     no_scores = gl.zeros([WARPGROUP_ROWS, HALF_M], gl.float32, s_layout)
     no_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
     offs_m = c * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
-    mbarrier.wait(kv_bar, 0)
-    for i in range(n_steps):
-        slot = i % STAGES
-        phase = (i // STAGES) & 1
-        buf = i % 2
-        off_h, start_m = _step(i, last_m, group, head0, BLOCK_M)
-        rows = start_m + offs_m
-        q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
-        # the tiles every step reads, addressed anew each step (see _step_zero)
-        zero = _step_zero(i)
-        do_tile = do_smem.index(zero).reshape([BLOCK_M, HEAD_D])  # dO: one slot (shared memory)
-        k_step = _one_slot(k_smem).index(zero)
-        v_step = _one_slot(v_smem).index(zero)
-        mbarrier.wait(q_ready.index(slot), phase)
-        s_t = warpgroup_mma(k_step, q_tile.slice(c * HALF_M, HALF_M, dim=0).permute((1, 0)), no_scores,
-                            use_acc=False, is_async=True)
-        delta = stats_rows.index(2 * slot).slice(c * HALF_M, HALF_M).load(row_layout)
-        mbarrier.wait(do_ready.index(0), i & 1)
-        dp_t = warpgroup_mma(v_step, do_tile.slice(c * HALF_M, HALF_M, dim=0).permute((1, 0)),
-                             no_scores - delta[None, :], is_async=True)
-        lse2 = stats_rows.index(2 * slot + 1).slice(c * HALF_M, HALF_M).load(row_layout)
-        s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-        if tail or start_m < a or start_m >= b:
-            p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, True,
-                                 MASK)
-        else:
-            p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, False,
-                                 MASK)
-        # P^T and dS^T of this consumer's queries into the shared tiles (double-buffered, as
-        # in the key split: the tiles two steps back were read before either consumer arrived
-        # on the last ones); dV and dK need every query of the step
-        pt_tile = pt_smem.index(buf)
-        ds_tile = ds_smem.index(buf)
-        pt_tile.slice(c * HALF_M, HALF_M, dim=1).store(p_t.to(dtype))
-        dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
-        ds_tile.slice(c * HALF_M, HALF_M, dim=1).store((p_t * dp_t).to(dtype))
-        fence_async_shared()
-        mbarrier.arrive(ds_ready.index(buf), count=1)
-        mbarrier.wait(ds_ready.index(buf), (i // 2) & 1)
-        dv = warpgroup_mma(pt_tile, do_tile.slice(col0, COLS, dim=1), dv, is_async=True)
-        dk = warpgroup_mma(ds_tile, q_tile.slice(col0, COLS, dim=1), dk, is_async=True)
-        dv = warpgroup_mma_wait(1, deps=(dv, ))
-        mbarrier.arrive(do_empty.index(0), count=1)  # the loader brings the next dO during dK and dQ
-        dk = warpgroup_mma_wait(0, deps=(dk, ))
-        mbarrier.arrive(q_empty.index(slot), count=1)
-        for j in gl.static_range(COLS // DQ_COLS):
-            dq = warpgroup_mma(ds_tile.permute((1, 0)), k_step.slice(col0 + j * DQ_COLS, DQ_COLS, dim=1), no_dq,
-                               use_acc=False)
-            tma.store_wait(0)
-            dq_tile.store(gl.reshape(dq * sm_scale, [1, BLOCK_M, DQ_COLS]))
+    g = 0  # steps of the tiles before (the rings' position)
+    kv = 0  # tiles before with a step (kv_bar's phase)
+    for r in range(0, program_tiles(n_n * heads_k * batch, PERSISTENT)):
+        z, hk, head0, start_n, a, b, last_m, n_steps, tail = _key_tile(r, sizes, MASK, BLOCK_M, BLOCK_N, PERSISTENT)
+        keys = start_n + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, s_layout))
+        dk = gl.zeros([WARPGROUP_ROWS, COLS], gl.float32, acc_layout)
+        dv = gl.zeros([WARPGROUP_ROWS, COLS], gl.float32, acc_layout)
+        if n_steps > 0:
+            mbarrier.wait(kv_bar, kv & 1)
+        for i in range(n_steps):
+            s = g + i
+            slot = s % STAGES
+            phase = (s // STAGES) & 1
+            buf = s % 2
+            off_h, start_m = _step(i, last_m, group, head0, BLOCK_M)
+            rows = start_m + offs_m
+            q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+            # the tiles every step reads, addressed anew each step (see _step_zero)
+            zero = _step_zero(i)
+            do_tile = do_smem.index(zero).reshape([BLOCK_M, HEAD_D])  # dO: one slot (shared memory)
+            k_step = k_smem.index(zero).reshape([BLOCK_N, HEAD_D])
+            v_step = v_smem.index(zero).reshape([BLOCK_N, HEAD_D])
+            mbarrier.wait(q_ready.index(slot), phase)
+            s_t = warpgroup_mma(k_step, q_tile.slice(c * HALF_M, HALF_M, dim=0).permute((1, 0)), no_scores,
+                                use_acc=False, is_async=True)
+            delta = stats_rows.index(2 * slot).slice(c * HALF_M, HALF_M).load(row_layout)
+            mbarrier.wait(do_ready.index(0), s & 1)
+            dp_t = warpgroup_mma(v_step, do_tile.slice(c * HALF_M, HALF_M, dim=0).permute((1, 0)),
+                                 no_scores - delta[None, :], is_async=True)
+            lse2 = stats_rows.index(2 * slot + 1).slice(c * HALF_M, HALF_M).load(row_layout)
+            s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+            if tail or start_m < a or start_m >= b:
+                p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, True,
+                                     MASK)
+            else:
+                p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, False,
+                                     MASK)
+            # P^T and dS^T of this consumer's queries into the shared tiles (double-buffered, as
+            # in the key split: the tiles two steps back were read before either consumer arrived
+            # on the last ones); dV and dK need every query of the step
+            pt_tile = pt_smem.index(buf)
+            ds_tile = ds_smem.index(buf)
+            pt_tile.slice(c * HALF_M, HALF_M, dim=1).store(p_t.to(dtype))
+            dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
+            ds_tile.slice(c * HALF_M, HALF_M, dim=1).store((p_t * dp_t).to(dtype))
             fence_async_shared()
-            _reduce_add(dq_desc, [off_h, start_m, col0 + j * DQ_COLS], dq_tile)
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            mbarrier.wait(ds_ready.index(buf), (s // 2) & 1)
+            dv = warpgroup_mma(pt_tile, do_tile.slice(col0, COLS, dim=1), dv, is_async=True)
+            dk = warpgroup_mma(ds_tile, q_tile.slice(col0, COLS, dim=1), dk, is_async=True)
+            dv = warpgroup_mma_wait(1, deps=(dv, ))
+            mbarrier.arrive(do_empty.index(0), count=1)  # the loader brings the next dO during dK and dQ
+            dk = warpgroup_mma_wait(0, deps=(dk, ))
+            mbarrier.arrive(q_empty.index(slot), count=1)
+            for j in gl.static_range(COLS // DQ_COLS):
+                dq = warpgroup_mma(ds_tile.permute((1, 0)), k_step.slice(col0 + j * DQ_COLS, DQ_COLS, dim=1), no_dq,
+                                   use_acc=False)
+                tma.store_wait(0)
+                dq_tile.store(gl.reshape(dq * sm_scale, [1, 1, BLOCK_M, DQ_COLS]))
+                fence_async_shared()
+                _reduce_add(dq_desc, [z, off_h, start_m, col0 + j * DQ_COLS], dq_tile)
+        if n_steps > 0:  # done with K and V (the last dQ products read K): the loader may bring the next
+            mbarrier.arrive(kv_empty, count=1)
+        g += n_steps
+        kv += (n_steps > 0).to(gl.int32)
+        out_rows = start_n + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
+        cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
+        _store_key_grads(dk, dv, out_rows, cols, key_grads, z, hk, sm_scale, seqlen_k, head_dim, head_dim_v, dtype,
+                         PAD_HEAD)
     tma.store_wait(0)
 
-    out_rows = start_n + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
-    cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
-    _store_key_grads(dk, dv, out_rows, cols, dk_ptr, dv_ptr, stride_dkn, stride_dvn, sm_scale, seqlen_k, head_dim,
-                     head_dim_v, dtype, PAD_HEAD)
+
+@gluon.jit
+def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr,
+               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr):
+    if COLUMNS:
+        _columns_consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT)
+    else:
+        _keys_consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT)
 
 
 @gluon.jit
-def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-               CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr, PAD_HEAD: gl.constexpr):
+def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr,
+               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr):
     if COLUMNS:
-        _columns_consumer(0, work, MASK, HEAD_D, BLOCK_M, STAGES, DQ_COLS, PAD_HEAD)
+        _columns_consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT)
     else:
-        _keys_consumer(0, work, MASK, HEAD_D, BLOCK_M, STAGES, CONSUMERS, PAD_HEAD)
-
-
-@gluon.jit
-def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-               CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr, PAD_HEAD: gl.constexpr):
-    if COLUMNS:
-        _columns_consumer(1, work, MASK, HEAD_D, BLOCK_M, STAGES, DQ_COLS, PAD_HEAD)
-    else:
-        _keys_consumer(1, work, MASK, HEAD_D, BLOCK_M, STAGES, CONSUMERS, PAD_HEAD)
+        _keys_consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT)
 
 
 @gluon.jit
@@ -352,14 +418,17 @@ def attn_bwd_ws(
     stride_dqz, stride_dqh, stride_dqm,
     stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn,
     stride_sz, stride_sh, stride_sp,
-    max_seqlen_q, max_seqlen_k, num_heads_q, group_size, sm_scale, qk_scale, window_left, window_right, head_dim,
-    head_dim_v, MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
+    max_seqlen_q, max_seqlen_k, batch, num_heads_q, group_size, sm_scale, qk_scale, window_left, window_right,
+    head_dim, head_dim_v, MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
-    """dK, dV of BLOCK_N keys of one key/value head and its programs' share of dQ; grid
-    (n blocks, Hk, B); compiled with num_warps=4 (the first consumer) and grows to 4 per
-    consumer plus the loader's. DQ: fp32, zeroed, q's shape (strides in elements)."""
+    """Tiles of BLOCK_N keys of one key/value head: their dK, dV and their share of dQ. One
+    tile per program on a grid (n blocks, Hk, B), or with PERSISTENT every programs-th tile
+    on a grid (programs,): the descriptors and barriers are made once, and the next tile's
+    K and V load while this one's dK and dV are stored. Compiled with num_warps=4 (the first
+    consumer) and grows to 4 per consumer plus the loader's. DQ: fp32, zeroed, q's shape
+    (strides in elements)."""
     gl.static_assert(BLOCK_DV == BLOCK_D and not VARLEN and not DROPOUT and BIAS == 0,
                      "attn_bwd_ws: one head-dim bucket, no varlen, dropout or bias")
     CONSUMERS: gl.constexpr = 2
@@ -369,79 +438,73 @@ def attn_bwd_ws(
     COLUMNS: gl.constexpr = BLOCK_N == WARPGROUP_ROWS
     DO_STAGES: gl.constexpr = 1 if COLUMNS else STAGES
     DQ_COLS: gl.constexpr = 64 if BLOCK_D > 128 else BLOCK_D // CONSUMERS  # one bulk reduce's columns
-    # the programs of a head read the same q and dO tiles at the same step (_step): what they
-    # stream together is a few tiles, not the head's q and dO, and sets no L2 limit
-    pid_n, off_hk, off_z = program_order(0, MASK)
-    head0 = off_hk * group_size
-    off_hk = off_hk.to(gl.int64)
-    off_z = off_z.to(gl.int64)
     seqlen_q = max_seqlen_q
     seqlen_k = max_seqlen_k
-    start_n = pid_n * BLOCK_N
     if MASK == MASK_BOTTOM_RIGHT:
         diag = seqlen_k - seqlen_q
     else:
         diag = 0
-    # the query blocks that see these keys (the window transposed); [a, b) sees all of them
-    lo, a, b, hi = key_blocks(start_n, gl.minimum(start_n + BLOCK_N, seqlen_k), seqlen_q, -diag, window_right,
-                              window_left, MASK, BLOCK_M)
-    blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M
-    n_steps = group_size * blocks
-    last_m = lo + (blocks - 1) * BLOCK_M
-    tail = start_n + BLOCK_N > seqlen_k  # keys past the sequence: masked at every step
+    num_heads_k = num_heads_q // group_size
+    n_n = (seqlen_k + BLOCK_N - 1) // BLOCK_N
+    sizes = (n_n, batch, num_heads_k, group_size, seqlen_q, seqlen_k, diag, window_left, window_right)
 
     dtype: gl.constexpr = Q.dtype.element_ty
-    qdo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_D], dtype)
+    qdo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, BLOCK_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_N, BLOCK_D], dtype)
     if COLUMNS:  # each consumer writes half of the columns: swizzled in halves
         ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BLOCK_M, element_bitwidth=16,
                                                        rank=2)
     else:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, DQ_COLS], gl.float32)
-    stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
-    # [query head, row, column]: rows past the sequence arrive as zeros, and dQ's are dropped
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, DQ_COLS], gl.float32)
+    stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
+    # [sequence, query head, row, column]: rows past the sequence arrive as zeros, and dQ's are dropped
     queries = gl.maximum(seqlen_q, 1)
     # padded heads: the dQ reduce drops the columns past the head dim
     cols_qk, cols_v = head_columns(head_dim, head_dim_v, BLOCK_D, BLOCK_DV, PAD_HEAD)
-    q_desc = tma.make_tensor_descriptor(Q + off_z * stride_qz, shape=[num_heads_q, queries, cols_qk],
-                                        strides=[stride_qh, stride_qm, 1], block_shape=[1, BLOCK_M, BLOCK_D],
-                                        layout=qdo_layout)
-    do_desc = tma.make_tensor_descriptor(DO + off_z * stride_doz, shape=[num_heads_q, queries, cols_v],
-                                         strides=[stride_doh, stride_dom, 1], block_shape=[1, BLOCK_M, BLOCK_D],
-                                         layout=qdo_layout)
-    dq_desc = tma.make_tensor_descriptor(DQ + off_z * stride_dqz, shape=[num_heads_q, queries, cols_qk],
-                                         strides=[stride_dqh, stride_dqm, 1],
-                                         block_shape=[1, BLOCK_M, DQ_COLS], layout=dq_layout)
-    # [plane, query head, row] (delta, lse in base 2): rows padded to a multiple of every
-    # BLOCK_M (delta 0, lse +inf), and contiguous: a head's stride is its row count
-    stats_desc = tma.make_tensor_descriptor(Stats + off_z * stride_sz, shape=[2, num_heads_q, stride_sh],
-                                            strides=[stride_sp, stride_sh, 1], block_shape=[2, 1, BLOCK_M],
-                                            layout=stats_layout)
+    q_desc = tma.make_tensor_descriptor(Q, shape=[batch, num_heads_q, queries, cols_qk],
+                                        strides=[stride_qz, stride_qh, stride_qm, 1],
+                                        block_shape=[1, 1, BLOCK_M, BLOCK_D], layout=qdo_layout)
+    do_desc = tma.make_tensor_descriptor(DO, shape=[batch, num_heads_q, queries, cols_v],
+                                         strides=[stride_doz, stride_doh, stride_dom, 1],
+                                         block_shape=[1, 1, BLOCK_M, BLOCK_D], layout=qdo_layout)
+    dq_desc = tma.make_tensor_descriptor(DQ, shape=[batch, num_heads_q, queries, cols_qk],
+                                         strides=[stride_dqz, stride_dqh, stride_dqm, 1],
+                                         block_shape=[1, 1, BLOCK_M, DQ_COLS], layout=dq_layout)
+    # [sequence, plane, query head, row] (delta, lse in base 2): rows padded to a multiple of
+    # every BLOCK_M (delta 0, lse +inf), and contiguous: a head's stride is its row count
+    stats_desc = tma.make_tensor_descriptor(Stats, shape=[batch, 2, num_heads_q, stride_sh],
+                                            strides=[stride_sz, stride_sp, stride_sh, 1],
+                                            block_shape=[1, 2, 1, BLOCK_M], layout=stats_layout)
     keys = gl.maximum(seqlen_k, 1)
-    k_desc = tma.make_tensor_descriptor(K + off_z * stride_kz + off_hk * stride_kh, shape=[keys, cols_qk],
-                                        strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + off_z * stride_vz + off_hk * stride_vh, shape=[keys, cols_v],
-                                        strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D], layout=kv_layout)
+    k_desc = tma.make_tensor_descriptor(K, shape=[batch, num_heads_k, keys, cols_qk],
+                                        strides=[stride_kz, stride_kh, stride_kn, 1],
+                                        block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv_layout)
+    v_desc = tma.make_tensor_descriptor(V, shape=[batch, num_heads_k, keys, cols_v],
+                                        strides=[stride_vz, stride_vh, stride_vn, 1],
+                                        block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_M, BLOCK_D], qdo_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES, 1, BLOCK_M, BLOCK_D], qdo_layout)
-    stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 2, 1, BLOCK_M], stats_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_D], qdo_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES, 1, 1, BLOCK_M, BLOCK_D], qdo_layout)
+    stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 2, 1, BLOCK_M], stats_layout)
+    # K and V: one slot each, indexed with _step_zero
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     if COLUMNS:
         pt_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     else:
         pt_smem = ds_smem  # P^T stays in registers
-    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 1, BLOCK_M, DQ_COLS], dq_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 1, 1, BLOCK_M, DQ_COLS], dq_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_empty, count=CONSUMERS)
     for slot in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(slot), count=1)
         mbarrier.init(q_empty.index(slot), count=CONSUMERS)
@@ -452,14 +515,16 @@ def attn_bwd_ws(
         mbarrier.init(ds_ready.index(buf), count=CONSUMERS)
     fence_async_shared()
 
-    work = (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, q_ready, do_ready, q_empty,
-            do_empty, ds_ready, dq_desc, DK + off_z * stride_dkz + off_hk * stride_dkh,
-            DV + off_z * stride_dvz + off_hk * stride_dvh, stride_dkn, stride_dvn, start_n, last_m, a, b, group_size,
-            n_steps, head0, seqlen_k, diag, window_left, window_right, qk_scale, sm_scale, tail, head_dim, head_dim_v)
-    loads = (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem, v_smem, do_smem, stats_smem, kv_bar,
-             q_ready, do_ready, q_empty, do_empty, start_n, last_m, group_size, n_steps, head0)
+    key_grads = (DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn)
+    work = (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, kv_empty, q_ready,
+            do_ready, q_empty, do_empty, ds_ready, dq_desc, key_grads, sizes, qk_scale, sm_scale, head_dim,
+            head_dim_v)
+    loads = (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem.index(0), v_smem.index(0), do_smem,
+             stats_smem, kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty, sizes)
     gl.warp_specialize([
-        (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD)),
-        (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD)),
-        (_loader, (loads, BLOCK_M, STAGES, DO_STAGES)),
+        (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD,
+                      PERSISTENT)),
+        (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD,
+                      PERSISTENT)),
+        (_loader, (loads, MASK, BLOCK_M, BLOCK_N, STAGES, DO_STAGES, PERSISTENT)),
     ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])

@@ -70,18 +70,18 @@ def consumer_regs(consumers):
 
 
 @gluon.jit
-def _tiles(n_tiles, PERSISTENT: gl.constexpr):
+def program_tiles(n_tiles, PERSISTENT: gl.constexpr):
     """How many tiles the program runs: one per round of ``programs`` tiles of the list
     while it lasts (PERSISTENT), else the one its program ids name."""
     if PERSISTENT:
         rounds = n_tiles // gl.num_programs(0)
-        return rounds + (_tile(rounds, PERSISTENT) < n_tiles).to(gl.int32)
+        return rounds + (round_tile(rounds, PERSISTENT) < n_tiles).to(gl.int32)
     else:
         return 1
 
 
 @gluon.jit
-def _tile(r, PERSISTENT: gl.constexpr):
+def round_tile(r, PERSISTENT: gl.constexpr):
     """The program's tile of round r, in the list of :func:`_decode`: rounds go over the
     programs back and forth (program p takes p, then 2 programs - 1 - p, ...), so under a
     mask, whose list runs costliest first, every program's tiles add up alike (a plain
@@ -157,8 +157,8 @@ def _loader(loads, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
      batch, heads_q, group_size, seqlen_q, seqlen_k, window_left, window_right) = loads
     it = 0
     k = 0
-    for r in range(0, _tiles(n_m * batch * heads_q, PERSISTENT)):
-        t = _tile(r, PERSISTENT)
+    for r in range(0, program_tiles(n_m * batch * heads_q, PERSISTENT)):
+        t = round_tile(r, PERSISTENT)
         z, h, hk, m0, lo, a, b, n_blocks, diag = _decode(t, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k,
                                                          window_left, window_right, MASK, BLOCK_M, BLOCK_N, BLOCK_D,
                                                          PERSISTENT)
@@ -250,12 +250,12 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
     dtype: gl.constexpr = q_smem.dtype
     no_scores = gl.zeros([WARPGROUP_ROWS, BLOCK_N], gl.float32, s_layout)
     q = q_smem.index(c).reshape([WARPGROUP_ROWS, HEAD_D])
-    count = _tiles(n_m * batch * heads_q, PERSISTENT)
+    count = program_tiles(n_m * batch * heads_q, PERSISTENT)
     it = 0  # key blocks consumed so far (the rings' position)
     tt = 0  # ping-pong turns taken so far
     k = 0  # tiles done (q_bar's phase)
     for r in range(0, count):
-        t = _tile(r, PERSISTENT)
+        t = round_tile(r, PERSISTENT)
         z, h, hk, m0, lo, a, b, n_blocks, diag = _decode(t, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k,
                                                          window_left, window_right, MASK, BLOCK_M, BLOCK_N, HEAD_D,
                                                          PERSISTENT)
