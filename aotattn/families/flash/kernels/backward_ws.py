@@ -48,6 +48,11 @@ from aotattn.families.flash.kernels.forward_ws import (LOADER_REGS, MASK_BOTTOM_
                                                        consumer_regs, head_columns, program_tiles, round_tile)
 
 
+# PERSISTENT under a mask: the q and dO bytes of the heads of one section of tiles
+# (:func:`_key_tile`), to be read from L2 (about half of the H200's 50 MB)
+QDO_L2_BYTES: gl.constexpr = gl.constexpr(24 * 1024 * 1024)
+
+
 @builtin
 def _reduce_add(desc, coord, src, _semantic=None):
     """The shared tile ``src`` added into the tile of ``desc`` at ``coord`` by the bulk tensor
@@ -80,18 +85,30 @@ def _key_tile(r, sizes, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
     tail). Without PERSISTENT the program ids name it (grid (n blocks, Hk, B), renumbered by
     :func:`.common.program_order`); with it, tile t of the list: without a mask the key
     blocks of a head one after another (the programs running together read the same q and
-    dO, from L2), under one the first key block of every head first, then the second, ...
-    (the first is the costliest: every query block that sees any key sees it), dealt back
-    and forth (:func:`.forward_ws.round_tile`)."""
-    n_n, batch, heads_k, group_size, seqlen_q, seqlen_k, diag, window_left, window_right = sizes
+    dO, from L2); under one, in sections of a few heads, the first key block of every head
+    of the section first, then the second, ... (the first is the costliest: every query
+    block that sees any key sees it); dealt back and forth (:func:`.forward_ws.round_tile`).
+    Costliest first over all the heads at once made every tile stream its own head's q and
+    dO: d128 q128-k16384 causal 1.37x slower than the unmasked order, dense s4096 causal
+    1.14x slower than one tile per program (H200, RESULTS.md, thirty-second session)."""
+    n_n, batch, heads_k, group_size, seqlen_q, seqlen_k, diag, window_left, window_right, by_l2 = sizes
     if PERSISTENT:
         t = round_tile(r, PERSISTENT)
         if MASK == MASK_NONE:
             pair = t // n_n
             pid_n = t - pair * n_n
         else:
-            pid_n = t // (batch * heads_k)
-            pair = t - pid_n * (batch * heads_k)
+            pairs = batch * heads_k
+            # sections of `width` (sequence, key head) pairs, key block slowest within each:
+            # two rounds of tiles or more (the back-and-forth deal pairs heavy with light),
+            # and whose q and dO stay in L2 together (every tile of a pair streams them)
+            rounds2 = (2 * gl.num_programs(0) + n_n - 1) // n_n
+            width = gl.maximum(gl.minimum(gl.minimum(rounds2, by_l2), pairs), 1)
+            first = (t // (width * n_n)) * width
+            width = gl.minimum(width, pairs - first)  # the last section may be narrower
+            rest = t - first * n_n
+            pid_n = rest // width
+            pair = first + rest - pid_n * width
         z = pair // heads_k
         hk = pair - z * heads_k
     else:
@@ -116,7 +133,7 @@ def _loader(loads, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.conste
     on them)."""
     (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem, v_smem, do_smem, stats_smem, kv_bar, kv_empty,
      q_ready, do_ready, q_empty, do_empty, sizes) = loads
-    n_n, batch, heads_k, group, seqlen_q, seqlen_k, diag, window_left, window_right = sizes
+    n_n, batch, heads_k, group, seqlen_q, seqlen_k, diag, window_left, window_right, by_l2 = sizes
     g = 0  # steps of the tiles before (the rings' position)
     kv = 0  # tiles before with a step (the K and V buffer's uses)
     for r in range(0, program_tiles(n_n * heads_k * batch, PERSISTENT)):
@@ -202,7 +219,7 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
     every tile of the program."""
     (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, kv_empty, q_ready, do_ready,
      q_empty, do_empty, ds_ready, dq_desc, key_grads, sizes, qk_scale, sm_scale, head_dim, head_dim_v) = work
-    n_n, batch, heads_k, group, seqlen_q, seqlen_k, diag, window_left, window_right = sizes
+    n_n, batch, heads_k, group, seqlen_q, seqlen_k, diag, window_left, window_right, by_l2 = sizes
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -300,7 +317,7 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
     dK and dV, and of every step's dQ; half of the step's queries for S^T and dP^T."""
     (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, kv_empty, q_ready, do_ready,
      q_empty, do_empty, ds_ready, dq_desc, key_grads, sizes, qk_scale, sm_scale, head_dim, head_dim_v) = work
-    n_n, batch, heads_k, group, seqlen_q, seqlen_k, diag, window_left, window_right = sizes
+    n_n, batch, heads_k, group, seqlen_q, seqlen_k, diag, window_left, window_right, by_l2 = sizes
     HALF_M: gl.constexpr = BLOCK_M // 2
     COLS: gl.constexpr = HEAD_D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -446,7 +463,9 @@ def attn_bwd_ws(
         diag = 0
     num_heads_k = num_heads_q // group_size
     n_n = (seqlen_k + BLOCK_N - 1) // BLOCK_N
-    sizes = (n_n, batch, num_heads_k, group_size, seqlen_q, seqlen_k, diag, window_left, window_right)
+    # PERSISTENT under a mask: how many (sequence, key head) pairs' q and dO fit in L2 together
+    by_l2 = (QDO_L2_BYTES // gl.maximum(4 * group_size * seqlen_q.to(gl.int64) * BLOCK_D, 1)).to(gl.int32)
+    sizes = (n_n, batch, num_heads_k, group_size, seqlen_q, seqlen_k, diag, window_left, window_right, by_l2)
 
     dtype: gl.constexpr = Q.dtype.element_ty
     qdo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, BLOCK_D], dtype)

@@ -1,0 +1,137 @@
+"""The ws backward with one tile per program against PERSISTENT (one program per SM walking
+the tiles), beside split, fused and SDPA's cuDNN and flash backends, in one process (JIT).
+
+    python benchmarks/bench_ws_backward.py [--shapes d64-q128-k16384-full,...] [--reps 20]
+
+A shape ``d<D>-q<Sq>-k<Sk>-<full|causal>`` runs at hidden size 2048 (H = 2048 / D) and 16k
+query tokens (B = 16384 / Sq; ``--batch`` overrides), bf16, flash-attn's layout. Each
+variant's backward (the stats, the kernel and, for ws and fused, the zeroing of dQ's fp32
+buffer) is timed with CUDA events, median of ``--reps`` after warm-up; every variant's dQ,
+dK and dV are compared with split's (relative Frobenius error, a check at GPU sizes beside
+the tests). Prints ms per backward and the ratio to PERSISTENT=0.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from aotattn.families.flash import planning, rules
+from aotattn.families.flash.checks import check_flash
+from aotattn.runtime import launch
+from aotattn.spec import Config
+
+DEFAULT = ("d64-q128-k16384-full,d64-q128-k16384-causal,d128-q128-k16384-full,d128-q128-k16384-causal,"
+           "d64-q512-k4096-full,d128-q512-k4096-full,d128-q1024-k8192-full,d128-q4096-k4096-full,"
+           "d128-q4096-k4096-causal,d256-q4096-k4096-full,d256-q512-k4096-full,d64-q1024-k1024-causal")
+WS = {64: "BLOCK_M=64 BLOCK_N=128 STAGES=3", 128: "BLOCK_M=64 BLOCK_N=128 STAGES=2", 256: "BLOCK_M=64 BLOCK_N=64 STAGES=2"}
+
+
+def parse(shape: str):
+    d, q, k, mask = shape.split("-")
+    return int(d[1:]), int(q[1:]), int(k[1:]), mask == "causal"
+
+
+def timed(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| (Frobenius), in float64 over slices of the batch (a whole dK in float64
+    is 32 GB at the largest shapes)."""
+    num = den = 0.0
+    for x, y in zip(a, b):
+        x, y = x.double(), y.double()
+        num += (x - y).square().sum().item()
+        den += y.square().sum().item()
+    return (num / max(den, 1e-300)) ** 0.5
+
+
+def config(text: str) -> Config:
+    return Config.of(**{k: int(v) for k, v in (kv.split("=") for kv in f"{text} num_warps=4 num_stages=1".split())})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=DEFAULT)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=0)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    print(f"{'shape':32} {'variant':10} {'ms':>8} {'vs P0':>7} {'err':>9}")
+    for shape in args.shapes.split(","):
+        bench(shape, args)
+        torch.cuda.empty_cache()
+
+def bench(shape: str, args) -> None:
+    """One shape: every variant timed and compared (its tensors freed on return)."""
+    d, sq, sk, causal = parse(shape)
+    h = 2048 // d
+    b = args.batch or max(1, 16384 // sq)  # 16k query tokens, as perfmon's non-square entries
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for s in (sq, sk, sk))
+    dout = torch.randn_like(q)
+    p = check_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=causal, window_size=(-1, -1),
+                    diagonal="bottom_right")
+    c = planning.new_call(p, q, k, v)
+    out = torch.empty_like(q)
+    lse = planning.run_forward(c, q, k, v, out)
+    results = {}
+
+    def ours(backend, cfg=None):
+        stats, dq, dk, dv, _ = planning.backward_buffers(c, q, k, v, backend, False)
+        configs = {rules.ATTN_BWD_WS.name: cfg} if cfg is not None else None
+        plans = planning.backward_plans(c, dout, q, k, v, out, lse, stats, dq, dk, dv, None, backend, False,
+                                        configs)
+
+        def run():
+            if dq.dtype == torch.float32:
+                dq.zero_()
+            for plan in plans:
+                launch(plan)
+        return run, (dq, dk, dv)
+
+    variants = [("split", "split", None), ("fused", "fused", None)]
+    if d in WS:
+        variants += [("ws-P0", "ws", config(WS[d])), ("ws-P1", "ws", config(WS[d] + " PERSISTENT=1"))]
+    ref = None
+    for name, backend, cfg in variants:  # one variant's buffers at a time (and split's, the reference)
+        fn, grads = ours(backend, cfg)
+        ms = timed(fn, args.reps)
+        if ref is None:
+            ref = grads
+        results[name] = (ms, max(rel(g, r) for g, r in zip(grads, ref)))
+        del fn, grads
+    del ref
+    qs, ks, vs = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))
+    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+        if causal and sq != sk:
+            continue  # SDPA's is_causal is top-left
+        try:
+            with sdpa_kernel(be):
+                o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+                do = dout.transpose(1, 2)
+                results[name] = (timed(lambda: torch.autograd.grad(o, (qs, ks, vs), do, retain_graph=True),
+                                       args.reps), float("nan"))
+        except RuntimeError as e:
+            print(f"{shape:32} {name:10} failed: {str(e).splitlines()[0][:80]}")
+    base = results.get("ws-P0", results["split"])[0]
+    for name, (ms, err) in results.items():
+        print(f"{shape + f' B{b}':32} {name:10} {ms:8.3f} {base / ms:7.3f} {err:9.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
