@@ -10,6 +10,10 @@
 #   SELECT="-g dense -m *d64*" bash benchmarks/tune_cells_session.sh -- -c flash,attn_bwd_dkdv \
 #       --dtype fp16,bf16 --head-dim 64 --seqlen 512,1024 --limit 16
 #
+# A stage may also be one task file (`tune plan --out`, filtered to chosen cells; carry it):
+#
+#   bash benchmarks/tune_cells_session.sh -- build/tasks/ws.jsonl --then build/tasks/backward.jsonl
+#
 # Stages: `--then` starts another selection, planned, timed and exported on the copy the
 # previous stage exported into (kernel tiles first, then the operator's choice between
 # kernels on those tiles):
@@ -36,8 +40,12 @@ stage() {  # n, then the plan's arguments
   local n=$1; shift
   local dir=$work/stage-$n
   mkdir -p "$dir"
-  aot tune plan "$@" --out "$dir/tasks.jsonl" > "$OUT/plan-$n.log" 2>&1
-  tail -n 2 "$OUT/plan-$n.log"
+  if [ $# -eq 1 ] && [ -f "$1" ]; then  # a task file planned beforehand (carried), e.g. chosen cells only
+    cp "$1" "$dir/tasks.jsonl" && echo "stage $n: $(wc -l < "$1") tasks from $1" | tee "$OUT/plan-$n.log"
+  else
+    aot tune plan "$@" --out "$dir/tasks.jsonl" > "$OUT/plan-$n.log" 2>&1
+    tail -n 2 "$OUT/plan-$n.log"
+  fi
   OUT=$PWD/$dir/slice bash benchmarks/tune_session.sh "$dir/tasks.jsonl" "$dir/images" "${TUNE_S:-200}" --compile \
     > "$OUT/tune-$n.log" 2>&1
   tail -n 2 "$OUT/tune-$n.log"
