@@ -4,6 +4,8 @@ wanted), determinism (on CPU no GPU is needed: the lookup is recorded, not run).
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -147,12 +149,30 @@ def test_a_windowed_call_is_looked_up_at_its_span(monkeypatch, window, causal, s
         assert plan.grid == (blocks, q.shape[2], q.shape[0])
 
 
-def test_grouped_calls_read_their_own_cells_and_fall_back_to_the_ungrouped_ones(monkeypatch):
+UNGROUPED_FUSED = """#! aotattn-patch 1
+#! table flash.backward
+
+[configs]
+fused = backend=fused
+
+[dtype=bf16 BLOCK_D=64 PAD_HEAD=False MASK=2 VARLEN=False DROPOUT=False BIAS=0 DETERMINISTIC=False]
+seqlen_q=1024 seqlen_k=1024: fused
+
+[dtype=fp16 BLOCK_D=64 PAD_HEAD=False MASK=2 VARLEN=False DROPOUT=False BIAS=0 DETERMINISTIC=False]
+seqlen_q=1024 seqlen_k=1024: fused
+"""
+
+
+def test_grouped_calls_read_their_own_cells_and_fall_back_to_the_ungrouped_ones(monkeypatch, tmp_path):
     """A grouped-query call (Hq > Hk) looks up the GROUPED=True refinement: the shipped patch
-    gives d64 s1024 causal GQA calls ws (perfmon s35-dense, 1.14-1.42x), while the same
-    call without groups keeps its own choice, and the grouped calls' other cells read the
-    ungrouped ones."""
-    db = tuning.database()
+    0017 gives d64 s1024 causal GQA calls ws (perfmon s35-dense, 1.14-1.42x); with the same
+    call without groups set to fused by a later patch (since patch 0019 it is ws as well),
+    the grouped calls keep their own cell, and their other cells read the ungrouped ones."""
+    root = tmp_path / "db"
+    shutil.copytree(tuning.database().root, root)
+    (root / "nvidia" / "sm_90" / "flash.backward.0900-ungrouped.dbpatch").write_text(UNGROUPED_FUSED)
+    db = tuning.Database(root)
+    assert db.lint() == []
     for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         choices = {}
         for heads_k in (4, 2, 1):
@@ -163,6 +183,6 @@ def test_grouped_calls_read_their_own_cells_and_fall_back_to_the_ungrouped_ones(
                 choices[(heads_k, seqlen)] = db.lookup("sm_90", rules.BACKWARD, Functional.of(functional),
                                                        sizes)["backend"]
                 monkeypatch.undo()
-        assert choices[(2, 1000)] == choices[(1, 1000)] == "ws" != choices[(4, 1000)]
+        assert choices[(2, 1000)] == choices[(1, 1000)] == "ws" and choices[(4, 1000)] == "fused"
         for seqlen in (300, 3000):
             assert choices[(2, seqlen)] == choices[(1, seqlen)] == choices[(4, seqlen)]
