@@ -332,6 +332,27 @@ def test_sdpa_layout_cached_plans_and_deterministic_calls(backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 256])
+def test_keys_shared_by_every_sequence_stride_0_views(d, backend, request):
+    """K and V expanded over the batch (one prefix shared by every sequence: a batch stride of
+    0, which the 4-D descriptors of a persistent program step over), causal with fewer
+    queries than keys: every fitting configuration against the reference, dK and dV summed
+    over the batch by autograd."""
+    seed_from(request.node.name)
+    q = torch.randn(6, 300, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k1, v1 = (torch.randn(1, 2000, 2, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dout = torch.randn_like(q)
+    k, v = k1.expand(6, -1, -1, -1), v1.expand(6, -1, -1, -1)
+    assert k.stride(0) == 0
+    ref_grads = _reference_grads(q, k, v, dout, causal=True)
+    ref_grads = (ref_grads[0], ref_grads[1].sum(0, keepdim=True), ref_grads[2].sum(0, keepdim=True))
+    for config in fitting(d):
+        backend(config)
+        grads = torch.autograd.grad(aotattn.flash_attn_func(q, k, v, causal=True), (q, k1, v1), dout)
+        _assert_grads(grads, ref_grads, torch.bfloat16, candidates.config_name(config))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d", [128, 256])
 def test_rows_of_16_bytes_at_a_buckets_head_dim_run_the_padded_variant(d, backend, request):
     """q, k, v sliced from wider rows (strides multiples of 8, not 16): the padded variant,

@@ -299,6 +299,24 @@ def test_the_backward_runs_on_its_log_sum_exp(case, engine, request):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 256])
+def test_keys_shared_by_every_sequence_stride_0_views(d, engine, request):
+    """K and V expanded over the batch (a batch stride of 0 in the 4-D descriptors), causal
+    with fewer queries than keys, with every knob value (PERSISTENT walks the batch)."""
+    seed_from(request.node.name)
+    q = torch.randn(6, 300, 4, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2000, 2, d, device="cuda", dtype=torch.bfloat16).expand(6, -1, -1, -1) for _ in range(2))
+    assert k.stride(0) == 0
+    for config in covering(d):
+        engine(config)
+        out, lse = aotattn.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        try:
+            assert_forward_matches(out, lse, q, k, v, causal=True)
+        except AssertionError as exc:
+            raise AssertionError(f"{_name(config)}: {exc}") from None
+
+
+@pytest.mark.gpu
 def test_sdpa_layout_and_cached_plans(engine):
     """SDPA's (B, H, S, D) views, twice through the plan cache with fresh inputs."""
     engine(covering(128)[0])
