@@ -111,13 +111,14 @@ FOOTPRINTS: dict[str, Footprint] = {
     # deep, dO in one too (the key split) or in one slot (the column split), dS^T tiles
     # double-buffered (and P^T's, in the column split) and the consumers' fp32 dQ columns
     # staged for the bulk reduce (D/2 each, or 64 of them at a time in the column split);
-    # its mbarriers count at its largest tiles (3, and 4 per stage)
+    # its mbarriers count at its largest tiles (4: K/V's ready and empty, dS^T's two; and 4
+    # per stage)
     "attn_bwd_ws": Footprint(resident=(_K, _V, Tile("BLOCK_N", "BLOCK_M"), Tile("BLOCK_N", "BLOCK_M"),
                                        Tile("BLOCK_N", "BLOCK_M", when=_ws_columns),
                                        Tile("BLOCK_N", "BLOCK_M", when=_ws_columns),
                                        Tile("BLOCK_M", "BLOCK_D", "fp32", when=_ws_keys),
                                        Tile("BLOCK_M", 128, "fp32", when=_ws_columns),
-                                       Tile("BLOCK_M", "BLOCK_DV", when=_ws_columns), Tile(1, 3, "int64")),
+                                       Tile("BLOCK_M", "BLOCK_DV", when=_ws_columns), Tile(1, 4, "int64")),
                              pipelined=(_Q, Tile("BLOCK_M", "BLOCK_DV", when=_ws_keys), *_ROWS, Tile(1, 4, "int64")),
                              stages="STAGES", budget=_ws_bwd_registers, pads=_PADS),
     # the operator: which backends can run in a cell
