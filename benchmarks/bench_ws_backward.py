@@ -1,5 +1,6 @@
 """The ws backward with one tile per program against PERSISTENT (one program per SM walking
-the tiles), beside split, fused and SDPA's cuDNN and flash backends, in one process (JIT).
+the tiles; 2, causal shapes only: the wider masked sections), beside split, fused and SDPA's
+cuDNN and flash backends, in one process (JIT).
 
     python benchmarks/bench_ws_backward.py [--shapes d64-q128-k16384-full,...] [--reps 20]
 
@@ -107,6 +108,8 @@ def bench(shape: str, args) -> None:
     variants = [("split", "split", None), ("fused", "fused", None)]
     if d in WS:
         variants += [("ws-P0", "ws", config(WS[d])), ("ws-P1", "ws", config(WS[d] + " PERSISTENT=1"))]
+        if causal:  # the wider masked sections
+            variants.append(("ws-P2", "ws", config(WS[d] + " PERSISTENT=2")))
     ref = None
     for name, backend, cfg in variants:  # one variant's buffers at a time (and split's, the reference)
         fn, grads = ours(backend, cfg)

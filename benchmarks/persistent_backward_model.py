@@ -15,7 +15,8 @@ Orders:
   at most 24 MB of q and dO), key block slowest within a section, dealt back and forth;
 - all heads: one section (costliest first over every pair), dealt back and forth;
 - counter: the sections' list taken from an atomic counter (not built);
-- 8 rounds: sections of eight rounds of tiles without the L2 cap (not built): the programs
+- 8 rounds: sections of eight rounds of tiles without the L2 cap (PERSISTENT=2, built
+  after this model, not yet timed on the GPU when written): the programs
   running together still read a pair's q and dO in step (``_step``: every tile of a pair
   starts at its last query block), so the cap may be needless; a pair's q and dO are read
   about eight times from memory instead of once.

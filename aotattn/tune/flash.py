@@ -70,6 +70,8 @@ def _ws_bwd_registers(values: Mapping[str, Any]) -> str | None:
     from aotattn.families.flash.kernels.backward_ws import consumer_regs  # noqa: PLC0415 (Gluon, on demand)
 
     columns = values["BLOCK_N"] == 64
+    if values.get("PERSISTENT", 0) == 2 and values.get("MASK", 0) == rules.MASK_NONE:
+        return "PERSISTENT=2 orders masked tiles only: without a mask it is PERSISTENT=1"
     if columns != (values["BLOCK_D"] == 256):
         return "the column split (BLOCK_N=64) serves head dim 256, the key split (BLOCK_N=128) 64 and 128"
     held = (2 * 64 * values["BLOCK_D"] + 2 * 64 * values["BLOCK_M"]) // (2 if columns else 1) // 128

@@ -117,6 +117,7 @@ def resources(cubin: bytes) -> dict[str, int]:
     (128, 2, "BLOCK_M=64 BLOCK_N=128 STAGES=2"),
     (256, 2, "BLOCK_M=64 BLOCK_N=64 STAGES=2 PERSISTENT=1"),  # the tile loop around the step loop
     (128, 2, "BLOCK_M=64 BLOCK_N=128 STAGES=3 PERSISTENT=1"),
+    (128, 2, "BLOCK_M=64 BLOCK_N=128 STAGES=3 PERSISTENT=2"),
 ])
 def test_the_ws_backward_keeps_its_registers(head_dim, mask, tiles):
     """The ws backward's consumers spill nothing (no stack): with the wgmma descriptors of

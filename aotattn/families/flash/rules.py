@@ -349,12 +349,13 @@ def _ws_bwd_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 # The warp-specialized backward (Gluon, sm_90 only): BLOCK_N keys per tile, 64 per
 # consumer warpgroup (two); BLOCK_M query rows per step; STAGES slots in the q and dO rings;
-# PERSISTENT, one program per SM walks the tiles (planning.backward_plans' grid).
+# PERSISTENT, one program per SM walks the tiles (planning.backward_plans' grid; 2: masked
+# tiles in wider sections, kernels/backward_ws._key_tile).
 _WS_BWD_TUNING = (
     ("BLOCK_M", (64, 128)),
     ("BLOCK_N", (64, 128)),  # 128: the consumers split the keys (d64, d128); 64: the columns (d256)
     ("STAGES", (2, 3)),
-    ("PERSISTENT", (0, 1)),
+    ("PERSISTENT", (0, 1, 2)),
     ("num_warps", (4,)),
     ("num_stages", (1,)),
 )

@@ -34,8 +34,10 @@ TABLE = rules.ATTN_BWD_WS.qualname
 functional = dense_functional
 
 
-def fitting(d: int) -> list[Config]:
-    kept, _ = candidates.candidates(rules.ATTN_BWD_WS, Functional.of(functional(d=d)), "sm_90",
+def fitting(d: int, mask: int = rules.MASK_BOTTOM_RIGHT) -> list[Config]:
+    """The configurations the tuner may time at head dim d (under a mask: every value of
+    every knob; the GPU tests force each of them on masked and unmasked calls alike)."""
+    kept, _ = candidates.candidates(rules.ATTN_BWD_WS, Functional.of(functional(d=d, mask=mask)), "sm_90",
                                     tune_flash.footprint(TABLE))
     return kept
 
@@ -129,13 +131,15 @@ def test_the_tuner_times_it_where_it_serves_within_its_budgets():
     assert {(c["BLOCK_M"], c["STAGES"]) for c in fitting(64)} == {(64, 2), (64, 3), (128, 2)}
     assert {c["BLOCK_N"] for d in (64, 128) for c in fitting(d)} == {128}  # the key split
     # d256: the column split, its one fitting tile (q in 2 slots, dO in 1, P^T and dS^T twice)
-    assert [(c["BLOCK_M"], c["BLOCK_N"], c["STAGES"]) for c in fitting(256)] == [(64, 64, 2)] * 2
-    # one tile per program or one program per SM walking the tiles, at every tile size
+    assert [(c["BLOCK_M"], c["BLOCK_N"], c["STAGES"]) for c in fitting(256)] == [(64, 64, 2)] * 3
+    # one tile per program or one program per SM walking the tiles, at every tile size; the
+    # wider masked sections (2) only under a mask, where they order anything
     for d in (64, 128, 256):
-        by_tile = {}
-        for c in fitting(d):
-            by_tile.setdefault((c["BLOCK_M"], c["BLOCK_N"], c["STAGES"]), set()).add(c.as_dict().get("PERSISTENT", 0))
-        assert set(map(frozenset, by_tile.values())) == {frozenset({0, 1})}, d
+        for mask, walks in ((rules.MASK_BOTTOM_RIGHT, {0, 1, 2}), (rules.MASK_NONE, {0, 1})):
+            by_tile = {}
+            for c in fitting(d, mask):
+                by_tile.setdefault((c["BLOCK_M"], c["BLOCK_N"], c["STAGES"]), set()).add(c.as_dict().get("PERSISTENT", 0))
+            assert set(map(frozenset, by_tile.values())) == {frozenset(walks)}, (d, mask)
     f = Functional.of(functional())
     assert tune_flash.supports(TABLE, f) and tune_flash.supports(TABLE, Functional.of(functional(d=256)))
     assert not tune_flash.supports(TABLE, Functional.of(functional(d=96)))
@@ -148,7 +152,7 @@ def test_the_tuner_times_it_where_it_serves_within_its_budgets():
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton package carries no cuobjdump")
-@pytest.mark.parametrize("persistent", [0, 1])
+@pytest.mark.parametrize("persistent", [0, 1, 2])
 @pytest.mark.parametrize("d, pad", [(64, False), (128, False), (256, False), (64, True), (256, True)],
                          ids=["d64", "d128", "d256", "d64-padded", "d256-padded"])
 def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies_and_reduces(d, pad, persistent):

@@ -90,7 +90,11 @@ def _key_tile(r, sizes, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
     block that sees any key sees it); dealt back and forth (:func:`.forward_ws.round_tile`).
     Costliest first over all the heads at once made every tile stream its own head's q and
     dO: d128 q128-k16384 causal 1.37x slower than the unmasked order, dense s4096 causal
-    1.14x slower than one tile per program (H200, RESULTS.md, thirty-second session)."""
+    1.14x slower than one tile per program (H200, RESULTS.md, thirty-second session).
+    PERSISTENT=2 widens the masked sections to eight rounds without the L2 cap (the model
+    benchmarks/persistent_backward_model.py puts it within 0-9% of the ideal where the
+    capped sections lose up to 1.3x to the one-tile grid: GQA, long causal); unmasked it
+    is PERSISTENT=1. Not yet timed on the GPU when written."""
     n_n, batch, heads_k, group_size, seqlen_q, seqlen_k, diag, window_left, window_right, by_l2 = sizes
     if PERSISTENT:
         t = round_tile(r, PERSISTENT)
@@ -99,11 +103,16 @@ def _key_tile(r, sizes, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
             pid_n = t - pair * n_n
         else:
             pairs = batch * heads_k
-            # sections of `width` (sequence, key head) pairs, key block slowest within each:
-            # two rounds of tiles or more (the back-and-forth deal pairs heavy with light),
-            # and whose q and dO stay in L2 together (every tile of a pair streams them)
-            rounds2 = (2 * gl.num_programs(0) + n_n - 1) // n_n
-            width = gl.maximum(gl.minimum(gl.minimum(rounds2, by_l2), pairs), 1)
+            # sections of `width` (sequence, key head) pairs, key block slowest within each.
+            # PERSISTENT=1: two rounds of tiles or more (the back-and-forth deal pairs heavy
+            # with light), and whose q and dO stay in L2 together (every tile of a pair
+            # streams them). PERSISTENT=2: eight rounds, no L2 cap (the tiles of a pair that
+            # run together read its q and dO in step, from its last query block down: _step)
+            if PERSISTENT == 2:
+                width = gl.maximum(gl.minimum((8 * gl.num_programs(0) + n_n - 1) // n_n, pairs), 1)
+            else:
+                rounds2 = (2 * gl.num_programs(0) + n_n - 1) // n_n
+                width = gl.maximum(gl.minimum(gl.minimum(rounds2, by_l2), pairs), 1)
             first = (t // (width * n_n)) * width
             width = gl.minimum(width, pairs - first)  # the last section may be narrower
             rest = t - first * n_n
