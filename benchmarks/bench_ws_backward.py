@@ -4,8 +4,9 @@ cuDNN and flash backends, in one process (JIT).
 
     python benchmarks/bench_ws_backward.py [--shapes d64-q128-k16384-full,...] [--reps 20]
 
-A shape ``d<D>-q<Sq>-k<Sk>-<full|causal>`` runs at hidden size 2048 (H = 2048 / D) and 16k
-query tokens (B = 16384 / Sq; ``--batch`` overrides), bf16, flash-attn's layout. Each
+A shape ``d<D>[-g<G>]-q<Sq>-k<Sk>-<full|causal>`` runs at hidden size 2048 (H = 2048 / D
+query heads, H / G key heads) and 16k query tokens (B = 16384 / Sq; ``--batch``
+overrides), bf16, flash-attn's layout. Each
 variant's backward (the stats, the kernel and, for ws and fused, the zeroing of dQ's fp32
 buffer) is timed with CUDA events, median of ``--reps`` after warm-up; every variant's dQ,
 dK and dV are compared with split's (relative Frobenius error, a check at GPU sizes beside
@@ -31,8 +32,11 @@ WS = {64: "BLOCK_M=64 BLOCK_N=128 STAGES=3", 128: "BLOCK_M=64 BLOCK_N=128 STAGES
 
 
 def parse(shape: str):
-    d, q, k, mask = shape.split("-")
-    return int(d[1:]), int(q[1:]), int(k[1:]), mask == "causal"
+    """``d<D>[-g<G>]-q<Sq>-k<Sk>-<full|causal>``: (D, G, Sq, Sk, causal); G query heads a key head."""
+    parts = shape.split("-")
+    group = int(parts.pop(1)[1:]) if parts[1].startswith("g") else 1
+    d, q, k, mask = parts
+    return int(d[1:]), group, int(q[1:]), int(k[1:]), mask == "causal"
 
 
 def timed(fn, reps: int) -> float:
@@ -80,10 +84,11 @@ def main() -> None:
 
 def bench(shape: str, args) -> None:
     """One shape: every variant timed and compared (its tensors freed on return)."""
-    d, sq, sk, causal = parse(shape)
+    d, group, sq, sk, causal = parse(shape)
     h = 2048 // d
     b = args.batch or max(1, 16384 // sq)  # 16k query tokens, as perfmon's non-square entries
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for s in (sq, sk, sk))
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, sk, h // group, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     dout = torch.randn_like(q)
     p = check_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=causal, window_size=(-1, -1),
                     diagonal="bottom_right")
@@ -120,12 +125,13 @@ def bench(shape: str, args) -> None:
         del fn, grads
     del ref
     qs, ks, vs = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))
+    gqa = {"enable_gqa": True} if group > 1 else {}
     for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
         if causal and sq != sk:
             continue  # SDPA's is_causal is top-left
         try:
             with sdpa_kernel(be):
-                o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+                o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, **gqa)
                 do = dout.transpose(1, 2)
                 results[name] = (timed(lambda: torch.autograd.grad(o, (qs, ks, vs), do, retain_graph=True),
                                        args.reps), float("nan"))
