@@ -23,7 +23,8 @@ DTYPE = typer.Option("fp16,bf16", "--dtype", help="dtypes (the dtype axis)")
 HEAD_DIM = typer.Option(None, "--head-dim", help="head-dim buckets, e.g. 64,128 (the BLOCK_D axis; default all)")
 SEQLEN = typer.Option(None, "--seqlen", help="sequence-length buckets, e.g. 1024,4096 (default all)")
 CELLS = typer.Option("diagonal", "--cells",
-                     help="diagonal (seqlen_q = seqlen_k), grid (every pair) or off-diagonal (seqlen_q != seqlen_k)")
+                     help="diagonal (seqlen_q = seqlen_k), grid (every pair), off-diagonal (seqlen_q != "
+                     "seqlen_k), or cells one by one: 128x16384,1024x1024 (seqlen_q x seqlen_k)")
 ARCH = typer.Option("sm_90", "--arch", help="architecture (also the pgdef pool)")
 ALL = typer.Option(False, "--all-functionals", help="also refinements (padded heads, ...), not only roots")
 LIMIT = typer.Option(None, "--limit", help="candidates per cell kept by the speed model (plus the current choice; "

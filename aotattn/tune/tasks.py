@@ -160,9 +160,30 @@ def _cells(spec: Any, seqlens: Sequence[int] | None, layout: str) -> list[tuple[
     if layout == "diagonal" and len(keys) == 2:
         return [(b, b) for b in chosen[0] if b in chosen[1]]
     if layout not in CELLS:
-        raise SelectionError(f"--cells: expected one of {', '.join(CELLS)}, got {layout!r}")
+        return _listed_cells(keys, layout)
     pairs = list(itertools.product(*chosen))
     return [cell for cell in pairs if len(set(cell)) > 1] if layout == "off-diagonal" and len(keys) == 2 else pairs
+
+
+def _listed_cells(keys: Sequence[tuple[str, Sequence[int]]], text: str) -> list[tuple[int, ...]]:
+    """Cells named one by one, ``128x16384,512x4096`` (seqlen_q x seqlen_k; each a bucket)."""
+    expected = f"one of {', '.join(CELLS)} or cells like 128x16384,512x4096"
+    cells = []
+    for item in (v for v in text.split(",") if v):
+        try:
+            cell = tuple(int(v) for v in item.split("x"))
+        except ValueError:
+            raise SelectionError(f"--cells: expected {expected}, got {text!r}") from None
+        if len(cell) != len(keys):
+            raise SelectionError(f"--cells {item}: {len(keys)} sizes a cell ({' x '.join(n for n, _ in keys)})")
+        for (name, buckets), size in zip(keys, cell):
+            if size not in buckets:
+                raise SelectionError(f"--cells {item}: {size} not a bucket of {name} ({', '.join(map(str, buckets))})")
+        if cell not in cells:
+            cells.append(cell)
+    if not cells:
+        raise SelectionError(f"--cells: expected {expected}, got {text!r}")
+    return cells
 
 
 def enumerate_tasks(arch: str, tables: Sequence[str], where: Mapping[str, Sequence[str]] | None = None,
@@ -178,8 +199,9 @@ def enumerate_tasks(arch: str, tables: Sequence[str], where: Mapping[str, Sequen
             is an error.
         seqlens: buckets kept on every tuning key (default: all).
         cells: ``diagonal`` (seqlen_q = seqlen_k, the square problems), ``grid`` (every
-            pair of the chosen buckets) or ``off-diagonal`` (the pairs with seqlen_q !=
-            seqlen_k: the non-square problems, once the diagonal is tuned).
+            pair of the chosen buckets), ``off-diagonal`` (the pairs with seqlen_q !=
+            seqlen_k: the non-square problems, once the diagonal is tuned), or cells named
+            one by one, ``128x16384,1024x1024`` (``seqlens`` then does not apply).
         all_functionals: also the refinements (padded heads, varlen, ...), not only roots.
     """
     where = dict(where or {})

@@ -50,8 +50,22 @@ def test_where_seqlen_grid_and_all_functionals():
         list(tasks.enumerate_tasks("sm_90", ["flash.attn_fwd"], where=where, seqlens=[64])))
 
 
+def test_cells_named_one_by_one():
+    """``--cells 128x16384,...``: exactly those cells (seqlen_q x seqlen_k), each once, in order."""
+    where = tasks.parse_where("dtype=bf16 BLOCK_D=128 MASK=2")
+    found = list(tasks.enumerate_tasks("sm_90", ["flash.attn_bwd_ws", "flash.backward"], where=where,
+                                       cells="128x16384,1024x1024,128x16384,512x4096"))
+    functionals = {(t.table, t.functional) for t in found}
+    assert {table for table, _ in functionals} == {"flash.attn_bwd_ws", "flash.backward"}
+    for table, functional in functionals:
+        assert [t.cell for t in found if (t.table, t.functional) == (table, functional)] == [
+            (128, 16384), (1024, 1024), (512, 4096)]
+
+
 @pytest.mark.parametrize("bad, message", [
-    ({"where": {"dtype": ("fp64",)}}, "fp64"), ({"seqlens": [100]}, "100"), ({"cells": "square"}, "cells")])
+    ({"where": {"dtype": ("fp64",)}}, "fp64"), ({"seqlens": [100]}, "100"), ({"cells": "square"}, "cells"),
+    ({"cells": "128x100"}, "100 not a bucket of seqlen_k"), ({"cells": "128"}, "2 sizes a cell"),
+    ({"cells": "128x16384x4"}, "2 sizes a cell"), ({"cells": ","}, "cells like")])
 def test_bad_selections(bad, message):
     with pytest.raises(tasks.SelectionError, match=message):
         list(tasks.enumerate_tasks("sm_90", ["flash.attn_fwd"], **bad))
