@@ -8,11 +8,14 @@ deterministic). The stats (delta and lse in base 2, :func:`.backward.attn_bwd_pr
 are computed before it, and dQ is added into a zeroed fp32 buffer shaped like q
 (:func:`..planning.finish_dq` converts it).
 
-One program owns ``BLOCK_N`` keys of one key/value head and loops over the query blocks of
-``BLOCK_M`` rows that see them, for every query head of the group (key-major, as the split
-backend's dK/dV kernel). A *loader* warp brings the program's K and V once, then streams
-Q (with its rows' delta and lse) and dO through the bulk tensor copy engine into rings
-(ready/empty mbarriers). Two *consumer* warpgroups share the work in one of two ways:
+A *tile* is ``BLOCK_N`` keys of one key/value head of one sequence; its program loops over
+the query blocks of ``BLOCK_M`` rows that see them, for every query head of the group
+(key-major, as the split backend's dK/dV kernel). A program runs one tile, or with
+``PERSISTENT`` one program per SM walks many (:func:`_key_tile`: the order, and why). A
+*loader* warp brings a tile's K and V once (after the consumers are done with the last
+tile's: ``kv_empty``), and streams Q (with its rows' delta and lse) and dO through the
+bulk tensor copy engine into rings (ready/empty mbarriers) whose positions run on across
+tiles. Two *consumer* warpgroups share the work in one of two ways:
 
 - **The key split** (``BLOCK_N=128``, head dims 64 and 128): each consumer owns 64 of the
   keys and keeps their dK and dV in registers. Per query block it issues ``S^T = K Q^T``
