@@ -22,8 +22,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aotattn.families.flash import planning, rules
 from aotattn.families.flash.checks import check_flash
+from aotattn.perfmon.providers import rel_diff
 from aotattn.runtime import launch
 from aotattn.spec import Config
+from aotattn.tuning.format import parse_config
 
 DEFAULT = ("d64-q128-k16384-full,d64-q128-k16384-causal,d128-q128-k16384-full,d128-q128-k16384-causal,"
            "d64-q512-k4096-full,d128-q512-k4096-full,d128-q1024-k8192-full,d128-q4096-k4096-full,"
@@ -55,19 +57,8 @@ def timed(fn, reps: int) -> float:
     return times[len(times) // 2]
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """|a - b| / |b| (Frobenius), in float64 over slices of the batch (a whole dK in float64
-    is 32 GB at the largest shapes)."""
-    num = den = 0.0
-    for x, y in zip(a, b):
-        x, y = x.double(), y.double()
-        num += (x - y).square().sum().item()
-        den += y.square().sum().item()
-    return (num / max(den, 1e-300)) ** 0.5
-
-
 def config(text: str) -> Config:
-    return Config.of(**{k: int(v) for k, v in (kv.split("=") for kv in f"{text} num_warps=4 num_stages=1".split())})
+    return parse_config(rules.ATTN_BWD_WS, f"{text} num_warps=4 num_stages=1", "bench_ws_backward")
 
 
 def main() -> None:
@@ -121,7 +112,7 @@ def bench(shape: str, args) -> None:
         ms = timed(fn, args.reps)
         if ref is None:
             ref = grads
-        results[name] = (ms, max(rel(g, r) for g, r in zip(grads, ref)))
+        results[name] = (ms, max(rel_diff(g, r) for g, r in zip(grads, ref)))
         del fn, grads
     del ref
     qs, ks, vs = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))
