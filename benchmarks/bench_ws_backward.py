@@ -30,7 +30,8 @@ from aotattn.tuning.format import parse_config
 DEFAULT = ("d64-q128-k16384-full,d64-q128-k16384-causal,d128-q128-k16384-full,d128-q128-k16384-causal,"
            "d64-q512-k4096-full,d128-q512-k4096-full,d128-q1024-k8192-full,d128-q4096-k4096-full,"
            "d128-q4096-k4096-causal,d256-q4096-k4096-full,d256-q512-k4096-full,d64-q1024-k1024-causal")
-WS = {64: "BLOCK_M=64 BLOCK_N=128 STAGES=3", 128: "BLOCK_M=64 BLOCK_N=128 STAGES=2", 256: "BLOCK_M=64 BLOCK_N=64 STAGES=2"}
+WS = {64: "BLOCK_M=64 BLOCK_N=128 STAGES=3", 128: "BLOCK_M=64 BLOCK_N=128 STAGES=2",
+      256: "BLOCK_M=64 BLOCK_N=64 STAGES=2"}
 
 
 def parse(shape: str):

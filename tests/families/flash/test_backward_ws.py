@@ -138,7 +138,8 @@ def test_the_tuner_times_it_where_it_serves_within_its_budgets():
         for mask, walks in ((rules.MASK_BOTTOM_RIGHT, {0, 1, 2}), (rules.MASK_NONE, {0, 1})):
             by_tile = {}
             for c in fitting(d, mask):
-                by_tile.setdefault((c["BLOCK_M"], c["BLOCK_N"], c["STAGES"]), set()).add(c.as_dict().get("PERSISTENT", 0))
+                tile = (c["BLOCK_M"], c["BLOCK_N"], c["STAGES"])
+                by_tile.setdefault(tile, set()).add(c.as_dict().get("PERSISTENT", 0))
             assert set(map(frozenset, by_tile.values())) == {frozenset(walks)}, (d, mask)
     f = Functional.of(functional())
     assert tune_flash.supports(TABLE, f) and tune_flash.supports(TABLE, Functional.of(functional(d=256)))

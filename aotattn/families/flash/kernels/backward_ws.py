@@ -48,7 +48,8 @@ from aotattn.families.flash.kernels.common import key_blocks, program_order
 # the MASK axis, a consumer's 64 rows (here keys), the partitions' register budgets and the
 # descriptors' columns: the forward's
 from aotattn.families.flash.kernels.forward_ws import (LOADER_REGS, MASK_BOTTOM_RIGHT, MASK_NONE, WARPGROUP_ROWS,
-                                                       consumer_regs, head_columns, program_tiles, round_tile)
+                                                       consumer_regs, head_columns, heads_descriptor, program_tiles,
+                                                       round_tile)
 
 
 # PERSISTENT under a mask: the q and dO bytes of the heads of one section of tiles
@@ -493,27 +494,22 @@ def attn_bwd_ws(
     queries = gl.maximum(seqlen_q, 1)
     # padded heads: the dQ reduce drops the columns past the head dim
     cols_qk, cols_v = head_columns(head_dim, head_dim_v, BLOCK_D, BLOCK_DV, PAD_HEAD)
-    q_desc = tma.make_tensor_descriptor(Q, shape=[batch, num_heads_q, queries, cols_qk],
-                                        strides=[stride_qz, stride_qh, stride_qm, 1],
-                                        block_shape=[1, 1, BLOCK_M, BLOCK_D], layout=qdo_layout)
-    do_desc = tma.make_tensor_descriptor(DO, shape=[batch, num_heads_q, queries, cols_v],
-                                         strides=[stride_doz, stride_doh, stride_dom, 1],
-                                         block_shape=[1, 1, BLOCK_M, BLOCK_D], layout=qdo_layout)
-    dq_desc = tma.make_tensor_descriptor(DQ, shape=[batch, num_heads_q, queries, cols_qk],
-                                         strides=[stride_dqz, stride_dqh, stride_dqm, 1],
-                                         block_shape=[1, 1, BLOCK_M, DQ_COLS], layout=dq_layout)
+    q_desc = heads_descriptor(Q, batch, num_heads_q, queries, cols_qk, stride_qz, stride_qh, stride_qm, BLOCK_M,
+                              BLOCK_D, qdo_layout)
+    do_desc = heads_descriptor(DO, batch, num_heads_q, queries, cols_v, stride_doz, stride_doh, stride_dom, BLOCK_M,
+                               BLOCK_D, qdo_layout)
+    dq_desc = heads_descriptor(DQ, batch, num_heads_q, queries, cols_qk, stride_dqz, stride_dqh, stride_dqm, BLOCK_M,
+                               DQ_COLS, dq_layout)
     # [sequence, plane, query head, row] (delta, lse in base 2): rows padded to a multiple of
     # every BLOCK_M (delta 0, lse +inf), and contiguous: a head's stride is its row count
     stats_desc = tma.make_tensor_descriptor(Stats, shape=[batch, 2, num_heads_q, stride_sh],
                                             strides=[stride_sz, stride_sp, stride_sh, 1],
                                             block_shape=[1, 2, 1, BLOCK_M], layout=stats_layout)
     keys = gl.maximum(seqlen_k, 1)
-    k_desc = tma.make_tensor_descriptor(K, shape=[batch, num_heads_k, keys, cols_qk],
-                                        strides=[stride_kz, stride_kh, stride_kn, 1],
-                                        block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V, shape=[batch, num_heads_k, keys, cols_v],
-                                        strides=[stride_vz, stride_vh, stride_vn, 1],
-                                        block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv_layout)
+    k_desc = heads_descriptor(K, batch, num_heads_k, keys, cols_qk, stride_kz, stride_kh, stride_kn, BLOCK_N, BLOCK_D,
+                              kv_layout)
+    v_desc = heads_descriptor(V, batch, num_heads_k, keys, cols_v, stride_vz, stride_vh, stride_vn, BLOCK_N, BLOCK_D,
+                              kv_layout)
 
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_D], qdo_layout)
     do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES, 1, 1, BLOCK_M, BLOCK_D], qdo_layout)

@@ -149,6 +149,17 @@ def head_columns(head_dim, head_dim_v, BLOCK_D: gl.constexpr, BLOCK_DV: gl.const
 
 
 @gluon.jit
+def heads_descriptor(base, batch, heads, rows, cols, stride_z, stride_h, stride_row, BLOCK_ROWS: gl.constexpr,
+                     BLOCK_COLS: gl.constexpr, layout: gl.constexpr):
+    """A [sequence, head, row, column] tensor descriptor of a (B, S, H, D)-strided tensor whose
+    tiles are BLOCK_ROWS x BLOCK_COLS of one head: rows past ``rows`` and columns past
+    ``cols`` read as zeros (and are dropped by a store or reduce)."""
+    return tma.make_tensor_descriptor(base, shape=[batch, heads, rows, cols],
+                                      strides=[stride_z, stride_h, stride_row, 1],
+                                      block_shape=[1, 1, BLOCK_ROWS, BLOCK_COLS], layout=layout)
+
+
+@gluon.jit
 def _loader(loads, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
             STAGES: gl.constexpr, MASK: gl.constexpr, PERSISTENT: gl.constexpr):
     """The loader warp: per tile, each consumer's Q (once the consumer is done with the
@@ -391,17 +402,14 @@ def attn_fwd_ws(
     # masked or their rows not stored), and so do the columns past a padded head dim (the
     # output's are zeros, which the store drops)
     cols_qk, cols_v = head_columns(head_dim, head_dim_v, BLOCK_D, BLOCK_DV, PAD_HEAD)
-    q_desc = tma.make_tensor_descriptor(Q, shape=[batch, num_heads_q, gl.maximum(seqlen_q, 1), cols_qk],
-                                        strides=[stride_qz, stride_qh, stride_qm, 1],
-                                        block_shape=[1, 1, WARPGROUP_ROWS, BLOCK_D], layout=q_layout)
+    q_desc = heads_descriptor(Q, batch, num_heads_q, gl.maximum(seqlen_q, 1), cols_qk, stride_qz, stride_qh,
+                              stride_qm, WARPGROUP_ROWS, BLOCK_D, q_layout)
     keys = gl.maximum(seqlen_k, 1)  # a descriptor's dims are positive (no key: one zero row, masked)
     num_heads_k = num_heads_q // group_size
-    k_desc = tma.make_tensor_descriptor(K, shape=[batch, num_heads_k, keys, cols_qk],
-                                        strides=[stride_kz, stride_kh, stride_kn, 1],
-                                        block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv_layout)
-    v_desc = tma.make_tensor_descriptor(V, shape=[batch, num_heads_k, keys, cols_v],
-                                        strides=[stride_vz, stride_vh, stride_vn, 1],
-                                        block_shape=[1, 1, BLOCK_N, BLOCK_D], layout=kv_layout)
+    k_desc = heads_descriptor(K, batch, num_heads_k, keys, cols_qk, stride_kz, stride_kh, stride_kn, BLOCK_N, BLOCK_D,
+                              kv_layout)
+    v_desc = heads_descriptor(V, batch, num_heads_k, keys, cols_v, stride_vz, stride_vh, stride_vn, BLOCK_N, BLOCK_D,
+                              kv_layout)
 
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, WARPGROUP_ROWS, BLOCK_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
