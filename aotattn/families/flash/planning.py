@@ -275,14 +275,18 @@ def forward_plan(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
     return _plan(kernel, functional, p, q.device, config, lambda cfg: _forward_grid(p, cfg, q.device), args)
 
 
-def _forward_grid(p: Problem, cfg: Config, device: torch.device) -> tuple[int, int, int]:
-    """(m blocks, Hq, B): a program per tile; with the ws kernel's PERSISTENT knob, a program
-    per SM (at most one per tile) walking the tiles (kernels/forward_ws.py)."""
-    blocks = _cdiv(p.seqlen_q, cfg["BLOCK_M"])
+def _tile_grid(blocks: int, heads: int, batch: int, cfg: Config, device: torch.device) -> tuple[int, int, int]:
+    """(blocks, heads, B): a program per tile; with a ws kernel's PERSISTENT knob, a program
+    per SM (at most one per tile) walking the tiles (kernels/forward_ws.py, backward_ws.py)."""
     if cfg.as_dict().get("PERSISTENT", 0):
-        tiles = blocks * p.heads_q * p.batch
+        tiles = blocks * heads * batch
         return (min(tiles, multiprocessors(device) or tiles), 1, 1)
-    return (blocks, p.heads_q, p.batch)
+    return (blocks, heads, batch)
+
+
+def _forward_grid(p: Problem, cfg: Config, device: torch.device) -> tuple[int, int, int]:
+    """Tiles of BLOCK_M query rows of one query head (:func:`_tile_grid`)."""
+    return _tile_grid(_cdiv(p.seqlen_q, cfg["BLOCK_M"]), p.heads_q, p.batch, cfg, device)
 
 
 def run_forward(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -400,13 +404,8 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 
 
 def _ws_backward_grid(p: Problem, cfg: Config, device: torch.device) -> tuple[int, int, int]:
-    """(n blocks, Hk, B): a program per tile of keys; with PERSISTENT a program per SM (at
-    most one per tile) walking the tiles (kernels/backward_ws.py)."""
-    blocks = _cdiv(p.seqlen_k, cfg["BLOCK_N"])
-    if cfg.as_dict().get("PERSISTENT", 0):
-        tiles = blocks * p.heads_k * p.batch
-        return (min(tiles, multiprocessors(device) or tiles), 1, 1)
-    return (blocks, p.heads_k, p.batch)
+    """Tiles of BLOCK_N keys of one key/value head (:func:`_tile_grid`)."""
+    return _tile_grid(_cdiv(p.seqlen_k, cfg["BLOCK_N"]), p.heads_k, p.batch, cfg, device)
 
 
 def choose_backend(c: Call, deterministic: bool, device: torch.device) -> str:
