@@ -261,6 +261,9 @@ class KernelSpec(_Table):
             means. A configuration is kept in its canonical form (:meth:`canonical`): a
             knob at its default is left out, so tables, image keys and names of the
             configurations written before the knob existed stay what they were.
+        axis_defaults: functional axes added after tables were written, with the value a
+            functional without them means (:meth:`canonical_functional`); the kernel
+            still receives them as constexprs.
     """
 
     family: str
@@ -277,6 +280,7 @@ class KernelSpec(_Table):
     variant_of: Callable[[Mapping[str, Any]], str] | None = field(default=None, compare=False)
     chosen_by: ChosenBy | None = None
     knob_defaults: tuple[tuple[str, Any], ...] = ()
+    axis_defaults: tuple[tuple[str, Any], ...] = ()  # see _Table
     language: str = "triton"
     archs: tuple[str, ...] | None = None
 
@@ -340,7 +344,7 @@ class KernelSpec(_Table):
                          for _, field, _, _ in string.Formatter().parse(arg.type) if field)
 
     def _values(self, functional: Functional) -> dict[str, Any]:
-        values = functional.as_dict()
+        values = {**dict(self.axis_defaults), **functional.as_dict()}  # a constexpr at its default too
         if self.derive is not None:
             values.update(self.derive(values))
         return values

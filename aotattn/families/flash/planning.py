@@ -193,7 +193,7 @@ def new_call(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias
 
 def _plan(kernel: KernelSpec, functional: Mapping, p: Problem, device: torch.device, config: Config | None,
           grid: Callable[[Config], tuple[int, int, int]], args: dict) -> LaunchPlan:
-    functional = Functional.of(functional)
+    functional = kernel.canonical_functional(functional)
     if config is None:
         config = rules.config_for(kernel, functional, device, **p.tuning_sizes)
     return LaunchPlan(kernel, functional, config, grid(config), kernel.bind(**args))
@@ -388,7 +388,8 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         bound = dict(Q=q, K=k, V=v, DO=dout, DQ=dq, DK=dk, DV=dv, Stats=stats,
                      **c.tile_strides(ws, q=q, k=k, v=v, do=dout, dq=dq, dk=dk, dv=dv), **c.stats_strides(ws, stats),
                      **{arg.name: scalars[arg.name] for arg in ws.arguments if arg.name in scalars}, batch=p.batch)
-        plans.append(_plan(ws, f, p, dev, configs.get(ws.name), lambda cfg: _ws_backward_grid(p, cfg, dev), bound))
+        plans.append(_plan(ws, {**f, "GROUPED": p.group_size > 1}, p, dev, configs.get(ws.name),
+                           lambda cfg: _ws_backward_grid(p, cfg, dev), bound))
         return plans
     fused = rules.ATTN_BWD_FUSED
 

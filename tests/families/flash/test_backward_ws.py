@@ -93,6 +93,8 @@ def test_cpu_tensors_plan_it_but_the_interpreter_refuses_to_run_it(monkeypatch):
                                     {rules.ATTN_BWD_WS.name: config})
     assert [p.kernel for p in plans] == [rules.ATTN_BWD_PREPROCESS, rules.ATTN_BWD_WS]
     assert plans[1].grid == (4, 2, 2)  # key blocks of 128, key heads, batch
+    assert plans[1].functional["GROUPED"] is True  # 4 query heads, 2 key heads
+    assert rules.ATTN_BWD_WS.constexprs(plans[1].functional, config)["GROUPED"] is True
     names = [arg.name for arg in rules.ATTN_BWD_WS.arguments]
     assert plans[1].args[names.index("batch")] == 2
     persistent = Config.of({**config.as_dict(), "PERSISTENT": 1})
@@ -106,6 +108,47 @@ def test_cpu_tensors_plan_it_but_the_interpreter_refuses_to_run_it(monkeypatch):
     assert planning.choose_backend(c, False, q.device) == "split"  # CPU: the interpreter's backend
     with pytest.raises(ValueError, match="Gluon kernel: Triton's interpreter cannot run it"):
         launch(plans[1])
+
+
+def test_a_call_without_groups_runs_the_variant_of_a_group_of_one():
+    """GROUPED is the call's (Hq > Hk), named only when True (the cells and image keys of
+    ungrouped calls are as before the axis), and passed to the kernel either way."""
+    config = Config.of(BLOCK_M=64, BLOCK_N=128, STAGES=2, num_warps=4, num_stages=1)
+    for heads_k, grouped in ((4, False), (2, True), (1, True)):
+        q, k, v = make_qkv(1, 200, 300, 4, heads_k, 128, 128, torch.float16, "cpu")
+        c = planning.new_call(problem(q, k, v), q, k, v)
+        stats, dq, dk, dv, _ = planning.backward_buffers(c, q, k, v, "ws", False)
+        ws = planning.backward_plans(c, torch.randn_like(q), q, k, v, torch.empty_like(q), torch.zeros(1, 4, 200),
+                                     stats, dq, dk, dv, None, "ws", False, {rules.ATTN_BWD_WS.name: config})[1]
+        assert ("GROUPED" in ws.functional.as_dict()) is grouped
+        assert rules.ATTN_BWD_WS.constexprs(ws.functional, config)["GROUPED"] is grouped
+        assert "GROUPED" not in planning.backward_plans(
+            c, torch.randn_like(q), q, k, v, torch.empty_like(q), torch.zeros(1, 4, 200), *planning.backward_buffers(
+                c, q, k, v, "split", False)[:4], None, "split", False)[0].functional.as_dict()
+
+
+def test_a_grouped_call_reads_its_own_cell_and_else_the_ungrouped_one(tmp_path):
+    """The kernel table's grouped cells fall back to the same call without groups; a patch
+    block with GROUPED=True changes the grouped calls' choice only."""
+    root = tmp_path / "db"
+    shutil.copytree(tuning.database().root, root)
+    ungrouped = Functional.of(functional(d=128, mask=rules.MASK_BOTTOM_RIGHT))
+    grouped = Functional.of({**ungrouped.as_dict(), "GROUPED": True})
+    sizes = dict(seqlen_q=1024, seqlen_k=1024)
+    before = tuning.Database(root).lookup("sm_90", rules.ATTN_BWD_WS, ungrouped, sizes)
+    assert tuning.Database(root).lookup("sm_90", rules.ATTN_BWD_WS, grouped, sizes) == before
+    other = Config.of({**before.as_dict(), "PERSISTENT": 0 if before.as_dict().get("PERSISTENT") else 1})
+    knobs = " ".join(f"{k}={v}" for k, v in other.items)
+    (root / "nvidia" / "sm_90" / f"{TABLE}.0900-grouped.dbpatch").write_text(
+        f"#! aotattn-patch 1\n#! table {TABLE}\n\n[configs]\nother = {knobs}\n\n"
+        f"[{' '.join(f'{a}={tuning.format.format_value(v)}' for a, v in grouped.items)}]\n"
+        f"seqlen_q=1024 seqlen_k=1024: other\n")
+    db = tuning.Database(root)
+    assert db.lint() == []
+    assert db.lookup("sm_90", rules.ATTN_BWD_WS, grouped, sizes) == rules.ATTN_BWD_WS.canonical(other)
+    assert db.lookup("sm_90", rules.ATTN_BWD_WS, ungrouped, sizes) == before
+    assert db.lookup("sm_90", rules.ATTN_BWD_WS, grouped, dict(seqlen_q=2048, seqlen_k=2048)) == \
+        db.lookup("sm_90", rules.ATTN_BWD_WS, ungrouped, dict(seqlen_q=2048, seqlen_k=2048))
 
 
 def test_the_tables_ws_choice_falls_back_where_the_kernel_does_not_serve(monkeypatch):
@@ -188,6 +231,18 @@ def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies_and_reduces(d
     assert issued and not any(op.startswith("DEPBAR") for i in issued for op in instructions[i + 1:i + 4])
 
 
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton package carries no cuobjdump")
+def test_without_groups_the_steps_divide_by_nothing():
+    """GROUPED=False compiles the group of one in: the step's query head and block come
+    without the integer division by the group size (each a MUFU.RCP in sm_90 code) that
+    the grouped variant does per step in the loader and both consumers."""
+    config = Config.of(BLOCK_M=64, BLOCK_N=128, STAGES=2, num_warps=4, num_stages=1)
+    f = functional(d=128, mask=rules.MASK_BOTTOM_RIGHT)
+    codes = {g: sass(compile_job(Job("sm_90", TABLE, Functional.of({**f, "GROUPED": g}), config))[1])
+             for g in (False, True)}
+    assert codes[False].count("MUFU.RCP") + 3 <= codes[True].count("MUFU.RCP")
+
+
 WS_PATCH = """#! aotattn-patch 1
 #! table flash.backward
 
@@ -209,6 +264,8 @@ def test_where_the_backward_table_chooses_it_the_build_compiles_it(tmp_path):
     assert db.lint() == []
     jobs = builder.enumerate_jobs(db, ["sm_90"], [TABLE])
     assert {(j.functional["dtype"], j.functional["BLOCK_D"], j.functional["MASK"]) for j in jobs} == {("bf16", 128, 0)}
+    # grouped calls of the cell read it too (the operator's grouped cell falls back to it)
+    assert {j.functional.as_dict().get("GROUPED", False) for j in jobs} == {False, True}
     assert not builder.enumerate_jobs(db, [a for a in db.archs() if a != "sm_90"], [TABLE], forced=True)
 
 

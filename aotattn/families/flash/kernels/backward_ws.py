@@ -10,7 +10,8 @@ are computed before it, and dQ is added into a zeroed fp32 buffer shaped like q
 
 A *tile* is ``BLOCK_N`` keys of one key/value head of one sequence; its program loops over
 the query blocks of ``BLOCK_M`` rows that see them, for every query head of the group
-(key-major, as the split backend's dK/dV kernel). A program runs one tile, or with
+(key-major, as the split backend's dK/dV kernel; ``GROUPED=False``, a call with as many
+key heads as query heads, is compiled for a group of one). A program runs one tile, or with
 ``PERSISTENT`` one program per SM walks many (:func:`_key_tile`: the order, and why). A
 *loader* warp brings a tile's K and V once (after the consumers are done with the last
 tile's: ``kv_empty``), and streams Q (with its rows' delta and lse) and dO through the
@@ -452,6 +453,7 @@ def attn_bwd_ws(
     head_dim, head_dim_v, MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+    GROUPED: gl.constexpr,
 ):
     """Tiles of BLOCK_N keys of one key/value head: their dK, dV and their share of dQ. One
     tile per program on a grid (n blocks, Hk, B), or with PERSISTENT every programs-th tile
@@ -474,11 +476,16 @@ def attn_bwd_ws(
         diag = seqlen_k - seqlen_q
     else:
         diag = 0
-    num_heads_k = num_heads_q // group_size
+    # GROUPED=False: one query head a key head, a constant the steps' arithmetic folds away
+    if GROUPED:
+        group = group_size
+    else:
+        group: gl.constexpr = 1
+    num_heads_k = num_heads_q // group
     n_n = (seqlen_k + BLOCK_N - 1) // BLOCK_N
     # PERSISTENT under a mask: how many (sequence, key head) pairs' q and dO fit in L2 together
-    by_l2 = (QDO_L2_BYTES // gl.maximum(4 * group_size * seqlen_q.to(gl.int64) * BLOCK_D, 1)).to(gl.int32)
-    sizes = (n_n, batch, num_heads_k, group_size, seqlen_q, seqlen_k, diag, window_left, window_right, by_l2)
+    by_l2 = (QDO_L2_BYTES // gl.maximum(4 * group * seqlen_q.to(gl.int64) * BLOCK_D, 1)).to(gl.int32)
+    sizes = (n_n, batch, num_heads_k, group, seqlen_q, seqlen_k, diag, window_left, window_right, by_l2)
 
     dtype: gl.constexpr = Q.dtype.element_ty
     qdo_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK_M, BLOCK_D], dtype)
