@@ -354,6 +354,8 @@ class Problem:
             got = rules.operator_functional(got, want["DETERMINISTIC"], self.call.p.group_size > 1).as_dict()
         elif self.kernel == "attn_bwd_fused":
             got["ATOMIC_DQ"] = want["ATOMIC_DQ"]
+        elif self.kernel == "attn_bwd_ws":
+            got = planning.ws_functional(self.call).as_dict()
         if got != want:
             raise ValueError(f"{self.shape} selects functional {got}, not the task's {want}")
 

@@ -388,7 +388,7 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         bound = dict(Q=q, K=k, V=v, DO=dout, DQ=dq, DK=dk, DV=dv, Stats=stats,
                      **c.tile_strides(ws, q=q, k=k, v=v, do=dout, dq=dq, dk=dk, dv=dv), **c.stats_strides(ws, stats),
                      **{arg.name: scalars[arg.name] for arg in ws.arguments if arg.name in scalars}, batch=p.batch)
-        plans.append(_plan(ws, {**f, "GROUPED": p.group_size > 1}, p, dev, configs.get(ws.name),
+        plans.append(_plan(ws, ws_functional(c), p, dev, configs.get(ws.name),
                            lambda cfg: _ws_backward_grid(p, cfg, dev), bound))
         return plans
     fused = rules.ATTN_BWD_FUSED
@@ -402,6 +402,12 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     plans.append(_plan(fused, {**f, "ATOMIC_DQ": not deterministic}, p, dev, configs.get(fused.name), grid,
                        args(fused, DQ=dq, DK=dk, DV=dv, DBias=dbias)))
     return plans
+
+
+def ws_functional(c: Call) -> Functional:
+    """The warp-specialized backward's functional of a call: the backward kernels' and
+    whether it has fewer key/value heads than query heads (``GROUPED``, named when True)."""
+    return rules.ATTN_BWD_WS.canonical_functional({**c.functional(backward=True), "GROUPED": c.p.group_size > 1})
 
 
 def _ws_backward_grid(p: Problem, cfg: Config, device: torch.device) -> tuple[int, int, int]:

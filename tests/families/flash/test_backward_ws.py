@@ -151,6 +151,21 @@ def test_a_grouped_call_reads_its_own_cell_and_else_the_ungrouped_one(tmp_path):
         db.lookup("sm_90", rules.ATTN_BWD_WS, ungrouped, dict(seqlen_q=2048, seqlen_k=2048))
 
 
+def test_the_tuner_times_grouped_cells_on_grouped_calls():
+    """A grouped cell's problems have groups of tune_flash.GROUP (the timing shape too); a
+    problem of the other grouping is refused (it would time the other variant)."""
+    for grouped in (False, True):
+        f = Functional.of({**functional(d=64, mask=rules.MASK_BOTTOM_RIGHT), **({"GROUPED": True} if grouped else {})})
+        shape = tune_flash.accuracy_shapes(f, (64, 64))[0]
+        group = tune_flash.GROUP if grouped else 1
+        assert shape.group == group and tune_flash.timing_shape(f, (1024, 1024)).group == group
+        made = tune_flash.Problem(TABLE, f, shape, "cpu")
+        assert made.q.shape[2] == made.k.shape[2] * group
+        other = dataclasses.replace(shape, heads=8, group=1 if grouped else 4)
+        with pytest.raises(ValueError, match="selects functional"):
+            tune_flash.Problem(TABLE, f, other, "cpu")
+
+
 def test_the_tables_ws_choice_falls_back_where_the_kernel_does_not_serve(monkeypatch):
     """A backward table saying ws (sm_80 inherits sm_90's cells) runs split for
     deterministic calls, head-dim buckets below 64, and on other architectures; padded
