@@ -132,6 +132,8 @@ def test_a_grouped_call_reads_its_own_cell_and_else_the_ungrouped_one(tmp_path):
     block with GROUPED=True changes the grouped calls' choice only."""
     root = tmp_path / "db"
     shutil.copytree(tuning.database().root, root)
+    for tuned in (root / "nvidia" / "sm_90").glob(f"{TABLE}.*.dbpatch"):
+        tuned.unlink()  # the seed alone: no grouped block
     ungrouped = Functional.of(functional(d=128, mask=rules.MASK_BOTTOM_RIGHT))
     grouped = Functional.of({**ungrouped.as_dict(), "GROUPED": True})
     sizes = dict(seqlen_q=1024, seqlen_k=1024)
