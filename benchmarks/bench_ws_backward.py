@@ -6,11 +6,11 @@ cuDNN and flash backends, in one process (JIT).
 
 A shape ``d<D>[-g<G>]-q<Sq>-k<Sk>-<full|causal>`` runs at hidden size 2048 (H = 2048 / D
 query heads, H / G key heads) and 16k query tokens (B = 16384 / Sq; ``--batch``
-overrides), bf16, flash-attn's layout. Each
-variant's backward (the stats, the kernel and, for ws and fused, the zeroing of dQ's fp32
-buffer) is timed with CUDA events, median of ``--reps`` after warm-up; every variant's dQ,
-dK and dV are compared with split's (relative Frobenius error, a check at GPU sizes beside
-the tests). Prints ms per backward and the ratio to PERSISTENT=0.
+overrides), bf16, flash-attn's layout. Each variant's backward (the stats, the kernel and,
+for ws and fused, the zeroing of dQ's fp32 buffer) is timed as perfmon times
+(:func:`timed`), median of ``--reps`` after warm-up; every variant's dQ, dK and dV are
+compared with split's (relative Frobenius error, a check at GPU sizes beside the tests).
+Prints ms per backward and the ratio to PERSISTENT=0.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from aotattn.families.flash.checks import check_flash
 from aotattn.perfmon.providers import rel_diff
 from aotattn.runtime import launch
 from aotattn.spec import Config
+from aotattn.tune import timing
 from aotattn.tuning.format import parse_config
 
 DEFAULT = ("d64-q128-k16384-full,d64-q128-k16384-causal,d128-q128-k16384-full,d128-q128-k16384-causal,"
@@ -43,19 +44,12 @@ def parse(shape: str):
 
 
 def timed(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    """Median ms of ``reps`` calls after warm-up, timed as perfmon times them
+    (:func:`aotattn.tune.timing.measure`: the L2 flushed before each call, the host's
+    launch work hidden behind a GPU wait). The synchronize after every call this benchmark
+    had left the GPU idle while the host launched the next, and counted that in."""
+    return timing.measure(lambda _: fn(), lambda: None, device="cuda", warmup=3, repeats=reps,
+                          hide_host_ms=1.0).median_ms
 
 
 def config(text: str) -> Config:
