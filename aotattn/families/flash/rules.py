@@ -115,6 +115,14 @@ def _fallback(functional: Mapping[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def _without_groups(functional: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A grouped functional's call without key/value groups (GROUPED=False is left out, the
+    axis' default), the first fallback of the tables with a GROUPED axis; None if not grouped."""
+    if functional.get("GROUPED"):
+        return {axis: value for axis, value in functional.items() if axis != "GROUPED"}
+    return None
+
+
 def _derive_fused(functional: Mapping[str, Any]) -> dict[str, Any]:
     # atomics accumulate dQ in a zeroed fp32 buffer; otherwise dQ is written in place
     return {**_derive(functional), "dq_type": "fp32" if functional["ATOMIC_DQ"] else functional["dtype"]}
@@ -350,9 +358,7 @@ def _ws_bwd_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
 def _ws_bwd_fallback(functional: Mapping[str, Any]) -> dict[str, Any] | None:
     """A grouped functional reads the cell of the same call without groups until a patch
     says otherwise (as the operator table, :func:`_operator_fallback`); then :func:`_fallback`."""
-    if functional.get("GROUPED"):
-        return {axis: value for axis, value in functional.items() if axis != "GROUPED"}
-    return _fallback(functional)
+    return _without_groups(functional) or _fallback(functional)
 
 
 # The warp-specialized backward (Gluon, sm_90 only): BLOCK_N keys per tile, 64 per
@@ -425,8 +431,9 @@ def _operator_fallback(functional: Mapping[str, Any]) -> dict[str, Any] | None:
     of the same call without groups until a patch says otherwise), then its bias, dropout,
     varlen and top-left mask, and its padding last: the tuner times padded cells, so a
     padded call with dropout falls back to them."""
-    if functional.get("GROUPED"):  # GROUPED=False is left out (BACKWARD.axis_defaults)
-        return {axis: value for axis, value in functional.items() if axis != "GROUPED"}
+    ungrouped = _without_groups(functional)
+    if ungrouped is not None:
+        return ungrouped
     for axis, plain in (("BIAS", BIAS_NONE), ("DROPOUT", False), ("VARLEN", False), ("MASK", MASK_BOTTOM_RIGHT),
                         ("PAD_HEAD", False)):
         if functional[axis] != plain and not (axis == "MASK" and functional[axis] == MASK_NONE):
