@@ -43,7 +43,8 @@ def task_jobs(task: Task, settings: Settings, db: Any) -> list[Job]:
                                      limit=settings.limit)
         jobs += [Job(task.arch, task.table, task.functional, config) for config in configs]
     shapes = [*h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch, settings.accuracy_heads),
-              h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes)]
+              h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes,
+                             settings.min_traffic_bytes)]
     for table, functional in h.auxiliary(task.table, task.functional):
         for shape in shapes:
             config = h.current_config(db, task.arch, table, functional, _sizes(shape))

@@ -22,7 +22,8 @@ PER_TASK_S = 0.5  # problems, references' allocations, result
 
 def gpu_seconds(task: Task, settings: Settings) -> float:
     h = harness(task.table)
-    shape = h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes)
+    shape = h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes,
+                           settings.min_traffic_bytes)
     call = h.flops(task.table, shape, task.functional) / THROUGHPUT + 20e-6
     # fresh inputs before each call: for a backward, a forward (2/5 of its FLOPs) and the refill
     fresh = call * 0.4 if task.table != "flash.attn_fwd" else call * 0.1

@@ -68,6 +68,13 @@ class Settings:
     Attributes:
         tokens: ``batch x heads x seqlen_q`` of the timed problem.
         memory_bytes: cap on the timed problem's tensors.
+        min_traffic_bytes: the least the timed problem reads and writes (more batch than
+            ``tokens`` where it would move less; 0: none). A smaller working set mostly
+            lives in the L2 (50 MB on the H200: the output written there, K and V read from
+            it after the first touch) and its timings rank latency rather than bandwidth:
+            the small-key forward cells timed at 2^17 tokens (33 MiB at d64) kept
+            configurations 1.3-1.5x slower at the perfmon entries' 132 MiB
+            (benchmarks/RESULTS.md, 2026-12-04, thirty-fourth session).
         accuracy_batch, accuracy_heads: the accuracy problems' batch and heads.
         error_multiple: eligible within this multiple of the most accurate candidate's error.
         limit: candidates per cell kept by the speed model (plus the current choice).
@@ -80,6 +87,7 @@ class Settings:
 
     tokens: int = 2**17
     memory_bytes: int = 8 << 30
+    min_traffic_bytes: int = 128 << 20
     accuracy_batch: int = 3
     accuracy_heads: int = 5
     error_multiple: float = 3.0
@@ -367,7 +375,8 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
                 for shape in h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch,
                                                settings.accuracy_heads)]
     references = [p.reference() for p in problems]
-    timed_shape = h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes)
+    timed_shape = h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes,
+                                   settings.min_traffic_bytes)
     timed = h.Problem(task.table, task.functional, timed_shape, device, run.generator)
 
     # 1-2: images, accuracy; 3a: the probe

@@ -20,7 +20,7 @@ from tests.pgdef.conftest import admin_dsn, client, dsn, template  # noqa: F401 
 
 PROJECT_TUNING = Path(__file__).resolve().parents[2] / "tuning"
 # finalist_margin: every probed candidate may be a finalist (the interpreter's clock is noise)
-TINY = Settings(tokens=64, accuracy_batch=2, accuracy_heads=2, limit=2, finalists=2, finalist_margin=1e3,
+TINY = Settings(tokens=64, min_traffic_bytes=0, accuracy_batch=2, accuracy_heads=2, limit=2, finalists=2, finalist_margin=1e3,
                 repeats=(1, 2))
 
 

@@ -7,6 +7,8 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aotattn.families.flash import rules
 from aotattn.spec import Config, Functional
@@ -187,3 +189,49 @@ def test_grouped_operator_task_runs_with_groups_and_sums_each_key_heads_gradient
     assert {c["name"] for c in result["candidates"]} == {"split", "fused"}
     with pytest.raises(ValueError, match="selects functional"):
         flash.Problem("flash.backward", f, dataclasses.replace(shapes[0], group=1), "cpu")
+
+
+@settings(max_examples=200, deadline=None)
+@given(d=st.sampled_from(rules.HEAD_DIM_BUCKETS), dtype=st.sampled_from(["fp16", "bf16", "fp32"]),
+       seqlen_q=st.sampled_from(rules.SEQLEN_BUCKETS), seqlen_k=st.sampled_from(rules.SEQLEN_BUCKETS),
+       grouped=st.booleans(), tokens=st.sampled_from([2**10, 2**17, 2**19, 2**21]),
+       memory=st.sampled_from([1 << 26, 1 << 30, 8 << 30]), least=st.sampled_from([0, 1 << 20, 128 << 20, 1 << 30]))
+def test_timed_problem_fills_the_gpu_and_moves_more_than_asked(d, dtype, seqlen_q, seqlen_k, grouped, tokens, memory,
+                                                                least):
+    """The timed problem holds the tokens asked for (rounded down to whole heads), reads and
+    writes at least ``min_traffic`` bytes (q, k, v, o) where memory allows, and its tensors
+    and their gradients fit ``memory_bytes`` (one batch of heads at the least)."""
+    from aotattn.tune import flash
+
+    f = Functional.of(dict(dtype=dtype, BLOCK_D=d, BLOCK_DV=d, PAD_HEAD=False, MASK=0, VARLEN=False, DROPOUT=False,
+                           BIAS=0, DETERMINISTIC=False, GROUPED=grouped))
+    shape = flash.timing_shape(f, (seqlen_q, seqlen_k), tokens, memory, least)
+    element = 4 if dtype == "fp32" else 2
+    per_row = element * (2 * seqlen_q + 2 * seqlen_k) * d
+    rows = shape.batch * shape.heads
+    fit = max(1, memory // (2 * per_row))
+    assert (shape.seqlen_q, shape.seqlen_k, shape.head_dim) == (seqlen_q, seqlen_k, d)
+    assert shape.heads % shape.group == 0 and shape.group == (flash.GROUP if grouped else 1)
+    assert rows >= min(tokens // seqlen_q, fit) // shape.heads * shape.heads
+    if fit // shape.heads * shape.heads * per_row >= least:
+        assert rows * per_row >= least
+    if least == 0:  # as before the floor: the tokens alone
+        assert shape.batch == max(1, min(tokens // seqlen_q, fit) // shape.heads)
+    assert rows == shape.heads or 2 * rows * per_row <= memory
+
+
+def test_small_key_cells_are_timed_at_the_size_perfmon_times_them():
+    """With the default settings, the cells whose 2^17-token problem fit the L2 (d64
+    4096x128: B1 H32, 33 MiB) are timed where perfmon's non-square entries are (B4 H32); a
+    d128 s4096 problem (128 MiB) is unchanged."""
+    from aotattn.tune import flash
+
+    def shape(d, cell):
+        f = Functional.of(dict(dtype="bf16", BLOCK_D=d, BLOCK_DV=d, PAD_HEAD=False, MASK=0, VARLEN=False,
+                               DROPOUT=False, BIAS=0))
+        settings = runner.Settings.for_table("flash.attn_fwd")
+        return str(flash.timing_shape(f, cell, settings.tokens, settings.memory_bytes, settings.min_traffic_bytes))
+
+    assert shape(64, (4096, 128)) == "B4 H32 Sq4096 Sk128 D64"
+    assert shape(128, (4096, 512)) == "B4 H16 Sq4096 Sk512 D128"
+    assert shape(128, (4096, 4096)) == "B2 H16 Sq4096 Sk4096 D128"
