@@ -260,8 +260,8 @@ def head_dims(functional: Functional) -> tuple[int, int]:
 def timing_shape(functional: Functional, cell: tuple[int, ...], tokens: int = 2**17,
                  memory_bytes: int = 8 << 30, min_traffic: int = 0) -> Shape:
     """The problem timed for a cell: ``batch x heads x seqlen_q ~ tokens`` (fills the GPU),
-    more batch where that reads and writes (q, k, v, o) less than ``min_traffic`` bytes
-    (``Settings.min_traffic_bytes``).
+    more batch where that reads and writes (q, k, v, o; k and v once per key head) less than
+    ``min_traffic`` bytes (``Settings.min_traffic_bytes``).
 
     Heads as in a model of hidden size 2048 (``2048 / D``, as the benchmarks), batch
     the rest; capped so q, k, v and their gradients fit ``memory_bytes``.
@@ -270,12 +270,13 @@ def timing_shape(functional: Functional, cell: tuple[int, ...], tokens: int = 2*
     seqlen_k = cell[1] if len(cell) > 1 else seqlen_q
     head_dim = head_dims(functional)[0]
     element = 4 if functional["dtype"] == "fp32" else 2
-    traffic = element * (2 * seqlen_q + 2 * seqlen_k) * head_dim  # q and o, k and v of one (batch, head)
-    fit = max(1, memory_bytes // (2 * traffic))  # rows whose q, o, k, v and gradients fit
-    rows = max(1, min(tokens // seqlen_q, fit))  # batch x heads
-    least = min(-(-min_traffic // traffic), fit)
-    heads = max(1, min(max(rows, least), 2048 // functional["BLOCK_D"]))
     group = group_of(functional)
+    per_row = element * (2 * seqlen_q + 2 * seqlen_k) * head_dim  # q, o, k, v of one (batch, query head)
+    fit = max(1, memory_bytes // (2 * per_row))  # rows whose tensors and gradients fit
+    rows = max(1, min(tokens // seqlen_q, fit))  # batch x heads
+    # what a row moves: its q and o, and its group's share of k and v (read once per key head)
+    least = min(-(-min_traffic * group // (element * (2 * seqlen_q * group + 2 * seqlen_k) * head_dim)), fit)
+    heads = max(1, min(max(rows, least), 2048 // functional["BLOCK_D"]))
     heads = max(group, heads // group * group)
     batch = max(1, rows // heads, min(-(-least // heads), fit // heads))
     return Shape(batch, heads, seqlen_q, seqlen_k, head_dim, group)
