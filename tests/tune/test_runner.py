@@ -16,7 +16,7 @@ from aotattn.tune import runner
 from aotattn.tune.candidates import config_name
 from aotattn.tune.tasks import Task
 from aotattn.tuning import Database
-from tests.tune.conftest import PROJECT_TUNING, TINY, forward_task
+from tests.tune.conftest import PROJECT_TUNING, TINY
 
 
 def test_gate():
