@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from aotattn.perfmon.entries import BACKWARD_PASSES
@@ -282,3 +283,52 @@ def feature_costs(db: Perfdb) -> list[Cost]:
             if r.ok and twin is not None and twin.ok:
                 costs.append(Cost(name, plain, feature, pass_, provider, r.ms, twin.ms))
     return costs
+
+
+@dataclass(frozen=True)
+class Standing:
+    """An entry's pass against one peer, from the latest run that timed both side by side."""
+
+    entry: str
+    group: str
+    pass_: str
+    peer: str
+    aot_ms: float
+    peer_ms: float
+    spread: float  # the larger of the two relative spreads (round medians' range / median)
+    run: str  # the run's tag
+    date: str
+    newer: str | None  # the date of a later run that timed aotattn here without the peer
+
+    @property
+    def ratio(self) -> float:
+        """The peer's time over aotattn's (above 1: aotattn is faster)."""
+        return self.peer_ms / self.aot_ms
+
+
+def standing(runs: Iterable[tuple[str, Perfdb]], peer: str) -> list[Standing]:
+    """Every entry and pass against ``peer``, each from the latest run (by its ``date``
+    header) in which aotattn and the peer both have a figure: where the repository stands
+    on a peer when no one run times everything (FlexAttention compiles per shape, so its runs
+    are split by group). A run that declares an entry with other fields than the latest
+    declaration of that name (another shape under the same name) does not count for it.
+    ``newer`` flags a figure that later tuning may have moved: a later run timed aotattn
+    on that entry and pass without the peer."""
+    ordered = sorted(runs, key=lambda run: run[1].header.get("date", ""))
+    declared = {name: entry.describe() for _, db in ordered for name, entry in db.entries.items()}
+    found: dict[tuple[str, str], Standing] = {}
+    last: dict[tuple[str, str], tuple[str, str]] = {}  # (entry, pass) -> (tag, date) of aotattn's latest figure
+    for tag, db in ordered:
+        date = db.header.get("date", "")
+        records = db.by_key()
+        for (name, pass_, provider), ours in records.items():
+            entry = db.entries[name]
+            if provider != AOTATTN or not ours.ok or entry.describe() != declared[name]:
+                continue
+            last[name, pass_] = tag, date
+            theirs = records.get((name, pass_, peer))
+            if theirs is None or not theirs.ok:
+                continue
+            spread = max((r.spread_ms or 0.0) / r.ms for r in (ours, theirs))
+            found[name, pass_] = Standing(name, entry.group, pass_, peer, ours.ms, theirs.ms, spread, tag, date, None)
+    return [replace(s, newer=None if last[key][0] == s.run else last[key][1]) for key, s in sorted(found.items())]

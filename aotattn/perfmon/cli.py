@@ -566,3 +566,57 @@ def costs(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: s
                     mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
                     console.print(f"{feature} {pass_} {p}: geometric mean {mean:.2f}, "
                                   f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} entries")
+
+
+@perfdb_app.command()
+def standing(peer: str = typer.Option("flex", "--peer", "-p", help="the provider to stand against"),
+             arch: str = typer.Option("sm_90", "--arch", help="architecture folder"), root: Path = ROOT,
+             match: list[str] = MATCH, group: list[str] = GROUP,
+             floor: float = typer.Option(1.0, "--floor", help="list the entries below this peer/aotattn ratio"),
+             all_rows: bool = typer.Option(False, "--all", help="list every entry, not only those below the floor"),
+             fail: bool = typer.Option(False, "--fail", help="exit 1 when an entry is below the floor")) -> None:
+    """Every entry against one peer, from the latest run that timed both: where the
+    repository stands (e.g. --peer sdpa-cudnn --floor 0.9 -m '*d128*')."""
+    import fnmatch
+
+    from aotattn import tuning
+    from aotattn.perfmon.analysis import standing as stand
+    from aotattn.perfmon.providers import ALL
+
+    if peer not in ALL or peer == "aotattn":
+        raise _fail(f"--peer {peer}: expected one of {', '.join(p for p in ALL if p != 'aotattn')}")
+    folder = (root or store.root()) / arch
+    paths = sorted(folder.glob("*.txt"))
+    if not paths:
+        raise _fail(f"no perfdb runs under {folder}: run `aotattn perfmon run --tag TAG` first")
+    runs = []
+    for path in paths:
+        try:
+            runs.append((path.stem, store.Perfdb.read(path)))
+        except store.PerfdbError as exc:
+            raise _fail(str(exc)) from exc
+    found = [s for s in stand(runs, peer) if (not match or any(fnmatch.fnmatchcase(s.entry, m) for m in match))
+             and (not group or s.group in group)]
+    if not found:
+        raise _fail(f"no entry{' of this selection' if match or group else ''} has aotattn and {peer} timed "
+                    f"side by side under {folder}")
+    current = store.tuning_revision(tuning.database().root, arch).split()[0]
+    tuned = {tag: db.header.get("tuning", "").split(" ")[0] == current for tag, db in runs}
+    below = [s for s in found if s.ratio < floor]
+    table = Table(title=f"{arch}: each entry's latest side-by-side figure against {peer} (above 1: aotattn is "
+                  f"faster); tables: the run's tuning against the current ({current})")
+    for column in ("entry", "pass", f"{peer} / aotattn", "aotattn ms", f"{peer} ms", "spread", "run", "tables"):
+        table.add_column(column, overflow="fold")  # whole names, wrapped, in a narrow terminal
+    for s in found if all_rows else below:
+        stale = [] if tuned[s.run] else ["older"]
+        stale += [f"aotattn re-timed {s.newer[:10]}"] if s.newer else []
+        table.add_row(s.entry, s.pass_, f"{s.ratio:.3f}", _ms(s.aot_ms), _ms(s.peer_ms), f"{s.spread:.1%}", s.run,
+                      ", ".join(stale) or "current", style="red" if s.ratio < floor else None)
+    if all_rows or below:
+        console.print(table)
+    lowest = min(found, key=lambda s: s.ratio)
+    console.print(f"{len(found) - len(below)} of {len(found)} entry passes at or above {floor:g}x {peer}, "
+                  f"{len(below)} below (lowest {lowest.ratio:.3f}: {lowest.entry} {lowest.pass_}); "
+                  f"{sum(not tuned[s.run] for s in found)} from runs on older tables")
+    if fail and below:
+        raise typer.Exit(1)

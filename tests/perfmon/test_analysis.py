@@ -412,3 +412,56 @@ def test_a_peer_that_raises_is_reported_not_only_recorded(tmp_path):
     assert shown.exit_code == 0, shown.output
     assert f"flex bwd: raised on {len(chosen)} entries, no figure: RuntimeError" in shown.output
     assert "sdpa-flash bwd: raised on 1 entry" in shown.output and "not asked" not in shown.output
+
+
+def test_standing_takes_each_entrys_latest_side_by_side_figure(tmp_path, monkeypatch):
+    """``perfdb standing``: per entry and pass, the latest run (by date) that timed aotattn
+    and the peer side by side; a later run without the peer flags the figure as re-timed,
+    an entry redeclared with another shape under its name drops its older runs, and the
+    CLI lists what is below the floor and says which runs were on other tables."""
+    a, b, c = ENTRIES[:3]
+    rng = random.Random()
+    flex_a, flex_b = rng.uniform(0.5, 0.95), rng.uniform(1.05, 2.0)  # peer / aotattn in the old run
+
+    def records(entry, ms, flex_ms=None, spread=0.01):
+        out = [Record(entry.name, "fwd", "aotattn", ms, spread * ms)]
+        if flex_ms is not None:
+            out.append(Record(entry.name, "fwd", "flex", flex_ms, 0.02 * flex_ms, ratio=flex_ms / ms))
+        return out
+
+    old = Perfdb(header={"arch": "sm_90", "date": "2026-12-01T00:00:00+00:00", "tuning": "sha256:old (x)"})
+    old.add(a, records(a, 1.0, flex_a))
+    old.add(b, records(b, 2.0, 2.0 * flex_b))
+    old.add(c, records(c, 3.0, 3.0 * flex_b))
+    new = Perfdb(header={"arch": "sm_90", "date": "2026-12-03T00:00:00+00:00", "tuning": "sha256:new (x)"})
+    new.add(a, records(a, 0.9))  # re-timed without the peer
+    bigger = c.__class__(**{**c.__dict__, "batch": c.batch * 2})
+    new.add(bigger, records(bigger, 6.0))  # another shape under c's name: c's old figure no longer counts
+    mid = Perfdb(header={"arch": "sm_90", "date": "2026-12-02T00:00:00+00:00", "tuning": "sha256:old (x)"})
+    mid.add(b, records(b, 1.5, 1.5 * 1.25))  # b's latest side by side
+
+    found = {s.entry: s for s in analysis.standing([("mid", mid), ("new", new), ("old", old)], "flex")}
+    assert set(found) == {a.name, b.name}
+    assert found[a.name].ratio == pytest.approx(flex_a) and found[a.name].run == "old"
+    assert found[a.name].newer == "2026-12-03T00:00:00+00:00" and found[a.name].spread == pytest.approx(0.02)
+    assert found[b.name].ratio == pytest.approx(1.25) and found[b.name].run == "mid" and found[b.name].newer is None
+    assert analysis.standing([("new", new)], "flex") == []
+
+    root = tmp_path / "perfdb"
+    for tag, run in (("old", old), ("mid", mid), ("new", new)):
+        _write(run, root, tag)
+    runner = CliRunner()
+
+    def invoke(*args):
+        return runner.invoke(cli, ["perfdb", "standing", *args, "--perfdb", str(root)], env={"COLUMNS": "200"})
+
+    shown = invoke("--peer", "flex", "--fail")
+    assert shown.exit_code == 1, shown.output
+    assert a.name in shown.output and b.name not in shown.output and "re-timed 2026-12-03" in shown.output
+    assert "1 of 2 entry passes at or above 1x flex, 1 below" in shown.output and "2 from runs on older tables" \
+        in shown.output
+    everything = invoke("--peer", "flex", "--all", "--floor", "0.1")
+    assert everything.exit_code == 0 and a.name in everything.output and b.name in everything.output
+    assert invoke("--peer", "flex", "-g", "window").exit_code != 0  # nothing selected
+    assert "expected one of" in invoke("--peer", "nosuch").output
+    assert invoke("--peer", "sdpa-cudnn").exit_code != 0  # no run timed it
