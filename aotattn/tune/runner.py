@@ -118,6 +118,10 @@ class Settings:
             value = getattr(settings, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"settings.{name}: expected an integer >= 1, got {value!r}")
+        for name in ("memory_bytes", "min_traffic_bytes"):
+            value = getattr(settings, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"settings.{name}: expected a byte count >= 0, got {value!r}")
         for name in ("error_multiple", "finalist_margin"):
             if not getattr(settings, name) >= 1.0:
                 raise ValueError(f"settings.{name}: expected a number >= 1, got {getattr(settings, name)!r}")

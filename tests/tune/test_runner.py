@@ -43,7 +43,9 @@ def test_choose_keeps_the_current_choice_unless_clearly_beaten():
 def test_settings_round_trip_and_refusals():
     assert runner.Settings.from_json(json.loads(json.dumps(TINY.to_json()))) == TINY
     for bad, message in [({"limit": 0}, "limit"), ({"nope": 1}, "unknown"), ({"error_multiple": 0.5}, "multiple"),
-                         ({"repeats": [5, 2]}, "repeats"), ({"tokens": True}, "tokens")]:
+                         ({"repeats": [5, 2]}, "repeats"), ({"tokens": True}, "tokens"),
+                         ({"min_traffic_bytes": -1}, "min_traffic_bytes"), ({"min_traffic_bytes": 1.5}, "byte count"),
+                         ({"memory_bytes": "8G"}, "memory_bytes")]:
         with pytest.raises(ValueError, match=message):
             runner.Settings.from_json(bad)
 
