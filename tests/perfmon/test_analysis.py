@@ -451,9 +451,13 @@ def test_standing_takes_each_entrys_latest_side_by_side_figure(tmp_path, monkeyp
     for tag, run in (("old", old), ("mid", mid), ("new", new)):
         _write(run, root, tag)
     runner = CliRunner()
+    from rich.console import Console
+
+    # wide enough that the table shows whole names (a terminal's width otherwise: 80 in CI)
+    monkeypatch.setattr("aotattn.perfmon.cli.console", Console(soft_wrap=True, width=240))
 
     def invoke(*args):
-        return runner.invoke(cli, ["perfdb", "standing", *args, "--perfdb", str(root)], env={"COLUMNS": "200"})
+        return runner.invoke(cli, ["perfdb", "standing", *args, "--perfdb", str(root)])
 
     shown = invoke("--peer", "flex", "--fail")
     assert shown.exit_code == 1, shown.output
