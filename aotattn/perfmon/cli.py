@@ -577,10 +577,9 @@ def standing(peer: str = typer.Option("flex", "--peer", "-p", help="the provider
              fail: bool = typer.Option(False, "--fail", help="exit 1 when an entry is below the floor")) -> None:
     """Every entry against one peer, from the latest run that timed both: where the
     repository stands (e.g. --peer sdpa-cudnn --floor 0.9 -m '*d128*')."""
-    import fnmatch
-
     from aotattn import tuning
     from aotattn.perfmon.analysis import standing as stand
+    from aotattn.perfmon.entries import select
     from aotattn.perfmon.providers import ALL
 
     if peer not in ALL or peer == "aotattn":
@@ -589,14 +588,9 @@ def standing(peer: str = typer.Option("flex", "--peer", "-p", help="the provider
     paths = sorted(folder.glob("*.txt"))
     if not paths:
         raise _fail(f"no perfdb runs under {folder}: run `aotattn perfmon run --tag TAG` first")
-    runs = []
-    for path in paths:
-        try:
-            runs.append((path.stem, store.Perfdb.read(path)))
-        except store.PerfdbError as exc:
-            raise _fail(str(exc)) from exc
-    found = [s for s in stand(runs, peer) if (not match or any(fnmatch.fnmatchcase(s.entry, m) for m in match))
-             and (not group or s.group in group)]
+    runs = [(path.stem, _read(str(path), arch, root)[0]) for path in paths]
+    chosen = {e.name for e in select((e for _, db in runs for e in db.entries.values()), match or (), group or ())}
+    found = [s for s in stand(runs, peer) if s.entry in chosen]
     if not found:
         raise _fail(f"no entry{' of this selection' if match or group else ''} has aotattn and {peer} timed "
                     f"side by side under {folder}")
