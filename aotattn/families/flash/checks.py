@@ -75,6 +75,8 @@ def check_tensors(names: tuple[str, str, str], q: object, k: object, v: object, 
     """Types, ranks, dtypes, devices and strides shared by every operator."""
     tensors = [_tensor(n, t) for n, t in zip(names, (q, k, v))]
     for name, t in zip(names, tensors):
+        if t.layout != torch.strided:
+            raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
         if t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D tensor {layout}, got shape {tuple(t.shape)}")
     qn = names[0]
@@ -92,6 +94,10 @@ def check_tensors(names: tuple[str, str, str], q: object, k: object, v: object, 
             raise ValueError(f"{name}: expected a unit stride in the last dimension, got strides {t.stride()}")
 
 
+# the largest |softmax_scale| whose product with log2(e), the kernels' factor, is finite in float32
+MAX_SCALE = 2.35e38
+
+
 def check_scale(name: str, scale: object, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -99,6 +105,9 @@ def check_scale(name: str, scale: object, head_dim: int) -> float:
         raise TypeError(f"{name}: expected a real number or None, got {type(scale).__name__}")
     if not math.isfinite(float(scale)):
         raise ValueError(f"{name}: expected a finite number, got {scale}")
+    if abs(float(scale)) > MAX_SCALE:
+        raise ValueError(f"{name}: expected a magnitude up to {MAX_SCALE:.3g} (the kernels scale by scale * log2(e) "
+                         f"in float32), got {scale}")
     return float(scale)
 
 

@@ -15,8 +15,8 @@ import threading
 import torch
 
 from aotattn.families.flash import planning, rules
-from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_flash,
-                                           check_sdpa, check_varlen)
+from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_dropout,
+                                           check_flash, check_sdpa, check_varlen)
 from aotattn.families.flash.planning import (Call, backward_buffers, backward_dout, backward_plans, choose_backend,
                                              dropout_mask_plan, finish_dq, forward_plan, lse_shape, new_call,
                                              new_output, philox_state, run_backward, run_forward, trim_keys,
@@ -47,11 +47,15 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        if ctx.cached is not None:
-            dq, dk, dv = ctx.cached.backward(dout, q, k, v, out, lse, ctx.backend, ctx.deterministic)
-            return dq, dk, dv, None, None, None, None, None, None
-        dq, dk, dv, dbias = run_backward(ctx.call, dout, q, k, v, out, lse, ctx.backend, ctx.deterministic)
-        return dq, dk, dv, (None if dbias is None else dbias.to(ctx.call.bias.dtype)), None, None, None, None, None
+        with torch.no_grad():  # on under create_graph=True: _first_order marks what comes out
+            if ctx.cached is not None:
+                dq, dk, dv = ctx.cached.backward(dout, q, k, v, out, lse, ctx.backend, ctx.deterministic)
+                dbias = None
+            else:
+                dq, dk, dv, dbias = run_backward(ctx.call, dout, q, k, v, out, lse, ctx.backend, ctx.deterministic)
+                dbias = None if dbias is None else dbias.to(ctx.call.bias.dtype)
+        dq, dk, dv, dbias = _first_order((dq, dk, dv, dbias), (dout, q, k, v, ctx.call.bias))
+        return dq, dk, dv, dbias, None, None, None, None, None
 
 
 class _CachedAttention(torch.autograd.Function):
@@ -73,8 +77,27 @@ class _CachedAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         entry, backend, deterministic = ctx.hit
-        dq, dk, dv = entry.backward(dout, q, k, v, out, lse, backend, deterministic, caller_layout=True)
+        with torch.no_grad():
+            dq, dk, dv = entry.backward(dout, q, k, v, out, lse, backend, deterministic, caller_layout=True)
+        dq, dk, dv = _first_order((dq, dk, dv), (dout, q, k, v))
         return dq, dk, dv, None
+
+
+_DOUBLE_BACKWARD = (b"aotattn's attention has no double backward: its gradients (taken with create_graph=True) "
+                    b"cannot be differentiated again; for second-order gradients use PyTorch's math attention")
+
+
+def _first_order(grads: tuple, inputs: tuple) -> tuple:
+    """The backward's gradients. Under ``create_graph=True`` (grad mode on in a backward)
+    where the gradients depend on inputs that require grad, they come out of a node that
+    raises when differentiated, as PyTorch's flash backend does: the kernels have no
+    backward, and a gradient with no graph would make a second-order one silently wrong."""
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
+        return grads
+    tensors = [g.detach().requires_grad_() for g in grads if g is not None]
+    marked = torch._C._functions.DelayedError(_DOUBLE_BACKWARD, len(tensors))(*tensors)
+    marked = iter(marked if isinstance(marked, tuple) else (marked,))
+    return tuple(None if g is None else next(marked) for g in grads)
 
 
 # autograd.Function.apply's Python wrapper (setup_context binding, functorch checks) costs
@@ -189,11 +212,14 @@ def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
 def _cacheable(q: object, k: object, v: object, dropout_p: object, extra: object) -> bool:
     """Calls without dropout or bias, with or without autograd, that are not padded by
     copy (:func:`_bucketed`): those the plan cache serves."""
-    tensor = torch.Tensor
+    tensor, strided = torch.Tensor, torch.strided
     if (torch.compiler.is_compiling()
             or not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)
-                    and q.dim() and k.dim() and v.dim())
-            or extra is not None or dropout_p != 0.0):
+                    and q.dim() and k.dim() and v.dim()
+                    and q.layout is strided and k.layout is strided and v.layout is strided)
+            # a plain 0 only: the cache key leaves dropout_p out, so a hit must not skip its check
+            or extra is not None or (type(dropout_p) is not float and type(dropout_p) is not int)
+            or dropout_p != 0.0):
         return False
     d, dv = q.shape[-1], v.shape[-1]
     if d == dv and d in _BUCKETS:
@@ -408,7 +434,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         dropout_p: probability of dropping an attention weight (Philox, drawn from torch's
             default generator; :func:`aotattn.dropout_mask` returns the mask a call used).
         softmax_scale: multiplies ``q . k`` before the softmax; default ``1/sqrt(D)``.
-            Any finite value, zero and negative included.
+            Any finite value up to 2.35e38 in magnitude, zero and negative included.
         causal: ``right = 0`` on the chosen diagonal.
         window_size: ``(left, right)``; -1 leaves a side unbounded.
         diagonal: ``"bottom_right"`` or ``"top_left"``.
@@ -522,10 +548,21 @@ def dropout_mask(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, dropout
     was kept. Under varlen, pass the number of sequences and ``max_seqlen_q/k``; sequence
     b's mask is ``[b, :, :seqlen_q_b, :seqlen_k_b]``.
     """
-    device = torch.device(device)
-    dropout_p = float(dropout_p)
-    if not 0.0 < dropout_p < 1.0:
-        raise ValueError(f"dropout_p: expected a float in (0, 1), got {dropout_p}")
+    sizes = {"batch": batch, "heads_q": heads_q, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}: expected an int >= 0, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {value}")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: expected a CPU or CUDA device, got {device!r}") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected a CPU or CUDA device, got {device}")
+    dropout_p = check_dropout("dropout_p", dropout_p)
+    if dropout_p == 0.0:
+        raise ValueError("dropout_p: expected a float in (0, 1), got 0.0 (a call without dropout keeps everything)")
     seed, offset = philox_state(dropout_p)
     mask = torch.empty((batch, heads_q, seqlen_q, seqlen_k), dtype=torch.int8, device=device)
     launch(dropout_mask_plan(mask, seqlen_q, seqlen_k, heads_q, dropout_p, seed, offset))

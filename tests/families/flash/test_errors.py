@@ -54,6 +54,12 @@ FLASH_CASES = [
     ("dropout range", lambda: _call(dropout_p=1.0), ValueError, "dropout_p: expected a float in [0, 1)"),
     ("dropout negative", lambda: _call(dropout_p=-0.1), ValueError, "dropout_p: expected a float in [0, 1)"),
     ("return_lse", lambda: _call(return_lse=1), TypeError, "return_lse: expected a bool"),
+    ("scale overflows fp32", lambda: _call(softmax_scale=1e300), ValueError, "softmax_scale: expected a magnitude"),
+    ("negative scale overflows fp32", lambda: _call(softmax_scale=-3e38), ValueError,
+     "softmax_scale: expected a magnitude"),
+    ("dropout bool", lambda: _call(dropout_p=False), TypeError, "dropout_p: expected a float"),
+    ("dropout tensor", lambda: _call(dropout_p=torch.tensor([0.1, 0.2])), TypeError, "dropout_p: expected a float"),
+    ("sparse q", lambda: _call(q=_qkv()[0].to_sparse()), ValueError, "q: expected a dense"),
 ]
 
 
@@ -86,4 +92,41 @@ def test_sdpa_rejects(case):
     _, call, exc, message = case
     with pytest.raises(exc) as info:
         call()
+    assert message in str(info.value)
+
+
+def test_the_largest_scale_accepted_gives_the_float64_answer():
+    """At the bound, scale * log2(e) is still finite in float32: on scores whose scaled
+    values stay in range the answer is the float64 one."""
+    from aotattn.families.flash.checks import MAX_SCALE
+
+    q, k = torch.zeros(1, 4, 1, 16), torch.zeros(1, 4, 1, 16)
+    q[..., 0] = 1.0
+    k[0, :, 0, 0] = torch.tensor([0.0, 1e-37, 5e-38, -1e-37])  # scaled scores 0, 23.5, 11.75, -23.5
+    v = torch.randn(1, 4, 1, 16)
+    out = aotattn.flash_attn_func(q, k, v, softmax_scale=MAX_SCALE)
+    weights = torch.softmax(MAX_SCALE * k[0, :, 0, 0].double(), 0)
+    expected = (weights[:, None] * v[0, :, 0].double()).sum(0)
+    assert torch.allclose(out[0, :, 0].double(), expected.expand(4, -1), atol=1e-5)
+
+
+DROPOUT_MASK_CASES = [
+    ("batch float", dict(batch=1.0), TypeError, "batch: expected an int"),
+    ("negative length", dict(seqlen_q=-4), ValueError, "seqlen_q: expected an int >= 0"),
+    ("heads bool", dict(heads_q=True), TypeError, "heads_q: expected an int"),
+    ("meta device", dict(device="meta"), ValueError, "device: expected a CPU or CUDA device"),
+    ("unknown device", dict(device="nowhere"), ValueError, "device: expected a CPU or CUDA device"),
+    ("p zero", dict(dropout_p=0.0), ValueError, "dropout_p: expected a float in (0, 1)"),
+    ("p one", dict(dropout_p=1.0), ValueError, "dropout_p"),
+    ("p str", dict(dropout_p="0.5"), TypeError, "dropout_p: expected a float"),
+]
+
+
+@pytest.mark.parametrize("case", DROPOUT_MASK_CASES, ids=[c[0] for c in DROPOUT_MASK_CASES])
+def test_dropout_mask_rejects(case):
+    _, changes, exc, message = case
+    args = dict(batch=1, heads_q=1, seqlen_q=4, seqlen_k=4, dropout_p=0.5, device="cpu")
+    args.update(changes)
+    with pytest.raises(exc) as info:
+        aotattn.dropout_mask(**args)
     assert message in str(info.value)

@@ -120,6 +120,8 @@ BAD_AFTER_GOOD = [
     (dict(window_size=(2.0, 0.0)), TypeError, "window_size"),
     (dict(window_size=[2.0, 0]), TypeError, "window_size"),
     (dict(return_lse=1), TypeError, "return_lse"),
+    (dict(dropout_p=False), TypeError, "dropout_p"),
+    (dict(dropout_p=torch.tensor(0.0)), TypeError, "dropout_p"),
 ]
 
 
@@ -127,7 +129,7 @@ BAD_AFTER_GOOD = [
 def test_plan_cache_never_skips_a_check(bad, error, match):
     """The same call gets the same answer whether the cache is warm or not."""
     q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
-    good = {"softmax_scale": 1.0, "causal": True, "window_size": (2, 0), "return_lse": True}
+    good = {"softmax_scale": 1.0, "causal": True, "window_size": (2, 0), "return_lse": True, "dropout_p": 0.0}
     good = {name: good[name] for name in bad}
     with pytest.raises(error, match=match):  # cold
         aotattn.flash_attn_func(q, k, v, **bad)
@@ -145,6 +147,35 @@ def test_plan_cache_sdpa_checks_flags():
         aotattn.scaled_dot_product_attention(q, k, v, is_causal=1)
     with pytest.raises(TypeError, match="enable_gqa"):
         aotattn.scaled_dot_product_attention(q, k, v, enable_gqa=0)
+    with pytest.raises(TypeError, match="dropout_p"):
+        aotattn.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=False)
+
+
+@pytest.mark.parametrize("api", ["flash", "sdpa"])
+def test_double_backward_raises_instead_of_dropping_the_second_order_term(api):
+    """Gradients taken with create_graph=True cannot be differentiated again (the kernels
+    have no backward): the second backward raises, cold or warm plan cache, rather than
+    treating the first-order gradients as constants (a silently wrong gradient penalty).
+    A create_graph=True call whose first-order gradients are not differentiated again
+    still gets them right."""
+    q, k, v = (torch.randn(1, 16, 2, 32, dtype=torch.float64).float().requires_grad_() for _ in range(3))
+
+    def attend():
+        if api == "flash":
+            return aotattn.flash_attn_func(q, k, v, causal=True)
+        return aotattn.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                    is_causal=True).transpose(1, 2)
+
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(qd.transpose(1, 2), kd.transpose(1, 2),
+                                                           vd.transpose(1, 2), is_causal=True).transpose(1, 2)
+    ref_dq, = torch.autograd.grad(ref.square().sum(), qd)
+    for _ in range(3):  # cold, then served by the plan cache
+        out = attend()
+        dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        assert torch.allclose(dq.double(), ref_dq, atol=1e-4, rtol=1e-4)
+        with pytest.raises(RuntimeError, match="no double backward"):
+            (out.sum() + dq.square().sum()).backward()
 
 
 def test_plan_cache_list_window_is_served():
