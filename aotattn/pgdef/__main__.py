@@ -1,5 +1,8 @@
-"""``python -m aotattn.pgdef ...``: the same commands as ``aotattn pgdef ...``."""
+"""``python -m aotattn.pgdef ...``: the same commands as ``aotattn pgdef ...`` (and the same
+one-line errors: it runs the ``aotattn`` command line with ``pgdef`` in front)."""
 
-from aotattn.pgdef.cli import app
+import sys
 
-app(prog_name="aotattn pgdef")
+from aotattn.cli import app
+
+app(args=["pgdef", *sys.argv[1:]], prog_name="aotattn")

@@ -25,6 +25,7 @@ app = typer.Typer(help="pgdef: distributed execution on PostgreSQL (docs/distrib
 server_app = typer.Typer(help="The embedded PostgreSQL server used when no DSN is given.", no_args_is_help=True)
 app.add_typer(server_app, name="server")
 console = Console()
+errors = Console(stderr=True)
 
 DSN = typer.Option(None, "--dsn", envvar=DSN_ENV,
                    help=f"libpq DSN of the pgdef database (default: ${DSN_ENV}, else the embedded server)")
@@ -36,13 +37,13 @@ APPS = typer.Option(..., "--app", "-a", help="application, package.module[:attri
 
 
 def _errors(command):
-    """Print pgdef's one-line errors in red and exit 1 instead of a traceback."""
+    """Print pgdef's errors as one red line on stderr and exit 1 instead of a traceback."""
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except PgdefError as exc:
-            console.print(f"error: {escape(str(exc))}", style="red", soft_wrap=True)
+            errors.print(f"aotattn pgdef: error: {escape(' '.join(str(exc).split()))}", style="red", soft_wrap=True)
             raise typer.Exit(1) from exc
     return wrapper
 

@@ -25,11 +25,18 @@ from typing import Any
 from aotattn.pgdef import schema
 from aotattn.pgdef.connection import PooledConnector, jsonb, redact, resolve_dsn
 from aotattn.pgdef.errors import ConfigError
-from aotattn.pgdef.model import Category, Result, Selection, TaskSpec, check_payload, check_pool, default_key
+from aotattn.pgdef.model import (Category, Result, Selection, TaskSpec, check_payload, check_pool, default_key,
+                                 storable_text)
+from aotattn.pgdef.queries import QUERIES
 from aotattn.pgdef.registry import App, TaskKind, load_app
 
 DISPATCH_CHUNK = 5000
 STATES = ("queued", "running", "done", "failed", "cancelled")
+
+
+def _int32(value: object) -> bool:
+    """An int PostgreSQL's ``integer`` holds (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -2**31 <= value < 2**31
 
 
 @dataclass(frozen=True)
@@ -148,7 +155,7 @@ class Client:
         category = Category.parse(category)
         check_pool(pool)
         kind = self._kind(app, category)
-        default_attempts = max_attempts or (kind.max_attempts if kind else 3)
+        default_attempts = max_attempts if max_attempts is not None else (kind.max_attempts if kind else 3)
         columns: dict[str, list[Any]] = {k: [] for k in
                                          ("apps", "subcategories", "pools", "keys", "priorities", "payloads",
                                           "max_attempts")}
@@ -159,23 +166,29 @@ class Client:
             if kind is not None and kind.validate is not None:
                 kind.validate(payload)
             key = spec.key if spec.key is not None else default_key(payload)
-            if not isinstance(key, str) or not key:
-                raise ConfigError(f"task {index} key: expected a non-empty string, got {key!r}")
+            if not isinstance(key, str) or not key or storable_text(key) != key:
+                raise ConfigError(f"task {index} key: expected a non-empty string without NUL characters or "
+                                  f"lone surrogates, got {key!r}")
             if key in seen:  # one statement cannot insert a key twice; the first one counts
                 continue
             seen.add(key)
-            attempts = spec.max_attempts or default_attempts
-            if not isinstance(spec.priority, int) or not isinstance(attempts, int) or attempts < 1:
-                raise ConfigError(f"task {index}: expected integer priority and max_attempts >= 1, "
+            attempts = spec.max_attempts if spec.max_attempts is not None else default_attempts
+            if not _int32(spec.priority) or not _int32(attempts) or attempts < 1:
+                raise ConfigError(f"task {index}: expected integer priority and max_attempts >= 1 (32-bit), "
                                   f"got {spec.priority!r}, {attempts!r}")
             for name, value in zip(columns, (category.app, category.subcategory, pool, key, spec.priority,
                                              jsonb(payload), attempts)):
                 columns[name].append(value)
         total = len(columns["keys"])
-        inserted = 0
-        for start in range(0, total, DISPATCH_CHUNK):
-            chunk = {name: values[start:start + DISPATCH_CHUNK] for name, values in columns.items()}
-            inserted += len(self.db.execute("dispatch", chunk))
+        sql = QUERIES["dispatch"]
+
+        def work(conn) -> int:  # every chunk or none: run again after a lost connection, it inserts the rest
+            with conn.transaction():
+                return sum(len(conn.execute(sql, {name: values[start:start + DISPATCH_CHUNK]
+                                                  for name, values in columns.items()}).fetchall())
+                           for start in range(0, total, DISPATCH_CHUNK))
+
+        inserted = self.db.run(work) if total else 0
         return DispatchReport(inserted=inserted, existing=total - inserted)
 
     @staticmethod

@@ -113,6 +113,17 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+# libpq's words for a server that is not up, or not yet: worth waiting for (other failures,
+# a missing database or role, a bad password or option, are not)
+_NOT_UP = ("connection refused", "timeout expired", "starting up", "shutting down", "no such file or directory",
+           "in recovery mode")
+
+
+def _may_come_up(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(words in text for words in _NOT_UP)
+
+
 class Runner:
     """Runs work on a connection, once more on a fresh one when the connection is lost.
 
@@ -231,6 +242,17 @@ class PooledConnector(Runner):
         self.dsn = dsn
         kwargs = {"autocommit": True, "row_factory": dict_row, "application_name": application_name[:63],
                   **CONNECT_OPTIONS}
+        # One connection first, for its error: a server that answers and refuses (no such
+        # database or role, bad password) is not waited for, and the pool's own error would
+        # only say that it gave up.
+        cause = None
+        try:
+            psycopg.connect(dsn, **kwargs).close()
+        except psycopg.Error as exc:
+            if not _may_come_up(exc):
+                raise ConnectionLost(f"cannot connect to {redact(dsn)}: {_first_line(exc)}; check the DSN "
+                                     f"(--dsn or ${DSN_ENV})") from exc
+            cause = exc  # not up (yet): wait for it below, as the pool does
         self.pool = ConnectionPool(dsn, min_size=1, max_size=max_size, kwargs=kwargs, timeout=timeout_s,
                                    reconnect_timeout=timeout_s, check=ConnectionPool.check_connection,
                                    open=False, name=application_name)
@@ -238,7 +260,7 @@ class PooledConnector(Runner):
             self.pool.open(wait=True, timeout=min(timeout_s, CONNECT_OPTIONS["connect_timeout"] * 2))
         except psycopg.Error as exc:
             self.pool.close()
-            raise ConnectionLost(f"cannot connect to {redact(dsn)}: {_first_line(exc)}; "
+            raise ConnectionLost(f"cannot connect to {redact(dsn)}: {_first_line(cause or exc)}; "
                                  f"check that the server runs and the DSN (--dsn or ${DSN_ENV}) is right") from exc
 
     def _call(self, work: Callable[[psycopg.Connection], T]) -> T:

@@ -83,11 +83,11 @@ class Selection:
 
 
 def check_payload(payload: Any, where: str = "payload") -> dict[str, Any]:
-    """A payload is a JSON object whose values JSON can carry (no NaN, no infinities, str keys)."""
+    """A payload is a JSON object the database can store (:func:`storable_json`)."""
     if not isinstance(payload, dict):
         raise ConfigError(f"{where}: expected a JSON object (dict), got {type(payload).__name__}")
     try:
-        canonical_json(payload)
+        storable_json(payload)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: not representable as JSON ({exc})") from exc
     return payload
@@ -96,6 +96,39 @@ def check_payload(payload: Any, where: str = "payload") -> dict[str, Any]:
 def canonical_json(value: Any) -> str:
     """Sorted keys, no spaces, no NaN: equal values give equal text."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def storable_json(value: Any) -> str:
+    """:func:`canonical_json` of a value PostgreSQL's ``jsonb`` also takes: ValueError for a
+    string (or key) holding a NUL character or a lone surrogate, which JSON text can carry
+    as an escape and ``jsonb`` refuses."""
+    text = canonical_json(value)
+    if "\\u0000" in text or "\\ud" in text:  # escapes json.dumps writes for both; rare otherwise, then walked
+        _check_strings(value)
+    return text
+
+
+def _check_strings(value: Any) -> None:
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError(f"a NUL character in string {storable_text(value)[:60]!r}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"a lone surrogate in string {storable_text(value)[:60]!r}") from exc
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key)
+            _check_strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_strings(item)
+
+
+def storable_text(text: str) -> str:
+    """``text`` with what a PostgreSQL text column refuses written as escapes: NUL as ``\\x00``,
+    lone surrogates as ``\\udXXX`` (for error messages, which must reach the database)."""
+    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def default_key(payload: dict[str, Any]) -> str:

@@ -31,13 +31,14 @@ import socket
 import tempfile
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotattn.pgdef.errors import BatchError, ConfigError
-from aotattn.pgdef.model import Category, Outcome, Task, TaskContext, canonical_json, check_pool
+from aotattn.pgdef.model import (Category, Outcome, Task, TaskContext, canonical_json, check_pool, storable_json,
+                                 storable_text)
 from aotattn.pgdef.queries import QUERIES
 from aotattn.pgdef.registry import App, kinds_of, run_attempt
 
@@ -80,11 +81,19 @@ class Batch:
             raise BatchError(f"{path}: expected a {BATCH_FORMAT} file from `aotattn pgdef checkout`")
         try:
             return cls(id=str(obj["batch_id"]), pool=check_pool(obj["pool"]),
-                       created_at=datetime.fromisoformat(obj["created_at"]),
-                       lease_expires_at=datetime.fromisoformat(obj["lease_expires_at"]),
+                       created_at=_aware(obj["created_at"], "created_at"),
+                       lease_expires_at=_aware(obj["lease_expires_at"], "lease_expires_at"),
                        tasks=[Task.from_json(t) for t in obj["tasks"]])
         except (KeyError, TypeError, ValueError) as exc:
             raise BatchError(f"{path}: malformed batch file ({type(exc).__name__}: {exc})") from exc
+
+
+def _aware(text: str, name: str) -> datetime:
+    """An ISO 8601 time with its offset (checkout writes them so; without one it is ambiguous)."""
+    moment = datetime.fromisoformat(text)
+    if moment.tzinfo is None:
+        raise ValueError(f"{name} {text!r} has no time zone offset")
+    return moment
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -209,7 +218,26 @@ def _resume(path: Path, batch_id: str) -> set[int]:
     found_batch, outcomes = read_results(path)
     if found_batch != batch_id:
         raise BatchError(f"{path} holds results of batch {found_batch}, not {batch_id}; use another results file")
+    _end_with_a_full_line(path)
     return {o.task_id for o in outcomes}
+
+
+def _end_with_a_full_line(path: Path) -> None:
+    """Cut a last line the crash left unfinished (read_results ignored it), or end a whole one,
+    so that the next line appended starts a line of its own."""
+    with open(path, "rb+") as handle:
+        data = handle.read()
+        if data.endswith(b"\n"):
+            return
+        start = data.rfind(b"\n") + 1
+        try:
+            json.loads(data[start:])
+        except ValueError:
+            handle.truncate(start)
+        else:
+            handle.write(b"\n")
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def read_results(path: Path) -> tuple[str, list[Outcome]]:
@@ -229,16 +257,31 @@ def read_results(path: Path) -> tuple[str, list[Outcome]]:
     for number, text in enumerate(lines[1:], start=2):
         try:
             obj = json.loads(text)
-            outcomes.append(Outcome(task_id=int(obj["task_id"]), attempt=int(obj["attempt"]), ok=bool(obj["ok"]),
-                                    output=obj.get("output"), error=obj.get("error"),
-                                    permanent=bool(obj.get("permanent", False)),
-                                    elapsed_s=float(obj.get("elapsed_s", 0.0)), worker_id=obj.get("worker_id")))
+            outcomes.append(_storable(Outcome(
+                task_id=int(obj["task_id"]), attempt=int(obj["attempt"]), ok=bool(obj["ok"]), output=obj.get("output"),
+                error=None if obj.get("error") is None else str(obj["error"]),
+                permanent=bool(obj.get("permanent", False)), elapsed_s=float(obj.get("elapsed_s", 0.0)),
+                worker_id=None if obj.get("worker_id") is None else str(obj["worker_id"]))))
         except (ValueError, KeyError, TypeError) as exc:
             if number == len(lines) and not text.endswith("}"):
                 log.warning("%s:%d: ignoring a line cut short", path, number)
                 break
             raise BatchError(f"{path}:{number}: malformed result line ({type(exc).__name__}: {exc})") from exc
     return str(header["batch_id"]), outcomes
+
+
+def _storable(outcome: Outcome) -> Outcome:
+    """The outcome as the database can record it, by the online workers' rules: an output
+    ``jsonb`` refuses fails the attempt for good; error texts and worker ids are escaped."""
+    error = None if outcome.error is None else storable_text(outcome.error)
+    worker = None if outcome.worker_id is None else storable_text(outcome.worker_id)
+    if outcome.ok:
+        try:
+            storable_json(outcome.output)
+        except ValueError as exc:
+            return replace(outcome, ok=False, output=None, permanent=True, worker_id=worker,
+                           error=f"TypeError: handler output is not JSON the database can store: {exc}")
+    return replace(outcome, error=error, worker_id=worker)
 
 
 # -- checkin ---------------------------------------------------------------------------------------

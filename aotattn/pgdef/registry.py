@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from aotattn.pgdef.errors import ConfigError, PayloadError
-from aotattn.pgdef.model import Category, Outcome, Task, TaskContext, canonical_json
+from aotattn.pgdef.model import Category, Outcome, Task, TaskContext, storable_json, storable_text
 
 Handler = Callable[[dict[str, Any], TaskContext], Any]
 Validator = Callable[[dict[str, Any]], None]
@@ -120,7 +120,7 @@ def format_error(exc: BaseException) -> str:
     """``Type: message`` and the innermost frames, cut to MAX_ERROR_CHARS."""
     head = f"{type(exc).__name__}: {exc}"
     frames = traceback.format_tb(exc.__traceback__)[-3:]
-    text = head + ("\n" + "".join(frames).rstrip() if frames else "")
+    text = storable_text(head + ("\n" + "".join(frames).rstrip() if frames else ""))
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 15] + "\n... (cut)"
 
 
@@ -145,7 +145,7 @@ def run_attempt(kind: TaskKind, task: Task, ctx: TaskContext) -> Outcome:
     except Exception as exc:  # the handler's bug or a transient failure: recorded, retried
         return failed(exc, permanent=False)
     try:
-        canonical_json(output)
+        storable_json(output)
     except (TypeError, ValueError) as exc:
         return failed(TypeError(f"handler output is not JSON: {exc}"), permanent=True)
     return Outcome(task.id, task.attempt, ok=True, output=output, elapsed_s=time.perf_counter() - start)

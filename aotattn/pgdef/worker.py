@@ -18,6 +18,7 @@ per GPU with ``CUDA_VISIBLE_DEVICES`` set); CPU kinds run in CPU workers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -32,8 +33,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from aotattn.pgdef.connection import Connector, jsonb
-from aotattn.pgdef.errors import ConfigError, ConnectionLost
-from aotattn.pgdef.model import Outcome, Task, TaskContext, check_pool
+from aotattn.pgdef.errors import ConfigError, ConnectionLost, PgdefError
+from aotattn.pgdef.model import Outcome, Task, TaskContext, check_pool, storable_text
 from aotattn.pgdef.registry import App, TaskKind, kinds_of, run_attempt
 
 log = logging.getLogger("aotattn.pgdef.worker")
@@ -184,21 +185,28 @@ class Worker:
         if that fails too the outcome is dropped and the task comes back when its lease expires."""
         try:
             if outcome.ok:
-                accepted = self.db.execute("complete", {
-                    "task_id": task.id, "output": jsonb(outcome.output), "worker_id": self.id,
-                    "attempt": task.attempt, "elapsed_s": outcome.elapsed_s})
-                if accepted:
-                    self.stats.done += 1
+                try:
+                    accepted = self.db.execute("complete", {
+                        "task_id": task.id, "output": jsonb(outcome.output), "worker_id": self.id,
+                        "attempt": task.attempt, "elapsed_s": outcome.elapsed_s})
+                except ConnectionLost:
+                    raise
+                except PgdefError as exc:  # the database refused the output: the attempt fails, for good
+                    outcome = dataclasses.replace(outcome, ok=False, output=None, permanent=True,
+                                                  error=storable_text(f"the database refused the output: {exc}"))
                 else:
-                    self.stats.late += 1
-                    self.db.execute("record_late_result", {"task_id": task.id, "owner": self.id,
-                                                           "attempt": task.attempt})
-            else:
-                self.stats.errors += 1
-                log.warning("task %s (%s) attempt %d failed: %s", task.id, task.category, task.attempt,
-                            (outcome.error or "").splitlines()[0])
-                self.db.execute("fail", {"task_id": task.id, "owner": self.id, "attempt": task.attempt,
-                                         "permanent": outcome.permanent, "error": outcome.error})
+                    if accepted:
+                        self.stats.done += 1
+                    else:
+                        self.stats.late += 1
+                        self.db.execute("record_late_result", {"task_id": task.id, "owner": self.id,
+                                                               "attempt": task.attempt})
+                    return
+            self.stats.errors += 1
+            log.warning("task %s (%s) attempt %d failed: %s", task.id, task.category, task.attempt,
+                        (outcome.error or "").splitlines()[0] if outcome.error else "")
+            self.db.execute("fail", {"task_id": task.id, "owner": self.id, "attempt": task.attempt,
+                                     "permanent": outcome.permanent, "error": outcome.error})
         except ConnectionLost as exc:
             self.stats.lost += 1
             log.error("task %s: outcome not recorded (%s); it returns to the queue when its lease expires",

@@ -50,6 +50,15 @@ def junk(payload: dict[str, Any], ctx: TaskContext) -> Any:
     return {"not json": {1, 2}}
 
 
+@app.task("unstorable")
+def unstorable(payload: dict[str, Any], ctx: TaskContext) -> Any:
+    """Output or an error text PostgreSQL refuses: a NUL character or a lone surrogate."""
+    text = {"nul": "a\x00b", "surrogate": "\ud800"}[payload["what"]]
+    if payload.get("raise"):
+        raise RuntimeError(f"bad {text} byte")
+    return {"s": text} if payload.get("as") != "key" else {text: 1}
+
+
 @app.task("cut")
 def cut(payload: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
     """Terminates this worker's own database sessions (claims and heartbeat) mid-task."""

@@ -102,6 +102,26 @@ def test_cli_errors_are_one_line(dsn, tmp_path):
     assert missing.exit_code == 1 and "cannot read results file" in missing.output
 
 
+def test_cli_errors_go_to_stderr_on_one_line_also_through_python_m(dsn, admin_dsn):
+    """`python -m aotattn.pgdef` is the same CLI, errors included; a server that answers and
+    refuses (no such database) is reported at once with its reason, not after a wait."""
+    from aotattn.pgdef.connection import with_database
+
+    env = {k: v for k, v in os.environ.items() if k != "AOTATTN_PGDEF_DSN"}
+    cases = [(["dispatch", "-c", "toy,square", "-p", "cpu", "--payloads", "/no/such/file", "--dsn", dsn],
+              "No such file"),
+             (["status", "--dsn", "notadsn"], "invalid DSN"),
+             (["status", "--dsn", with_database(admin_dsn, "pgdef_no_such_database")], "does not exist")]
+    for args, reason in cases:
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "aotattn.pgdef", *args], capture_output=True, text=True,
+                              cwd=REPO, env=env, timeout=120)
+        assert done.returncode == 1 and done.stdout == "", (args, done.stdout)
+        lines = [line for line in done.stderr.splitlines() if "error" in line]
+        assert len(lines) == 1 and reason in lines[0] and "Traceback" not in done.stderr, (args, done.stderr)
+        assert time.monotonic() - start < 15, args
+
+
 def test_cli_retry_cancel_and_status_on_a_dsn(dsn):
     _ok("dispatch", "-c", "testapp,boom", "-p", "cpu", "--payload", '{"msg": "cli"}', "--max-attempts", "1",
         "--dsn", dsn)

@@ -55,6 +55,7 @@ def test_bad_categories(client, bad, match):
 @pytest.mark.parametrize("payload, match", [
     ([1, 2], "JSON object"), ("x", "JSON object"), ({"x": math.nan}, "not representable"),
     ({"x": {1, 2}}, "not representable"), ({1: object()}, "not representable"),
+    ({"x": "a\x00b"}, "task 1 payload: .*NUL"), ({"x\x00": 1}, "NUL"), ({"x": ["\udfff"]}, "lone surrogate"),
 ])
 def test_malformed_payloads_are_refused_at_dispatch(client, payload, match):
     with pytest.raises(ConfigError, match=match):
@@ -82,3 +83,25 @@ def test_category_parsing():
     assert str(Category.parse("tune,attn_fwd")) == "tune,attn_fwd"
     with pytest.raises(ConfigError):
         Category.parse(3)
+
+
+@pytest.mark.parametrize("spec, match", [
+    (TaskSpec({"x": -1}, priority=2**31), "task 5001: expected integer priority"),
+    (TaskSpec({"x": -1}, priority=True), "task 5001: expected integer priority"),
+    (TaskSpec({"x": -1}, max_attempts=0), "max_attempts >= 1"),
+    (TaskSpec({"x": -1}, max_attempts=2**31), "max_attempts >= 1"),
+    (TaskSpec({"x": 1}, key="k\x00"), "task 5001 key"),
+])
+def test_a_bad_task_past_the_first_chunk_dispatches_nothing(client, spec, match):
+    """Dispatch validates every task first and inserts every chunk in one transaction."""
+    good = [{"x": x} for x in range(5001)]
+    with pytest.raises(ConfigError, match=match):
+        client.dispatch("testapp,square", "cpu", [*good, spec])
+    assert client.tasks() == []
+
+
+def test_max_attempts_zero_is_refused_not_replaced(client):
+    with pytest.raises(ConfigError, match="max_attempts >= 1"):
+        client.dispatch("testapp,square", "cpu", [{"x": 1}], max_attempts=0)
+    assert client.dispatch("testapp,square", "cpu", [{"x": 1}], max_attempts=1).inserted == 1
+    assert client.tasks()[0].max_attempts == 1

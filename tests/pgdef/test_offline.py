@@ -153,6 +153,53 @@ def test_bad_files_are_refused(client, tmp_path):
     assert client.checkin([tmp_path / "r.jsonl"]).accepted == 3  # the good file still checks in
 
 
+@pytest.mark.parametrize("cut_at", [15, -1])  # mid-line; a whole line whose newline was not written
+def test_a_resumed_run_continues_on_a_line_of_its_own(client, tmp_path, cut_at):
+    xs = _dispatch(client, 4)
+    client.checkout("sm_90", ["testapp,square"], tmp_path / "b.json")
+    run_offline(tmp_path / "b.json", tmp_path / "r.jsonl", APPS)
+    text = tmp_path.joinpath("r.jsonl").read_text()
+    last = text.rstrip("\n").rfind("\n") + 1
+    tmp_path.joinpath("r.jsonl").write_text(text[:last + cut_at] if cut_at > 0 else text[:-1])  # the crash
+    report = run_offline(tmp_path / "b.json", tmp_path / "r.jsonl", APPS)
+    assert (report.ran, report.skipped) == ((1, 3) if cut_at > 0 else (0, 4))
+    assert len(read_results(tmp_path / "r.jsonl")[1]) == 4
+    assert run_offline(tmp_path / "b.json", tmp_path / "r.jsonl", APPS).ran == 0  # and again
+    assert client.checkin([tmp_path / "r.jsonl"]).accepted == 4
+    assert sorted(r.payload["x"] for r in client.results("testapp,square")) == sorted(xs)
+
+
+def test_checkin_fails_an_output_the_database_refuses_and_records_the_rest(client, tmp_path):
+    """The online workers' rule: such an output fails its task for good; the batch's other
+    results are recorded (one bad line used to roll the whole check-in back)."""
+    client.dispatch("testapp,unstorable", "sm_90", [{"what": "nul"}])
+    xs = _dispatch(client, 2)
+    client.checkout("sm_90", ["testapp,square", "testapp,unstorable"], tmp_path / "b.json")
+    report = run_offline(tmp_path / "b.json", tmp_path / "r.jsonl", APPS)
+    assert (report.ok, report.errors) == (2, 1)
+    header, *lines = tmp_path.joinpath("r.jsonl").read_text().splitlines()
+    # a results file whose writer did not check (an older version, an edit): the same outcome
+    edited = tmp_path / "edited.jsonl"
+    forged = [json.dumps({**json.loads(ln), "ok": True, "output": {"s": "a\x00b"}, "error": None})
+              if json.loads(ln)["ok"] is False else ln for ln in lines]
+    edited.write_text("\n".join([header, *forged]) + "\n")
+    done = client.checkin([edited])
+    assert (done.accepted, done.errors) == (2, 1)
+    (task,) = client.tasks("testapp,unstorable")
+    assert task.state == "failed" and "NUL" in task.error
+    assert sorted(r.payload["x"] for r in client.results("testapp,square")) == sorted(xs)
+
+
+def test_a_batch_file_with_times_without_an_offset_is_refused(client, tmp_path):
+    _dispatch(client, 1)
+    client.checkout("sm_90", ["testapp,square"], tmp_path / "b.json")
+    data = json.loads(tmp_path.joinpath("b.json").read_text())
+    data["lease_expires_at"] = "2030-01-01T00:00:00"
+    tmp_path.joinpath("naive.json").write_text(json.dumps(data))
+    with pytest.raises(BatchError, match="lease_expires_at .* has no time zone offset"):
+        run_offline(tmp_path / "naive.json", tmp_path / "r.jsonl", APPS)
+
+
 def test_nothing_to_check_out(client, tmp_path):
     assert client.checkout("sm_90", ["testapp,square"], tmp_path / "b.json") is None
     assert not (tmp_path / "b.json").exists()

@@ -67,6 +67,30 @@ def test_malformed_payloads_and_outputs_fail_at_once(client, dsn, category, payl
     assert [r.output["y"] for r in client.results("testapp,square") if r.payload == {"x": 7}] == [49]
 
 
+@pytest.mark.parametrize("payload", [{"what": "nul"}, {"what": "surrogate"}, {"what": "nul", "as": "key"},
+                                     {"what": "surrogate", "as": "key"}])
+def test_output_the_database_refuses_fails_the_task_and_the_worker_goes_on(client, dsn, payload):
+    """jsonb takes neither a NUL character nor a lone surrogate, which JSON text can carry."""
+    client.dispatch("testapp,unstorable", "cpu", [payload], max_attempts=3)
+    client.dispatch("testapp,square", "cpu", [{"x": x} for x in range(4)])
+    run_workers(dsn)
+    (task,) = client.tasks("testapp,unstorable")
+    assert task.state == "failed" and task.attempts == 1  # permanent
+    assert "handler output is not JSON" in task.error and ("NUL" in task.error or "surrogate" in task.error)
+    assert sorted(r.output["y"] for r in client.results("testapp,square")) == [0, 1, 4, 9]
+
+
+@pytest.mark.parametrize("what, shown", [("nul", "a\\x00b"), ("surrogate", "\\ud800")])
+def test_an_error_text_the_database_refuses_is_recorded_escaped(client, dsn, what, shown):
+    client.dispatch("testapp,unstorable", "cpu", [{"what": what, "raise": True}], max_attempts=2)
+    client.dispatch("testapp,square", "cpu", [{"x": 3}])
+    run_workers(dsn)
+    (task,) = client.tasks("testapp,unstorable")
+    assert task.state == "failed" and task.attempts == 2  # an ordinary error: retried, then failed
+    assert f"RuntimeError: bad {shown} byte" in task.error
+    assert [r.output["y"] for r in client.results("testapp,square")] == [9]
+
+
 def test_retry_requeues_failed_tasks_with_fresh_attempts(client, dsn):
     client.dispatch("testapp,boom", "cpu", [{"msg": str(i)} for i in range(3)], max_attempts=2)
     client.dispatch("testapp,strict", "cpu", [{"n": 1}])
