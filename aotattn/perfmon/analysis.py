@@ -198,6 +198,7 @@ def compare(a: Perfdb, b: Perfdb, providers: tuple[str, ...] = (AOTATTN,), thres
     """Entry by entry, B against A, for ``providers`` (empty: all)."""
     ra, rb = a.by_key(), b.by_key()
     keys = [k for k in ra if k not in rb] + list(rb)
+    ran_in_b = {provider for _, _, provider in rb}
     changes = []
     for key in keys:
         name, pass_, provider = key
@@ -209,9 +210,12 @@ def compare(a: Perfdb, b: Perfdb, providers: tuple[str, ...] = (AOTATTN,), thres
         a_ms = x.ms if x is not None else None
         b_ms = y.ms if y is not None else None
         noise = _noise(x) + _noise(y)
-        if x is None or y is None:
+        same_entry = ea is not None and eb is not None and ea.describe() == eb.describe()
+        if y is None and a_ms is not None and same_entry and provider in ran_in_b:
+            verdict = "failed in B"  # B declares the entry and ran the provider, and has no figure for it
+        elif x is None or y is None:
             verdict = "only in A" if y is None else "only in B"
-        elif ea is not None and eb is not None and ea.describe() != eb.describe():
+        elif not same_entry:
             verdict, a_ms, b_ms = "changed", None, None
         elif a_ms is None or b_ms is None:
             verdict = "failed in B" if b_ms is None and a_ms is not None else (

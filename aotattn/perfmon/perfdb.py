@@ -196,15 +196,16 @@ def _num(value: float | None, spec: str) -> str:
     return format(value, spec)
 
 
-def _parse_float(token: str, what: str, where: str) -> float | None:
+def _parse_float(token: str, what: str, where: str, positive: bool = False) -> float | None:
     if token == MISSING:
         return None
     try:
         value = float(token)
     except ValueError as exc:
         raise PerfdbError(f"{what}: expected a number or '-', got {token!r}", where) from exc
-    if not math.isfinite(value) or value < 0:
-        raise PerfdbError(f"{what}: expected a finite non-negative number, got {token!r}", where)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise PerfdbError(f"{what}: expected a finite {'positive' if positive else 'non-negative'} number, "
+                          f"got {token!r}", where)
     return value
 
 
@@ -214,7 +215,7 @@ def _parse_record(line: str, where: str) -> Record:
         raise PerfdbError(f"a result line has 7 columns and a note ({' '.join(_COLUMNS)}), got {len(parts)}", where)
     entry, pass_, provider, ms, spread, tflops, ratio = parts[:7]
     note = parts[7] if len(parts) > 7 else ""
-    ms_v = _parse_float(ms, "ms", where)
+    ms_v = _parse_float(ms, "ms", where, positive=True)
     spread_v = _parse_float(spread, "spread%", where)
     return Record(entry, pass_, provider, ms_v, None if ms_v is None or spread_v is None else ms_v * spread_v / 100,
                   _parse_float(tflops, "TFLOP/s", where), _parse_float(ratio, "aot/x", where), note)

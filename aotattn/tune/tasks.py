@@ -196,7 +196,7 @@ def enumerate_tasks(arch: str, tables: Sequence[str], where: Mapping[str, Sequen
         tables: ``family.name`` of each table (see :func:`select_tables`).
         where: axis -> allowed values (as written in the database, ``fp16``, ``True``); an
             axis a table does not have is ignored for that table, a value it never takes
-            is an error.
+            is an error, and so is an axis no table of the selection has (a typo).
         seqlens: buckets kept on every tuning key (default: all).
         cells: ``diagonal`` (seqlen_q = seqlen_k, the square problems), ``grid`` (every
             pair of the chosen buckets), ``off-diagonal`` (the pairs with seqlen_q !=
@@ -205,6 +205,11 @@ def enumerate_tasks(arch: str, tables: Sequence[str], where: Mapping[str, Sequen
         all_functionals: also the refinements (padded heads, varlen, ...), not only roots.
     """
     where = dict(where or {})
+    known = {axis for table in tables for axis, _ in (*table_spec(table).functionals, *table_spec(table).axis_defaults)}
+    for axis in where:
+        if axis not in known:
+            raise SelectionError(f"--where {axis}: no table of the selection has that axis (axes: "
+                                 f"{', '.join(sorted(known))})")
     for table in tables:
         spec = table_spec(table)
         choices = {axis: {str(v) for v in values} for axis, values in spec.functionals}

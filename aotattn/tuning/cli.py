@@ -33,7 +33,7 @@ def show(
     arch: str = typer.Option("sm_90", help="architecture, e.g. sm_90"),
     table: str = typer.Option("flash.attn_fwd", help="family.kernel, e.g. flash.attn_bwd_dq"),
     where: str = typer.Option(None, help='only functionals matching, e.g. "dtype=bf16 BLOCK_D=128 MASK=0"'),
-    limit: int = typer.Option(4, help="at most this many functionals"),
+    limit: int = typer.Option(4, min=1, help="at most this many functionals"),
     tuning_db: Path = TUNING_DB,
 ) -> None:
     """Print the effective table (after bases and patches) as grids of configuration names."""

@@ -21,7 +21,7 @@ from aotattn.paths import installed_tuning_db
 from aotattn.spec import Config, Functional
 from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, block_for, bucket_index,
                                    fallback_chain, follow_fallbacks, format_config, parse_config, parse_patch,
-                                   parse_table, write_patch, write_table)
+                                   parse_table, text_lines, write_patch, write_table)
 
 ENV_VAR = "AOTATTN_TUNING_DB"
 MAX_BASE_DEPTH = 16  # `#! base` hops from a table to its root (the project's longest is 1)
@@ -68,8 +68,13 @@ class Database:
         """arch -> vendor, for every ``<vendor>/<arch>`` directory under the root."""
         if not self.root.is_dir():
             return {}
-        return {arch.name: vendor.name for vendor in sorted(self.root.iterdir()) if vendor.is_dir()
-                for arch in sorted(vendor.iterdir()) if arch.is_dir()}
+        found: dict[str, str] = {}
+        for vendor in sorted(self.root.iterdir()):
+            for arch in sorted(vendor.iterdir()) if vendor.is_dir() else ():
+                if arch.is_dir() and found.setdefault(arch.name, vendor.name) != vendor.name:
+                    raise TuningError(f"architecture {arch.name} is in two vendor folders, {found[arch.name]}/ and "
+                                      f"{vendor.name}/: an architecture's name is unique, keep one", str(self.root))
+        return found
 
     def arch_dir(self, arch: str) -> Path:
         vendor = self.archs().get(arch)
@@ -93,6 +98,8 @@ class Database:
     def patch_paths(self, arch: str, table: str) -> list[Path]:
         found = []
         for path in self.arch_dir(arch).glob(f"{table}.*.dbpatch"):
+            if not path.is_file():
+                raise TuningError("a folder named like a patch: remove or rename it", str(path))
             match = _PATCH_NAME.match(path.name)
             if not match or match["table"] != table:
                 raise TuningError(f"a patch is named <family>.<name>.<NNNN>-<what>.dbpatch, got {path.name!r}",
@@ -112,14 +119,16 @@ class Database:
         return parse_table(self.spec(table), read_text(path), str(path), only, arch=arch)
 
     def effective(self, arch: str, table: str, patches: int | None = None, _stack: tuple[str, ...] = (),
-                  only: frozenset[Functional] | None = None) -> Table:
+                  only: frozenset[Functional] | None = None, errors: list[TuningError] | None = None) -> Table:
         """The table after its base chain and its first ``patches`` patches (all when None).
 
         ``only``: resolve just these functionals' blocks (see :func:`parse_table`).
+        ``errors``: collect the patches' edits in error there, leave them out and go on
+        (``lint``: every bad edit, not the first); the result is then not cached.
         """
         key = (arch, table, patches, only)
         with self._lock:
-            cached = self._effective.get(key)
+            cached = self._effective.get(key) if errors is None else None
         if cached is not None:
             return cached
         own = self.own_table(arch, table, only)
@@ -145,10 +154,11 @@ class Database:
         added: dict[Functional, set[tuple[int, int]]] = {}  # refinement blocks the patches add
         for patch_path in self.patch_paths(arch, table)[:patches]:
             patch = parse_patch(spec, read_text(patch_path), str(patch_path))
-            merged = apply_patch(merged, patch, str(patch_path), only, spec.fallback, added)
+            merged = apply_patch(merged, patch, str(patch_path), only, spec.fallback, added, errors)
         follow_fallbacks(merged, added, spec.fallback)
-        with self._lock:
-            self._effective[key] = merged
+        if errors is None:
+            with self._lock:
+                self._effective[key] = merged
         return merged
 
     # ------------------------------------------------------------------ lookup
@@ -206,15 +216,21 @@ class Database:
         for arch, names in tables.items():
             for table in names:
                 if table in self.specs:
+                    edits: list[TuningError] = []
                     try:
-                        self.effective(arch, table)
+                        self.effective(arch, table, errors=edits)
                     except TuningError as exc:
+                        edits.append(exc)
+                    for exc in edits:
                         add(exc, (arch,))
         return list(found.values())
 
     def _lint_file(self, arch: str, path: Path) -> tuple[str | None, list[TuningError]]:
         """The table a file belongs to (None if none) and every error inside the file."""
         name = path.name
+        if not path.is_file():
+            return None, [TuningError("not a table (.txt) or a patch (.dbpatch) file: a folder or other kind of file "
+                                      "has no place here", str(path))]
         if name.endswith(".dbpatch"):
             match = _PATCH_NAME.match(name)
             if not match:
@@ -356,7 +372,7 @@ def diff(spec: Any, a: Table, b: Table) -> list[str]:
 
 
 def _directive_line(path: Path, directive: str) -> int:
-    for number, line in enumerate(read_text(path).splitlines(), start=1):
+    for number, line in enumerate(text_lines(read_text(path)), start=1):
         if line.startswith(f"#! {directive}"):
             return number
     return 1
@@ -365,7 +381,7 @@ def _directive_line(path: Path, directive: str) -> int:
 def _declared_base(path: Path) -> str | None:
     """The ``#! base`` a table file names, read leniently (for lint, whatever else is wrong)."""
     try:
-        for line in path.read_bytes().decode("utf-8", "replace").splitlines():
+        for line in text_lines(path.read_bytes().decode("utf-8", "replace")):
             if line.startswith("#! base "):
                 return line.split()[2] if len(line.split()) > 2 else None
             if line.startswith("["):
@@ -377,8 +393,8 @@ def _declared_base(path: Path) -> str | None:
 
 def _lost_comments(text: str, rewritten: str) -> list[str]:
     """Line numbers of the comments in ``text`` that ``rewritten`` no longer has."""
-    kept = set(rewritten.splitlines())
-    return [str(n) for n, line in enumerate(text.splitlines(), start=1)
+    kept = set(text_lines(rewritten))
+    return [str(n) for n, line in enumerate(text_lines(text), start=1)
             if line.lstrip().startswith("#") and not line.startswith("#!") and line.rstrip() not in kept]
 
 

@@ -171,6 +171,8 @@ def parse_config(spec: Any, text: str, where: str) -> Config:
         if not eq or knob not in space:
             raise TuningError(f"unknown tuning knob {knob!r} for {spec.qualname} "
                               f"(knobs: {', '.join(space)})", where)
+        if knob in values:
+            raise TuningError(f"knob {knob} given twice: give each knob once", where)
         values[knob] = parse_value(raw, space[knob], knob, where)
     missing = [k for k in space if k not in values and k not in dict(spec.knob_defaults)]
     if missing:
@@ -189,9 +191,19 @@ def _is_name(token: str) -> bool:
 # ----------------------------------------------------------------------------- parsing
 
 
+def text_lines(text: str) -> list[str]:
+    """The lines of a tuning file: split at ``\\n`` only (a ``\\r`` before it is trailing
+    space). Python's ``splitlines`` also splits at form feeds, NEL and Unicode's line
+    separators, which a comment may hold: the rest of it would become a live line."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return lines
+
+
 def _lines(text: str, path: str):
     """(number, line, "path:number") of each non-blank line (blank lines mean nothing)."""
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text_lines(text), start=1):
         line = line.rstrip()
         if line:
             yield number, line, f"{path}:{number}"
@@ -200,7 +212,7 @@ def _lines(text: str, path: str):
 def _blank_other_sections(text: str, wanted: set[tuple[str, ...]], spec: Any = None) -> str:
     """``text`` with the lines of functional sections not in ``wanted`` blanked (line
     numbers kept): a lookup then neither parses nor numbers them."""
-    lines = text.splitlines()
+    lines = text_lines(text)
     keep = True
     for i, line in enumerate(lines):
         if line.startswith("["):
@@ -545,7 +557,8 @@ def write_patch(spec: Any, patch: Patch) -> str:
 
 def apply_patch(table: Table, patch: Patch, path: str = "<patch>",
                 only: Collection[Functional] | None = None, fallback: Any = None,
-                added: dict[Functional, set[tuple[int, int]]] | None = None) -> Table:
+                added: dict[Functional, set[tuple[int, int]]] | None = None,
+                errors: list[TuningError] | None = None) -> Table:
     """A copy of ``table`` with the patch's configurations added and its cells set.
 
     ``only``: the table holds just these functionals' blocks; edits of others are skipped.
@@ -553,7 +566,9 @@ def apply_patch(table: Table, patch: Patch, path: str = "<patch>",
     table lacks (a refinement), starting as a copy of the block its lookup falls back to.
     ``added``: the blocks patches added so far and the cells they set, updated in place;
     :func:`follow_fallbacks` then gives the other cells the fallback blocks' final values.
+    ``errors``: as in :func:`parse_table` (an edit in error is left out).
     """
+    report = _Report(errors)
     out = table.copy()
     out.configs.update(patch.configs)
     index = [{b: i for i, b in enumerate(buckets)} for _, buckets in table.keys]
@@ -566,10 +581,12 @@ def apply_patch(table: Table, patch: Patch, path: str = "<patch>",
             if added is not None:
                 added[edit.functional] = set()
         if edit.functional not in out.blocks:
-            raise TuningError(f"the patch edits a functional the table does not have: {dict(edit.functional.items)}",
-                              where)
+            report(TuningError(f"the patch edits a functional the table does not have: "
+                               f"{dict(edit.functional.items)}", where))
+            continue
         if edit.config != NO_ENTRY and edit.config not in out.configs:
-            raise TuningError(f"unknown configuration {edit.config!r}", where)
+            report(TuningError(f"unknown configuration {edit.config!r}", where))
+            continue
         grid = out.blocks[edit.functional]
         rows = [index[0][b] for b in edit.selection[0]] if table.keys else [0]
         cols = [index[1][b] for b in edit.selection[1]] if len(table.keys) > 1 else [0]

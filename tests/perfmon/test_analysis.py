@@ -168,6 +168,10 @@ def test_compare_flags_only_changes_beyond_noise_and_threshold():
     assert verdicts(run(None, 0.0), run(2.0, 0.01))[(entry.name, "bwd")] == "fixed in B"
     assert verdicts(run(2.0, 0.01, extra=True), run(2.0, 0.01))[(other.name, "fwd")] == "only in A"
     assert verdicts(run(2.0, 0.01), run(2.0, 0.01, extra=True))[(other.name, "fwd")] == "only in B"
+    cut = Perfdb()  # B declares the entry and ran aotattn, but has no bwd figure (a run cut short)
+    cut.add(entry, [Record(entry.name, "fwd", "aotattn", 1.0, 0.001)])
+    assert verdicts(run(2.0, 0.01), cut)[(entry.name, "bwd")] == "failed in B"
+    assert len(analysis.compare(run(2.0, 0.01), cut).failures) == 1
     changed = verdicts(run(2.0, 0.01), run(4.0, 0.01, batch=entry.batch * 2))
     assert changed[(entry.name, "bwd")] == "changed"  # another shape under the same name: no ratio
     means = analysis.compare(run(2.0, 0.01), run(2.5, 0.01)).geomeans()

@@ -72,6 +72,8 @@ def test_one_line_per_entry_pass_and_provider():
     (lambda t: t.replace("[results]\n", "[results]\nghost fwd aotattn 1 1 1 1\n"), "undeclared entry", None),
     (lambda t: t + t.split("[results]\n", 1)[1].splitlines()[1] + "\n", "two results", None),
     (lambda t: t.replace("skipped: not asked", "x").replace(" -          -", " abc        -", 1), "ms", None),
+    (lambda t: t.replace("[results]\n", "[results]\n" + t.split("[entries]\n")[1].split()[0] + " fwd zeroed 0 1 1 1\n"),
+     "ms: expected a finite positive number, got '0'", None),
     (lambda t: t.replace("[entries]\n", "[entries]\nbroken group=dense dtype=bf16\n"), "missing fields B, Hq", 9),
     (lambda t: t.replace("[entries]\n", "[entries]\nbroken group=dense dtype=bf17 B=1 Hq=1 Hk=1 Sq=1 Sk=1 D=1 Dv=1\n"),
      "dtype 'bf17'", 9),

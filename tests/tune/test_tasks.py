@@ -65,7 +65,8 @@ def test_cells_named_one_by_one():
 @pytest.mark.parametrize("bad, message", [
     ({"where": {"dtype": ("fp64",)}}, "fp64"), ({"seqlens": [100]}, "100"), ({"cells": "square"}, "cells"),
     ({"cells": "128x100"}, "100 not a bucket of seqlen_k"), ({"cells": "128"}, "2 sizes a cell"),
-    ({"cells": "128x16384x4"}, "2 sizes a cell"), ({"cells": ","}, "cells like")])
+    ({"cells": "128x16384x4"}, "2 sizes a cell"), ({"cells": ","}, "cells like"),
+    ({"where": {"MSAK": ("2",)}}, "--where MSAK: no table of the selection has that axis")])
 def test_bad_selections(bad, message):
     with pytest.raises(tasks.SelectionError, match=message):
         list(tasks.enumerate_tasks("sm_90", ["flash.attn_fwd"], **bad))

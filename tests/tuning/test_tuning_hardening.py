@@ -185,3 +185,68 @@ def test_lint_refuses_a_table_no_family_declares(tmp_path):
     db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE, "nvidia/sm_90/toy.zz.txt": TABLE})
     problems = db.lint()
     assert len(problems) == 1 and "toy.zz" in str(problems[0]) and "toy.k" in str(problems[0])
+
+
+def test_lint_reports_every_bad_edit_of_a_patch(tmp_path):
+    two = PATCH + "seqlen_q=32 seqlen_k=*: nosuch1\nseqlen_q=64 seqlen_k=16: nosuch2\n"
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE, "nvidia/sm_90/toy.k.0001-x.dbpatch": two})
+    problems = db.lint()
+    assert [p.where.rsplit(":", 1)[1] for p in problems] == ["6", "7"], [str(p) for p in problems]
+    assert "nosuch1" in str(problems[0]) and "nosuch2" in str(problems[1])
+    with pytest.raises(TuningError, match="nosuch1"):  # a lookup still stops at the first
+        db.lookup("sm_90", TOY, f(), {"seqlen_q": 16, "seqlen_k": 16})
+
+
+def test_a_knob_given_twice_is_an_error_in_tables_and_patches(tmp_path):
+    twice = "#! aotattn-patch 1\n#! table toy.k\n\n[configs]\nwz = BLOCK=16 num_warps=8 num_warps=4\n"
+    with pytest.raises(TuningError, match="knob num_warps given twice") as info:
+        parse_patch(TOY, twice, "p.dbpatch")
+    assert info.value.where == "p.dbpatch:5"
+    with pytest.raises(TuningError, match="knob BLOCK given twice"):
+        parse_table(TOY, TABLE.replace("big = BLOCK=64", "big = BLOCK=64 BLOCK=16"), "t.txt")
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85", "\x0c", "\x1c", "\x0b", "\r"])
+def test_only_a_newline_ends_a_line(tmp_path, separator):
+    """Python's splitlines also splits at these; inside a comment they must not make the
+    rest of it a live edit, a directive or a config (a lone \\r included)."""
+    hidden = PATCH + f"# was big{separator}seqlen_q=16 seqlen_k=*: small\n"
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE, "nvidia/sm_90/toy.k.0001-x.dbpatch": hidden})
+    assert db.lint() == []
+    assert db.lookup("sm_90", TOY, f(), {"seqlen_q": 16, "seqlen_k": 16})["BLOCK"] == 64  # the patch's big
+    commented = TABLE.replace("# a comment that survives round trips", f"# a comment{separator}#! base sm_80")
+    assert parse_table(TOY, commented, "t.txt").base is None
+
+
+def test_crlf_line_ends_read_as_newlines(tmp_path):
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE})
+    (tmp_path / "nvidia/sm_90/toy.k.txt").write_bytes(TABLE.replace("\n", "\r\n").encode())
+    assert db.lookup("sm_90", TOY, f(), {"seqlen_q": 64, "seqlen_k": 64})["BLOCK"] == 64
+
+
+def test_an_architecture_under_two_vendors_is_an_error(tmp_path):
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE, "zzz/sm_90/toy.k.txt": "garbage\n"})
+    with pytest.raises(TuningError, match="sm_90 is in two vendor folders, nvidia/ and zzz/"):
+        db.lint()
+    with pytest.raises(TuningError, match="two vendor folders"):
+        db.lookup("sm_90", TOY, f(), {"seqlen_q": 64, "seqlen_k": 64})
+    assert lint_cli(tmp_path).exit_code == 1
+
+
+def test_a_folder_named_like_a_table_or_patch_is_reported_not_a_crash(tmp_path):
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE})
+    (tmp_path / "nvidia/sm_90/toy.k.0002-x.dbpatch").mkdir()
+    (tmp_path / "nvidia/sm_80/toy.k.txt").mkdir(parents=True)
+    problems = [str(p) for p in db.lint()]
+    assert any("sm_80/toy.k.txt" in p and "a folder" in p for p in problems), problems
+    assert any("0002-x.dbpatch" in p and "folder" in p for p in problems), problems
+    with pytest.raises(TuningError, match="a folder named like a patch"):
+        db.lookup("sm_90", TOY, f(), {"seqlen_q": 64, "seqlen_k": 64})
+    result = lint_cli(tmp_path)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_show_refuses_a_limit_below_one(limit):
+    result = CliRunner().invoke(app, ["tuning", "show", "--limit", limit, "--where", "dtype=bf16 BLOCK_D=128"])
+    assert result.exit_code == 2 and "--limit" in result.output and "more" not in result.output
