@@ -19,7 +19,7 @@ console = Console(soft_wrap=True)
 CATEGORY = typer.Option(["flash"], "--category", "-c", help="family or family,kernel (repeatable), e.g. "
                         "flash,attn_fwd or flash,backward")
 WHERE = typer.Option(None, help='axes and values, e.g. "dtype=fp16,bf16 BLOCK_D=64,128 MASK=0,2"')
-DTYPE = typer.Option("fp16,bf16", "--dtype", help="dtypes (the dtype axis)")
+DTYPE = typer.Option(None, "--dtype", help="dtypes (the dtype axis; default fp16,bf16)")
 HEAD_DIM = typer.Option(None, "--head-dim", help="head-dim buckets, e.g. 64,128 (the BLOCK_D axis; default all)")
 SEQLEN = typer.Option(None, "--seqlen", help="sequence-length buckets, e.g. 1024,4096 (default all)")
 CELLS = typer.Option("diagonal", "--cells",
@@ -48,10 +48,12 @@ def _select(category: list[str], where: str | None, dtype: str, head_dim: str | 
     from aotattn.tune import harnesses, tasks
 
     filters = tasks.parse_where(where)
-    if dtype:
-        filters.setdefault("dtype", tuple(v for v in dtype.split(",") if v))
-    if head_dim:
-        filters.setdefault("BLOCK_D", tuple(v for v in head_dim.split(",") if v))
+    for option, axis, given in (("--dtype", "dtype", dtype), ("--head-dim", "BLOCK_D", head_dim)):
+        if given is not None and axis in filters:
+            raise tasks.SelectionError(f"{option} and --where {axis}=... both given: give the {axis} values once")
+        if given:
+            filters[axis] = tuple(v for v in given.split(",") if v)
+    filters.setdefault("dtype", ("fp16", "bf16"))
     try:
         lengths = [int(v) for v in seqlen.split(",") if v] if seqlen else None
     except ValueError as exc:

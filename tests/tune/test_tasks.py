@@ -117,3 +117,17 @@ def test_cells_a_call_never_looks_up_are_not_tuned():
         assert (table, False, (512, 512)) not in kept and (table, False, (4096, 512)) in kept
         assert ((table, False, (512, 4096)) in kept) == (table == "flash.attn_fwd")
         assert (table, True, (512, 4096)) in kept
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtype", "bf16", "--where", "dtype=fp16"], "--dtype and --where dtype=... both given"),
+    (["--head-dim", "64", "--where", "BLOCK_D=128"], "--head-dim and --where BLOCK_D=... both given"),
+    (["--where", "MSAK=2"], "--where MSAK: no table of the selection has that axis"),
+])
+def test_plan_refuses_a_where_that_would_silently_select_something_else(args, message):
+    from typer.testing import CliRunner
+
+    from aotattn.cli import app
+
+    result = CliRunner().invoke(app, ["tune", "plan", "-c", "flash,attn_fwd", *args])
+    assert result.exit_code == 1 and message in result.output, result.output
