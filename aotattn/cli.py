@@ -23,6 +23,11 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def _debug_from_environment() -> bool:
+    """``AOTATTN_DEBUG`` as a flag: 1/true/yes/on turn tracebacks on; 0, false, no, off or empty do not."""
+    return os.environ.get("AOTATTN_DEBUG", "").strip().lower() in ("1", "true", "yes", "on", "y", "t")
+
+
 class _OneLineErrors(TyperGroup):
     """A command group whose errors are one line each (see the module docstring)."""
 
@@ -40,12 +45,13 @@ class _OneLineErrors(TyperGroup):
         except _ClickException as exc:
             self._usage_error(exc)
         except Exception as exc:
-            if ctx.params.get("debug") or os.environ.get("AOTATTN_DEBUG"):
+            if ctx.params.get("debug") or _debug_from_environment():
                 raise
             from aotattn.errors import AotattnError
+            from aotattn.pgdef.errors import PgdefError
 
-            # what aotattn raises for users (its own errors, bad values, files); anything else is a bug
-            if isinstance(exc, (AotattnError, ValueError, OSError)) and str(exc):
+            # what aotattn raises for users (its own errors, pgdef's, bad values, files); anything else is a bug
+            if isinstance(exc, (AotattnError, PgdefError, ValueError, OSError)) and str(exc):
                 typer.echo(f"aotattn: error: {_one_line(str(exc))}", err=True)
             else:
                 typer.echo(f"aotattn: internal error: {type(exc).__name__}: {_one_line(str(exc))} (a bug in aotattn: "

@@ -5,6 +5,7 @@ backward on seeded inputs and ends with a summary line."""
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
 
@@ -265,3 +266,14 @@ def test_check_passes_on_the_real_kernels():
     result = invoke("check")
     assert result.exit_code == 0, result.output
     assert _summary(result).endswith("all passed")
+
+
+@pytest.mark.parametrize("value, traceback", [("0", False), ("false", False), ("", False), ("1", True)])
+def test_aotattn_debug_is_read_as_a_flag(value, traceback):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "aotattn.cli", "images", "ls", "/no/such/images"],
+                          capture_output=True, text=True, env={**os.environ, "AOTATTN_DEBUG": value}, timeout=120)
+    assert done.returncode != 0
+    assert ("Traceback" in done.stderr) == traceback, done.stderr

@@ -30,8 +30,15 @@ ARCH = typer.Option(None, "--arch", help="architecture folder (default: the one 
 
 
 def _fail(message: str) -> typer.Exit:
-    console.print(escape(message), style="red")
-    return typer.Exit(2)
+    """One line on stderr, exit status 1 (aotattn/cli.py's promise)."""
+    typer.echo(f"aotattn: error: {' '.join(message.split())}", err=True)
+    return typer.Exit(1)
+
+
+def _finite(value: float | None, option: str, least: float = 0.0) -> None:
+    """Refuse NaN, infinities and values below ``least`` (click's ranges let NaN through)."""
+    if value is not None and not (math.isfinite(value) and value >= least):
+        raise typer.BadParameter(f"expected a finite number >= {least:g}, got {value}", param_hint=option)
 
 
 def _entries(match: list[str] | None, group: list[str] | None) -> list[Entry]:
@@ -94,8 +101,8 @@ HIDE_HOST = typer.Option(0.0, "--hide-host-ms", min=0.0, max=timing.MAX_HIDE_HOS
 
 @perfmon_app.command("list")
 def list_entries(match: list[str] = MATCH, group: list[str] = GROUP,
-                 rounds: int = typer.Option(3, help="interleaved rounds"),
-                 reps: int = typer.Option(None, help="timed calls per round (default: 5, or what --budget allows)"),
+                 rounds: int = typer.Option(3, min=1, help="interleaved rounds"),
+                 reps: int = typer.Option(None, min=1, help="timed calls per round (default: 5, or what --budget allows)"),
                  budget: float = typer.Option(None, "--budget", help="seconds on an H200 to size --reps to"),
                  no_peers: bool = typer.Option(False, "--no-peers"), no_flex: bool = typer.Option(False, "--no-flex"),
                  flex_all: bool = FLEX_ALL, hide_host_ms: float = HIDE_HOST, flex_jobs: int = FLEX_JOBS,
@@ -127,9 +134,9 @@ def list_entries(match: list[str] = MATCH, group: list[str] = GROUP,
 @perfmon_app.command()
 def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch>/<tag>.txt"),
         match: list[str] = MATCH, group: list[str] = GROUP,
-        rounds: int = typer.Option(3, help="interleaved rounds (the spread is their range)"),
-        reps: int = typer.Option(None, help="timed calls per provider and round (default: 5, or what --budget allows)"),
-        warmup: int = typer.Option(2, help="untimed calls per provider first"),
+        rounds: int = typer.Option(3, min=1, help="interleaved rounds (the spread is their range)"),
+        reps: int = typer.Option(None, min=1, help="timed calls per provider and round (default: 5, or what --budget allows)"),
+        warmup: int = typer.Option(2, min=0, help="untimed calls per provider first"),
         budget: float = typer.Option(None, "--budget", help="size --reps so the estimate fits this many seconds"),
         deadline: float = typer.Option(None, "--deadline", help="start no entry after this many seconds"),
         no_peers: bool = typer.Option(False, "--no-peers", help="time aotattn only"),
@@ -148,9 +155,14 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
     from aotattn.perfmon.measure import Options, environment, measure_entry
 
     store.check_tag(tag)
+    _finite(deadline, "--deadline")
+    _finite(budget, "--budget")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cuda", "cpu"):
         raise _fail(f"--device: expected cuda or cpu, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise _fail("--device cuda: this torch sees no CUDA GPU; run on a GPU machine, or --device cpu for the "
+                    "interpreter (tiny entries only)")
     dev = torch.device(device)
     entries = _entries(match, group)
     flex = _flex(no_flex, flex_all)
@@ -239,7 +251,7 @@ def images(arch: str = typer.Option("sm_90", help="target architecture"),
            match: list[str] = MATCH, group: list[str] = GROUP,
            out: Path = typer.Option(None, "--out", help="image folder (default: images/)"),
            cache: Path = typer.Option(None, "--cache", help="compiled-kernel cache (default: build/cache/)"),
-           jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", help="parallel compiler processes"),
+           jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", min=1, help="parallel compiler processes"),
            timeout: float = typer.Option(600.0, help="seconds before one kernel's compilation is abandoned"),
            dry_run: bool = typer.Option(False, "--dry-run", help="only list the kernels")) -> None:
     """Compile exactly the kernels a run of these entries loads (forward, both backward backends)."""
@@ -298,9 +310,9 @@ def bad_patch_command(tuning_db: Path = typer.Option(..., "--tuning-db", help="a
 def dispatch(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch>/<tag>.txt"),
              arch: str = typer.Option("sm_90", "--arch", help="the worker pool: GPU architecture"),
              match: list[str] = MATCH, group: list[str] = GROUP,
-             rounds: int = typer.Option(3, help="interleaved rounds"),
-             reps: int = typer.Option(5, help="timed calls per provider and round"),
-             warmup: int = typer.Option(2, help="untimed calls per provider first"),
+             rounds: int = typer.Option(3, min=1, help="interleaved rounds"),
+             reps: int = typer.Option(5, min=1, help="timed calls per provider and round"),
+             warmup: int = typer.Option(2, min=0, help="untimed calls per provider first"),
              no_peers: bool = typer.Option(False, "--no-peers"), no_flex: bool = typer.Option(False, "--no-flex"),
              flex_all: bool = FLEX_ALL, hide_host_ms: float = HIDE_HOST,
              seed: int = typer.Option(0, help="inputs and dropout draws"),
@@ -404,6 +416,7 @@ def compare(a: str = typer.Argument(..., help="the baseline: a tag or a perfdb f
     """Per-entry ratios B against A, geometric means per group, regressions beyond the noise."""
     from aotattn.perfmon.analysis import compare as compare_runs
 
+    _finite(threshold, "--threshold")
     da, pa = _read(a, arch, root)
     dbb, pb = _read(b, arch, root)
     chosen = () if provider and "all" in provider else tuple(provider or ("aotattn",))
@@ -466,6 +479,7 @@ def faults(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: 
     from aotattn.perfmon.provenance import parse_cell, suggest_patch
     from aotattn.spec import Config
 
+    _finite(margin, "--margin")
     db, path = _read(tag, arch, root)
     found = _print_faults(db, path.stem, margin)
     if patch is not None and found:
@@ -582,6 +596,7 @@ def standing(peer: str = typer.Option("flex", "--peer", "-p", help="the provider
     from aotattn.perfmon.entries import select
     from aotattn.perfmon.providers import ALL
 
+    _finite(floor, "--floor")
     if peer not in ALL or peer == "aotattn":
         raise _fail(f"--peer {peer}: expected one of {', '.join(p for p in ALL if p != 'aotattn')}")
     folder = (root or store.root()) / arch

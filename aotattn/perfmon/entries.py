@@ -180,8 +180,10 @@ class Entry:
             problems.append(f"passes {self.passes!r}: distinct names from {PASSES}")
         if min(self.batch, self.heads_q, self.heads_k, self.seqlen_q, self.seqlen_k) < 1:
             problems.append("sizes must be positive")
-        if self.heads_q % self.heads_k:
+        if self.heads_k > 0 and self.heads_q % self.heads_k:
             problems.append(f"heads_q {self.heads_q} is not a multiple of heads_k {self.heads_k}")
+        if len(self.window) != 2 or any(side < -1 for side in self.window):
+            problems.append(f"window {self.window!r}: two sides, each -1 (unbounded) or >= 0")
         if not (1 <= self.head_dim <= 256 and 1 <= self.head_dim_v <= 256):
             problems.append("head dims must be in 1..256")
         if self.api == "varlen":

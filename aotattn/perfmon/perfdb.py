@@ -125,6 +125,9 @@ class Perfdb:
         db = cls()
         section = None
         seen: set[tuple[str, str, str]] = set()
+        if not text.strip():
+            raise PerfdbError(f"an empty file: expected '#! aotattn-perfdb {FORMAT_VERSION}' on the first line",
+                              f"{path}:1")
         for number, raw in enumerate(text.splitlines(), start=1):
             where = f"{path}:{number}"
             line = raw.rstrip()

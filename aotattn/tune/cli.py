@@ -186,7 +186,7 @@ def _batch_tasks(path: Path):
 @app.command("compile")
 def compile_command(batch: Path = typer.Argument(..., help="pgdef batch file or `tune plan --out` file"),
                     images: Path = typer.Option(..., "--images", help="image folder to fill (carry it to the GPU)"),
-                    jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", help="parallel compiler processes"),
+                    jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", min=1, help="parallel compiler processes"),
                     cache: Path = typer.Option(None, help="compiled-kernel cache (default: build/cache/)"),
                     timeout: float = typer.Option(600.0, help="seconds before one compile is abandoned"),
                     tuning_db: Path = TUNING_DB,

@@ -11,6 +11,7 @@ suggests must undo the damage.
 from __future__ import annotations
 
 import math
+import os
 import random
 import shutil
 from pathlib import Path
@@ -473,3 +474,37 @@ def test_standing_takes_each_entrys_latest_side_by_side_figure(tmp_path, monkeyp
     assert invoke("--peer", "flex", "-g", "window").exit_code != 0  # nothing selected
     assert "expected one of" in invoke("--peer", "nosuch").output
     assert invoke("--peer", "sdpa-cudnn").exit_code != 0  # no run timed it
+
+
+@pytest.mark.parametrize("args, option", [
+    (["perfdb", "compare", "a", "b", "--threshold", "nan"], "--threshold"),
+    (["perfdb", "compare", "a", "b", "--threshold", "-0.1"], "--threshold"),
+    (["perfdb", "faults", "a", "--margin", "-10"], "--margin"),
+    (["perfdb", "standing", "--peer", "flex", "--floor", "nan"], "--floor"),
+    (["perfmon", "run", "--tag", "x", "--deadline", "nan"], "--deadline"),
+    (["perfmon", "run", "--tag", "x", "--rounds", "0"], "--rounds"),
+    (["perfmon", "images", "--arch", "sm_90", "--jobs", "0"], "--jobs"),
+    (["tune", "compile", "plan.txt", "--jobs", "0"], "--jobs"),
+])
+def test_numeric_options_refuse_nan_and_out_of_range_values(args, option):
+    """A NaN threshold made every comparison 'same' and --fail-on-regression pass; --jobs 0
+    hung the compile pool."""
+    from typer.testing import CliRunner
+
+    from aotattn.cli import app
+
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and option in result.output, result.output
+
+
+def test_perfdb_errors_are_one_line_on_stderr_with_status_1(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for args, reason in ((["summary", "no-such-tag"], "no-such-tag"), (["faults", str(empty)], "an empty file")):
+        done = subprocess.run([sys.executable, "-m", "aotattn.cli", "perfdb", *args], capture_output=True, text=True,
+                              env={**os.environ, "AOTATTN_PERFDB": str(tmp_path)}, timeout=120)
+        assert done.returncode == 1 and done.stdout == "", (args, done.stdout)
+        assert done.stderr.count("\n") == 1 and reason in done.stderr and done.stderr.startswith("aotattn: error:")

@@ -126,3 +126,18 @@ def test_tuning_revision_follows_the_tables_and_their_bases(tmp_path):
     assert store.tuning_revision(tmp_path / "db", "sm_90") == first
     (tmp_path / "db" / "nvidia" / "sm_80" / "f.t.txt").write_text("changed\n")
     assert store.tuning_revision(tmp_path / "db", "sm_90") != first
+
+
+@pytest.mark.parametrize("field, message", [("Hk=1", "sizes must be positive"), ("window=", "two sides")])
+def test_declarations_that_would_crash_later_are_refused_at_their_line(field, message):
+    text = random_run(5, n=1).to_text()
+    name = text.split("[entries]\n")[1].split()[0]
+    line = next(ln for ln in text.splitlines() if ln.startswith(name + " "))
+    import re
+
+    if field == "Hk=1":
+        bad = re.sub(r" Hk=\d+ ", " Hk=0 ", line)
+    else:
+        bad = re.sub(r" window=\S+", "", line) + " window=5"
+    with pytest.raises(PerfdbError, match=message):
+        Perfdb.from_text(text.replace(line, bad), "runs/x.txt")
