@@ -54,6 +54,14 @@ def test_check_on_a_missing_device_is_one_line():
     assert "--device" in error_line(invoke("check", "--device", "tpu"))
 
 
+@pytest.mark.parametrize("args", [("check", "--seed", str(10**20)), ("check", "--seed", "-1"),
+                                  ("perfmon", "run", "--tag", "x", "--seed", str(2**64))])
+def test_a_seed_out_of_range_names_the_option(args):
+    """A seed beyond 64 bits reached torch's generator: 'Overflow when unpacking long long'."""
+    line = error_line(invoke(*args), code=2)
+    assert "--seed" in line and "Overflow" not in line
+
+
 def test_a_usage_error_is_one_line():
     line = error_line(invoke("build", "--archh", "sm_90"), code=2)
     assert "--archh" in line and "aotattn build --help" in line
@@ -132,6 +140,13 @@ def test_where_axes_may_belong_to_any_selected_kernel():
     assert all(job.functional["dtype"] == "bf16" for job in jobs)
     with pytest.raises(ValueError, match="BLOCK_D"):
         enumerate_jobs(Database(), ["sm_90"], ["flash.attn_bwd_preprocess"], "BLOCK_D=64")
+
+
+def test_a_repeated_arch_is_built_and_counted_once():
+    args = ("build", "--dry-run", "--kernel", "attn_fwd", "--where", "dtype=bf16 BLOCK_D=64 VARLEN=False")
+    once, twice = invoke(*args, "--arch", "sm_90"), invoke(*args, "--arch", "sm_90", "--arch", "sm_90")
+    assert once.exit_code == twice.exit_code == 0 and once.output == twice.output
+    assert re.search(r"^\d+ kernel\(s\): sm_90 flash.attn_fwd \d+$", once.output.splitlines()[-1])
 
 
 def test_a_where_that_matches_nothing_is_an_error():

@@ -72,7 +72,7 @@ def build_command(
     from aotattn.compiler.builder import DEFAULT_CACHE, build, check_archs, enumerate_jobs
     from aotattn.tuning import Database
 
-    archs = arch or [_default_arch()]
+    archs = list(dict.fromkeys(arch or [_default_arch()]))  # `--arch sm_90 --arch sm_90` builds it once
     check_archs(archs)
     known = families.kernels()
     tables = [name for name in known

@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from aotattn.perfmon.budget import Plan
+from aotattn.perfmon.budget import MAX_SEED, Plan
 from aotattn.perfmon.entries import Entry, by_name, declared
 from aotattn.perfmon.perfdb import Perfdb, Record, check_tag
 from aotattn.pgdef import App, PayloadError, TaskContext, TaskSpec
@@ -69,10 +69,10 @@ def parse_payload(data: Any):
         hide = raw.get("hide_host_ms", _OPTIONAL_FIELDS["hide_host_ms"])
         counts = [raw[k] for k in ("rounds", "reps", "warmup", "seed")]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in counts) or min(counts[:2]) < 1 \
-                or counts[2] < 0 or not isinstance(raw["peers"], bool) \
+                or counts[2] < 0 or not 0 <= counts[3] <= MAX_SEED or not isinstance(raw["peers"], bool) \
                 or not (isinstance(raw["flex"], bool) or raw["flex"] == "all") \
                 or not timing.valid_hide_host_ms(hide):
-            raise ValueError(f"options: rounds, reps >= 1, warmup >= 0, seed integers, peers a boolean, flex a "
+            raise ValueError(f"options: rounds, reps >= 1, warmup >= 0, seed integers (seed in [0, 2**63)), peers a boolean, flex a "
                              f"boolean or 'all', hide_host_ms milliseconds in [0, {timing.MAX_HIDE_HOST_MS:g}]; "
                              f"got {raw}")
         options = Options(Plan(raw["rounds"], raw["reps"], raw["warmup"], float(hide)), raw["peers"], raw["flex"],

@@ -26,6 +26,7 @@ _RATES = {
     ("flex", "fwd"): {64: (360, 260), 128: (470, 365), 256: (400, 300)},
     ("flex", "bwd"): {64: (280, 195), 128: (400, 355), 256: (250, 220)},
 }
+MAX_SEED = 2**63 - 1  # a run's seed: what torch's generators and a JSON payload's bigint both hold
 CALL_MS = 0.03  # launch and autograd bookkeeping of one call on the GPU's critical path
 TRAINING_CALL_MS = {"fwd": 0.13, "fwdbwd": 0.8}  # host time per small training call (FACTS)
 # A training entry's call is host-bound, so one sample moves with the host's jitter: at 5 a

@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from aotattn.perfmon import perfdb as store
+from aotattn.perfmon.budget import MAX_SEED
 from aotattn.perfmon.entries import Entry
 from aotattn.pgdef.cli import DSN, HOME
 from aotattn.tune import timing
@@ -54,6 +55,7 @@ FLEX_ALL = typer.Option(False, "--flex-all", help="time FlexAttention on every e
                         "that ask for it (about 20 s of compiling per entry; see run --flex-jobs)")
 
 
+SEED = typer.Option(0, min=0, max=MAX_SEED, help="inputs and dropout draws")
 FLEX_JOBS = typer.Option(0, "--flex-jobs", min=0, help="first compile FlexAttention's graphs for the entries in "
                          "this many processes (Inductor's disk cache then serves the run)")
 
@@ -144,9 +146,9 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
         flex_all: bool = FLEX_ALL, hide_host_ms: float = HIDE_HOST,
         resume: bool = typer.Option(False, "--resume", help="keep the tag's measured entries, run the others"),
         flex_jobs: int = FLEX_JOBS,
-        force: bool = typer.Option(False, "--force", help="replace an existing file of this tag"),
+        force: bool = typer.Option(False, "--force", help="replace an existing file of this tag (even with --resume)"),
         device: str = typer.Option(None, help="cuda (default when present) or cpu (the interpreter: tiny entries)"),
-        seed: int = typer.Option(0, help="inputs and dropout draws"),
+        seed: int = SEED,
         out: Path = typer.Option(None, "--out", help="write here instead of perfdb/<arch>/<tag>.txt"),
         root: Path = ROOT) -> None:
     """Measure entries on one GPU, without a database, into a perfdb file (written after every entry)."""
@@ -171,11 +173,12 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
     header = {"tag": tag, **environment(dev, plan)}
     path = out or store.path_for(tag, header["arch"], root)
     db = store.Perfdb(header=header)
-    if path.exists():
+    if path.exists() and not force:
         if resume:
             db = store.Perfdb.read(path)
+            _check_resumable(db.header, header, path)
             db.comments.append(f"resumed {header['date']}: {header['command']}")
-        elif not force:
+        else:
             raise _fail(f"{path} exists: pass --resume to complete it or --force to replace it")
     todo = [e for e in entries if e.name not in db.entries or db.entries[e.name] != e]
     for e in todo:
@@ -208,6 +211,18 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
     _print_faults(db, path.stem)
     if problems:
         raise typer.Exit(1)
+
+
+# a resumed run keeps one header: records of another GPU, build or tuning would hide under it
+RESUME_KEYS = ("tag", "arch", "gpu", "mode", "aotattn", "tuning", "triton", "torch")
+
+
+def _check_resumable(stored: dict[str, str], header: dict[str, str], path: Path) -> None:
+    differ = [f"{key} {stored.get(key)!r} there, {header[key]!r} here"
+              for key in RESUME_KEYS if stored.get(key) != header[key]]
+    if differ:
+        raise _fail(f"--resume: {path} was measured elsewhere ({'; '.join(differ)}): "
+                    "resume it where it ran, or pass --force to measure every entry again")
 
 
 def _warm_flex(entries: list[Entry], device: str, flex: bool | str, seed: int, jobs: int) -> None:
@@ -315,7 +330,7 @@ def dispatch(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/
              warmup: int = typer.Option(2, min=0, help="untimed calls per provider first"),
              no_peers: bool = typer.Option(False, "--no-peers"), no_flex: bool = typer.Option(False, "--no-flex"),
              flex_all: bool = FLEX_ALL, hide_host_ms: float = HIDE_HOST,
-             seed: int = typer.Option(0, help="inputs and dropout draws"),
+             seed: int = SEED,
              priority: int = typer.Option(0, help="higher runs first"),
              dsn: str = DSN, home: Path = HOME) -> None:
     """Queue one pgdef task per entry (category perfmon,entry; pool = the architecture)."""

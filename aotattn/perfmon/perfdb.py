@@ -162,6 +162,10 @@ class Perfdb:
                 record = _parse_record(line, where)
                 if record.entry not in db.entries:
                     raise PerfdbError(f"result for undeclared entry {record.entry}", where)
+                passes = db.entries[record.entry].passes
+                if record.pass_ not in passes:
+                    raise PerfdbError(f"pass {record.pass_!r}: entry {record.entry} declares passes "
+                                      f"{','.join(passes)}", where)
                 if record.key in seen:
                     raise PerfdbError(f"two results for {' / '.join(record.key)}", where)
                 seen.add(record.key)
@@ -175,7 +179,12 @@ class Perfdb:
         path = Path(path)
         if not path.is_file():
             raise PerfdbError(f"no perfdb file {path}: run `aotattn perfmon run --tag {path.stem}` to make it")
-        return cls.from_text(path.read_text(), str(path))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise PerfdbError(f"not UTF-8 text (byte {exc.start}): a perfdb file is text written by "
+                              "`aotattn perfmon run`; restore it from git or measure it again", str(path)) from exc
+        return cls.from_text(text, str(path))
 
     def write(self, path: Path | str) -> Path:
         """Write atomically (a temporary file, then a rename)."""

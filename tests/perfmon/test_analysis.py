@@ -508,3 +508,29 @@ def test_perfdb_errors_are_one_line_on_stderr_with_status_1(tmp_path, monkeypatc
                               env={**os.environ, "AOTATTN_PERFDB": str(tmp_path)}, timeout=120)
         assert done.returncode == 1 and done.stdout == "", (args, done.stdout)
         assert done.stderr.count("\n") == 1 and reason in done.stderr and done.stderr.startswith("aotattn: error:")
+
+
+def test_resume_refuses_a_run_measured_on_another_gpu_or_build(tmp_path):
+    """`perfmon run --resume` used to append this machine's records under another GPU's header."""
+    import torch
+
+    from aotattn.cli import app
+    from aotattn.perfmon.budget import Plan
+    from aotattn.perfmon.measure import environment
+
+    entry = select(declared(), ["dense-bf16-d64-s512-full"])[0]
+    args = ["perfmon", "run", "--tag", "t", "--device", "cpu", "--match", entry.name, "--no-peers"]
+    here = {"tag": "t", **environment(torch.device("cpu"), Plan(rounds=1, reps=1, warmup=0))}
+    for key, value in (("gpu", "NVIDIA H200, sm_90, 132 SMs"), ("tuning", "sha256:0123456789abcdef"),
+                       ("torch", "2.0.0"), ("tag", "other")):
+        path = tmp_path / f"{key}.txt"
+        Perfdb(header={**here, key: value}, entries={entry.name: entry}).write(path)
+        before = path.read_text()
+        result = CliRunner().invoke(app, [*args, "--out", str(path), "--resume"])
+        assert result.exit_code == 1 and f"{key} {value!r} there" in result.output, result.output
+        assert "--force" in result.output and path.read_text() == before
+    # the same machine and build resume: the measured entry is kept, nothing runs again
+    same = tmp_path / "same.txt"
+    Perfdb(header=here, entries={entry.name: entry}).write(same)
+    result = CliRunner().invoke(app, [*args, "--out", str(same), "--resume"])
+    assert result.exit_code == 0 and "0 of 1 entries to measure" in result.output, result.output

@@ -89,6 +89,10 @@ def test_offline_batch_then_export_from_the_results_file(dsn, cpu_tasks, tmp_pat
      "hide_host_ms"),
     ({**perfmon_app.payload("x", ENTRIES[0], TINY), "options": {"rounds": 1, "reps": 1, "warmup": 0, "seed": 0,
                                                                 "peers": True, "flex": True, "nope": 1}}, "optionally"),
+    ({**perfmon_app.payload("x", ENTRIES[0], TINY), "options": {"rounds": 1, "reps": 1, "warmup": 0, "seed": 2**64,
+                                                                "peers": True, "flex": True}}, "seed in"),
+    ({**perfmon_app.payload("x", ENTRIES[0], TINY), "options": {"rounds": 1, "reps": 1, "warmup": 0, "seed": -1,
+                                                                "peers": True, "flex": True}}, "seed in"),
 ])
 def test_malformed_payloads_are_refused(payload, words):
     with pytest.raises(PayloadError, match=words):

@@ -78,6 +78,8 @@ def test_one_line_per_entry_pass_and_provider():
     (lambda t: t.replace("[entries]\n", "[entries]\nbroken group=dense dtype=bf17 B=1 Hq=1 Hk=1 Sq=1 Sk=1 D=1 Dv=1\n"),
      "dtype 'bf17'", 9),
     (lambda t: t.replace("[entries]", "[stuff]"), "expected \\[entries\\]", None),
+    (lambda t: t.replace("[results]\n", "[results]\n" + t.split("[entries]\n")[1].split()[0] + " fwdd aotattn 1 1 1 1\n"),
+     "pass 'fwdd': entry .* declares passes", None),
 ])
 def test_malformed_files_are_refused_with_their_line(mutate, message, line):
     text = random_run(5, n=3).to_text()
@@ -141,3 +143,11 @@ def test_declarations_that_would_crash_later_are_refused_at_their_line(field, me
         bad = re.sub(r" window=\S+", "", line) + " window=5"
     with pytest.raises(PerfdbError, match=message):
         Perfdb.from_text(text.replace(line, bad), "runs/x.txt")
+
+
+def test_a_file_that_is_not_text_names_itself_and_the_fix(tmp_path):
+    path = random_run(6, n=2).write(tmp_path / "sm_90" / "t6.txt")
+    path.write_bytes(path.read_bytes().replace(b"[results]", b"[res\xff\xfeults]"))
+    with pytest.raises(PerfdbError, match="not UTF-8 text .*restore it from git") as info:
+        Perfdb.read(path)
+    assert str(path) in str(info.value)

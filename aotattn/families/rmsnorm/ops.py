@@ -11,6 +11,8 @@ from aotattn.families.rmsnorm import rules
 from aotattn.runtime import launch
 from aotattn.spec import Functional, LaunchPlan
 
+MAX_EPS = float(torch.finfo(torch.float32).max)  # the kernel adds eps in fp32: more would round to inf
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(mean(x**2, -1) + eps) * weight`` over the last dimension, in fp32.
@@ -19,7 +21,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         x: ``(..., N)``, float16, bfloat16 or float32, unit stride in the last dimension,
             N up to 16384.
         weight: ``(N,)`` in x's dtype, or None.
-        eps: a finite non-negative float.
+        eps: a non-negative real number representable in float32.
 
     Returns:
         A tensor of x's shape and dtype. Forward only (no autograd).
@@ -35,12 +37,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     if weight is not None:
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"weight: expected a torch.Tensor or None, got {type(weight).__name__}")
-        if weight.shape != (x.shape[-1],) or weight.dtype != x.dtype or weight.device != x.device:
-            raise ValueError(f"weight: expected shape ({x.shape[-1]},), dtype {x.dtype}, device {x.device}; got "
-                             f"{tuple(weight.shape)}, {weight.dtype}, {weight.device}")
+        if weight.dtype != x.dtype:
+            raise TypeError(f"weight: expected dtype {x.dtype} (the dtype of x), got {weight.dtype}")
+        if weight.shape != (x.shape[-1],) or weight.device != x.device:
+            raise ValueError(f"weight: expected shape ({x.shape[-1]},) on device {x.device}; got "
+                             f"{tuple(weight.shape)} on {weight.device}")
         weight = weight.contiguous()
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps: expected a finite non-negative number, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps: expected a real number, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and 0 <= eps <= MAX_EPS):
+        raise ValueError(f"eps: expected a non-negative number up to {MAX_EPS:.3g} (float32's largest), got {eps!r}")
     n_cols = x.shape[-1]
     rows = x.reshape(-1, n_cols)  # a view whenever the rows are evenly strided
     if rows.numel() and rows.stride(-1) != 1:

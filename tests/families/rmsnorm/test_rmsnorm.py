@@ -34,8 +34,12 @@ def test_strided_rows():
     ((torch.randn(4, 8, dtype=torch.float64),), TypeError, "x: expected dtype"),
     ((torch.randn(4, 20000),), ValueError, "x: expected a last dimension of 1..16384"),
     ((torch.randn(4, 8), torch.randn(7)), ValueError, "weight: expected shape (8,)"),
-    ((torch.randn(4, 8), torch.randn(8, dtype=torch.float16)), ValueError, "weight: expected shape (8,), dtype"),
-    ((torch.randn(4, 8), None, float("nan")), ValueError, "eps: expected a finite non-negative number"),
+    ((torch.randn(4, 8), torch.randn(8, dtype=torch.float16)), TypeError, "weight: expected dtype torch.float32"),
+    ((torch.randn(4, 8), None, float("nan")), ValueError, "eps: expected a non-negative number"),
+    ((torch.randn(4, 8), None, -1e-6), ValueError, "eps: expected a non-negative number"),
+    ((torch.randn(4, 8), None, 1e39), ValueError, "up to 3.4e+38"),
+    ((torch.randn(4, 8), None, "1e-6"), TypeError, "eps: expected a real number, got str"),
+    ((torch.randn(4, 8), None, True), TypeError, "eps: expected a real number, got bool"),
     ((torch.randn(8, 4).t(),), ValueError, "x: expected a unit stride"),
 ])
 def test_rejects(args, exc, message):
