@@ -147,7 +147,8 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
         resume: bool = typer.Option(False, "--resume", help="keep the tag's measured entries, run the others"),
         flex_jobs: int = FLEX_JOBS,
         force: bool = typer.Option(False, "--force", help="replace an existing file of this tag (even with --resume)"),
-        device: str = typer.Option(None, help="cuda (default when present) or cpu (the interpreter: tiny entries)"),
+        device: str = typer.Option(None, help="cuda (the default; refused without a GPU) or cpu (the interpreter: "
+                                    "tiny entries only)"),
         seed: int = SEED,
         out: Path = typer.Option(None, "--out", help="write here instead of perfdb/<arch>/<tag>.txt"),
         root: Path = ROOT) -> None:
@@ -159,7 +160,12 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
     store.check_tag(tag)
     _finite(deadline, "--deadline")
     _finite(budget, "--budget")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device is None and not torch.cuda.is_available():
+        # the declared entries are GPU-sized: the interpreter would take hours on the first one
+        raise _fail("this torch sees no CUDA GPU: perfmon times the operators on a GPU; run on a GPU machine "
+                    "(`aotattn perfmon list --budget` estimates the time), or pass --device cpu for Triton's "
+                    "interpreter (tiny entries only)")
+    device = device or "cuda"
     if device not in ("cuda", "cpu"):
         raise _fail(f"--device: expected cuda or cpu, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():

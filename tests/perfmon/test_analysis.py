@@ -534,3 +534,16 @@ def test_resume_refuses_a_run_measured_on_another_gpu_or_build(tmp_path):
     Perfdb(header=here, entries={entry.name: entry}).write(same)
     result = CliRunner().invoke(app, [*args, "--out", str(same), "--resume"])
     assert result.exit_code == 0 and "0 of 1 entries to measure" in result.output, result.output
+
+
+def test_run_without_a_gpu_is_refused_unless_the_interpreter_is_asked_for(tmp_path, monkeypatch):
+    """Without --device on a CPU build, `perfmon run` started the interpreter on GPU-sized
+    entries (hours for the first one) and wrote them under perfdb/cpu/."""
+    import torch
+
+    from aotattn.cli import app
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(app, ["perfmon", "run", "--tag", "t", "-m", "model-gpt2", "--perfdb", str(tmp_path)])
+    assert result.exit_code == 1 and "no CUDA GPU" in result.output and "--device cpu" in result.output
+    assert not list(tmp_path.rglob("*.txt"))
