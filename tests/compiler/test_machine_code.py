@@ -118,6 +118,8 @@ def resources(cubin: bytes) -> dict[str, int]:
     (256, 2, "BLOCK_M=64 BLOCK_N=64 STAGES=2 PERSISTENT=1"),  # the tile loop around the step loop
     (128, 2, "BLOCK_M=64 BLOCK_N=128 STAGES=3 PERSISTENT=1"),
     (128, 2, "BLOCK_M=64 BLOCK_N=128 STAGES=3 PERSISTENT=2"),
+    (256, 2, "BLOCK_M=64 BLOCK_N=64 STAGES=2 NARROW=1"),  # padded heads: 128 + 64 below 193, halves above
+    (256, 0, "BLOCK_M=64 BLOCK_N=64 STAGES=2 NARROW=1 PERSISTENT=1"),
 ])
 def test_the_ws_backward_keeps_its_registers(head_dim, mask, tiles):
     """The ws backward's consumers spill nothing (no stack): with the wgmma descriptors of
@@ -125,8 +127,8 @@ def test_the_ws_backward_keeps_its_registers(head_dim, mask, tiles):
     consumer spilled 15-23 registers a step and ran 20% more instructions than the other,
     which waits for it at every step; the d128 key split spilled 1-3."""
     spec = families.kernels()["flash.attn_bwd_ws"]
-    axes = dict(dtype="bf16", BLOCK_D=head_dim, BLOCK_DV=head_dim, PAD_HEAD=False, MASK=mask, VARLEN=False,
-                DROPOUT=False, BIAS=0)
+    axes = dict(dtype="bf16", BLOCK_D=head_dim, BLOCK_DV=head_dim, PAD_HEAD="NARROW" in tiles, MASK=mask,
+                VARLEN=False, DROPOUT=False, BIAS=0)
     config = parse_config(spec, f"{tiles} num_warps=4 num_stages=1", "tiles")
     _, cubin = compile_job(Job("sm_90", "flash.attn_bwd_ws", Functional.of(axes), config))
     used = resources(cubin)

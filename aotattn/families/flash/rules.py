@@ -375,9 +375,11 @@ _WS_BWD_TUNING = (
     ("BLOCK_N", (64, 128)),  # 128: the consumers split the keys (d64, d128); 64: the columns (d256)
     ("STAGES", (2, 3)),
     ("PERSISTENT", (0, 1, 2)),
+    ("NARROW", (0, 1)),  # 1: padded heads up to 192 split 128 + 64 (kernels/backward_ws.NARROW_D)
     ("num_warps", (4,)),
     ("num_stages", (1,)),
 )
+_WS_BWD_KNOB_DEFAULTS = (("PERSISTENT", 0), ("NARROW", 0))
 
 ATTN_BWD_WS = _ws_kernel(
     "attn_bwd_ws", BACKWARD_WS_MODULE,
@@ -389,7 +391,7 @@ ATTN_BWD_WS = _ws_kernel(
         Arg("window_right", _I32), Arg("head_dim", _I32), Arg("head_dim_v", _I32),
     ),
     _WS_BWD_AXES, _WS_BWD_TUNING, _ws_bwd_unserved, ChosenBy("flash.backward", "backend", "ws", _ws_bwd_calls),
-    knob_defaults=_WS_KNOB_DEFAULTS, axis_defaults=(("GROUPED", False),), fallback=_ws_bwd_fallback,
+    knob_defaults=_WS_BWD_KNOB_DEFAULTS, axis_defaults=(("GROUPED", False),), fallback=_ws_bwd_fallback,
 )
 
 

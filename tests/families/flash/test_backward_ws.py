@@ -34,11 +34,12 @@ TABLE = rules.ATTN_BWD_WS.qualname
 functional = dense_functional
 
 
-def fitting(d: int, mask: int = rules.MASK_BOTTOM_RIGHT) -> list[Config]:
-    """The configurations the tuner may time at head dim d (under a mask: every value of
-    every knob; the GPU tests force each of them on masked and unmasked calls alike)."""
-    kept, _ = candidates.candidates(rules.ATTN_BWD_WS, Functional.of(functional(d=d, mask=mask)), "sm_90",
-                                    tune_flash.footprint(TABLE))
+def fitting(d: int, mask: int = rules.MASK_BOTTOM_RIGHT, pad: bool = False) -> list[Config]:
+    """The configurations the tuner may time at head-dim bucket d (under a mask: every value
+    of every knob; the GPU tests force each of them on masked and unmasked calls alike),
+    of heads that fill it or (``pad``) do not."""
+    kept, _ = candidates.candidates(rules.ATTN_BWD_WS, Functional.of(functional(d=d, mask=mask, PAD_HEAD=pad)),
+                                    "sm_90", tune_flash.footprint(TABLE))
     return kept
 
 
@@ -192,6 +193,11 @@ def test_the_tuner_times_it_where_it_serves_within_its_budgets():
     assert {c["BLOCK_N"] for d in (64, 128) for c in fitting(d)} == {128}  # the key split
     # d256: the column split, its one fitting tile (q in 2 slots, dO in 1, P^T and dS^T twice)
     assert [(c["BLOCK_M"], c["BLOCK_N"], c["STAGES"]) for c in fitting(256)] == [(64, 64, 2)] * 3
+    # padded heads in the d256 bucket: also the 128 + 64 split (NARROW), nowhere else
+    assert sorted((c.as_dict().get("NARROW", 0), c.as_dict().get("PERSISTENT", 0)) for c in fitting(256, pad=True)) \
+        == [(n, p) for n in (0, 1) for p in (0, 1, 2)]
+    assert not any(c.as_dict().get("NARROW", 0) for d in (64, 128) for pad in (False, True)
+                   for c in fitting(d, pad=pad)) and not any(c.as_dict().get("NARROW", 0) for c in fitting(256))
     # one tile per program or one program per SM walking the tiles, at every tile size; the
     # wider masked sections (2) only under a mask, where they order anything
     for d in (64, 128, 256):
@@ -377,7 +383,8 @@ def test_it_matches_the_reference_with_every_knob_value(case, backend, request):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     dout = torch.randn(q.shape[:3] + (v.shape[-1],), dtype=case.dtype, device="cuda")
     ref_grads = _reference_grads(q, k, v, dout, **case.kwargs)
-    for config in fitting(rules.head_dim_bucket(case.shape[5])):
+    bucket = rules.head_dim_bucket(case.shape[5])
+    for config in fitting(bucket, pad=bucket not in (case.shape[5], case.head_dim_v or bucket)):
         backend(config)
         c = planning.new_call(problem(q, k, v, **case.kwargs), q, k, v)
         assert planning.choose_backend(c, False, q.device) == "ws"

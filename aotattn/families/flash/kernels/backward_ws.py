@@ -323,17 +323,42 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
     tma.store_wait(0)
 
 
+# NARROW: padded heads of at most NARROW_D columns (d160, d192 in the d256 bucket) are split
+# 128 + 64: the products over the head dim (S^T, dP^T) stop at NARROW_D, consumer 0 keeps
+# dK and dV of columns 0-127 and computes dQ's 0-63, consumer 1 dK and dV of 128-191 and
+# dQ's 64-191. A consumer's products per step, in units of 64 keys x BLOCK_M queries x 64
+# columns: the halves of 256, 4 (S^T, dP^T) + 4 (dK, dV) + 2 (dQ) = 10 each; the 128 + 64
+# split, 3 + 4 + 1 = 8 and 3 + 2 + 2 = 7. Column slices start on 64-column boundaries
+# (a 128-byte swizzle atom of 16-bit elements): an even 96 + 96 would not.
+NARROW_D: gl.constexpr = gl.constexpr(192)
+
+
+@gluon.jit
+def _over_head(a, b, acc, use_acc: gl.constexpr, USED_D: gl.constexpr):
+    """``a[:, :USED_D] @ b[:, :USED_D]^T`` onto ``acc`` as async products (shared tiles, rows
+    down): one, or 128 + 64 columns for NARROW_D (a shared tile's sizes are powers of two)."""
+    if USED_D == NARROW_D:
+        acc = warpgroup_mma(a.slice(0, 128, dim=1), b.slice(0, 128, dim=1).permute((1, 0)), acc, use_acc=use_acc,
+                            is_async=True)
+        return warpgroup_mma(a.slice(128, 64, dim=1), b.slice(128, 64, dim=1).permute((1, 0)), acc, is_async=True)
+    else:
+        return warpgroup_mma(a, b.permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+
+
 @gluon.jit
 def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr, PAD_HEAD: gl.constexpr,
-                      PERSISTENT: gl.constexpr):
-    """Consumer warpgroup c of 64-key tiles: columns c D/2 .. (c + 1) D/2 - 1 of the keys'
-    dK and dV, and of every step's dQ; half of the step's queries for S^T and dP^T."""
+                      PERSISTENT: gl.constexpr, USED_D: gl.constexpr, col0: gl.constexpr, COLS: gl.constexpr,
+                      dq_col0: gl.constexpr, DQ_N: gl.constexpr):
+    """Consumer warpgroup c of 64-key tiles: columns col0 .. col0 + COLS - 1 of the keys' dK
+    and dV, dq_col0 .. dq_col0 + DQ_N - 1 of every step's dQ, and half of the step's
+    queries for S^T and dP^T, whose products run over the first USED_D columns of the
+    tiles (:func:`_columns`: the halves of HEAD_D, or 128 + 64 of 192)."""
     (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, kv_empty, q_ready, do_ready,
      q_empty, do_empty, ds_ready, dq_desc, key_grads, sizes, qk_scale, sm_scale, head_dim, head_dim_v) = work
     n_n, batch, heads_k, group, seqlen_q, seqlen_k, diag, window_left, window_right, by_l2 = sizes
     HALF_M: gl.constexpr = BLOCK_M // 2
-    COLS: gl.constexpr = HEAD_D // 2
+    HEAD_PRODUCTS: gl.constexpr = 2 if USED_D == NARROW_D else 1  # async products of one _over_head
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -344,7 +369,6 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
     row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     stats_rows = stats_smem._reinterpret(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
-    col0: gl.constexpr = c * COLS
     dq_tile = dq_smem.index(c)
     no_scores = gl.zeros([WARPGROUP_ROWS, HALF_M], gl.float32, s_layout)
     no_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
@@ -372,14 +396,13 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
             k_step = k_smem.index(zero).reshape([BLOCK_N, HEAD_D])
             v_step = v_smem.index(zero).reshape([BLOCK_N, HEAD_D])
             mbarrier.wait(q_ready.index(slot), phase)
-            s_t = warpgroup_mma(k_step, q_tile.slice(c * HALF_M, HALF_M, dim=0).permute((1, 0)), no_scores,
-                                use_acc=False, is_async=True)
+            s_t = _over_head(k_step, q_tile.slice(c * HALF_M, HALF_M, dim=0), no_scores, False, USED_D)
             delta = stats_rows.index(2 * slot).slice(c * HALF_M, HALF_M).load(row_layout)
             mbarrier.wait(do_ready.index(0), s & 1)
-            dp_t = warpgroup_mma(v_step, do_tile.slice(c * HALF_M, HALF_M, dim=0).permute((1, 0)),
-                                 no_scores - delta[None, :], is_async=True)
+            dp_t = _over_head(v_step, do_tile.slice(c * HALF_M, HALF_M, dim=0), no_scores - delta[None, :], True,
+                              USED_D)
             lse2 = stats_rows.index(2 * slot + 1).slice(c * HALF_M, HALF_M).load(row_layout)
-            s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+            s_t = warpgroup_mma_wait(HEAD_PRODUCTS, deps=(s_t, ))  # dP^T's may stay in flight
             if tail or start_m < a or start_m >= b:
                 p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, True,
                                      MASK)
@@ -403,13 +426,13 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
             mbarrier.arrive(do_empty.index(0), count=1)  # the loader brings the next dO during dK and dQ
             dk = warpgroup_mma_wait(0, deps=(dk, ))
             mbarrier.arrive(q_empty.index(slot), count=1)
-            for j in gl.static_range(COLS // DQ_COLS):
-                dq = warpgroup_mma(ds_tile.permute((1, 0)), k_step.slice(col0 + j * DQ_COLS, DQ_COLS, dim=1), no_dq,
-                                   use_acc=False)
+            for j in gl.static_range(DQ_N // DQ_COLS):
+                dq = warpgroup_mma(ds_tile.permute((1, 0)), k_step.slice(dq_col0 + j * DQ_COLS, DQ_COLS, dim=1),
+                                   no_dq, use_acc=False)
                 tma.store_wait(0)
                 dq_tile.store(gl.reshape(dq * sm_scale, [1, 1, BLOCK_M, DQ_COLS]))
                 fence_async_shared()
-                _reduce_add(dq_desc, [z, off_h, start_m, col0 + j * DQ_COLS], dq_tile)
+                _reduce_add(dq_desc, [z, off_h, start_m, dq_col0 + j * DQ_COLS], dq_tile)
         if n_steps > 0:  # done with K and V (the last dQ products read K): the loader may bring the next
             mbarrier.arrive(kv_empty, count=1)
         g += n_steps
@@ -422,11 +445,30 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
 
 
 @gluon.jit
+def _columns(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr, PAD_HEAD: gl.constexpr,
+             PERSISTENT: gl.constexpr, NARROW: gl.constexpr):
+    """Consumer c of the column split: the halves of HEAD_D, or with NARROW, for a call whose
+    padded heads have at most NARROW_D columns (one branch for the whole grid), 128 + 64."""
+    half: gl.constexpr = HEAD_D // 2
+    if NARROW:  # (a branch on a constant condition crashes Triton 3.6's lowering: decided here)
+        if (work[20] <= NARROW_D) & (work[21] <= NARROW_D):  # head_dim, head_dim_v
+            _columns_consumer(c, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT,
+                              NARROW_D, c * 128, 128 - c * 64, c * 64, 64 + c * 64)
+        else:
+            _columns_consumer(c, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT,
+                              HEAD_D, c * half, half, c * half, half)
+    else:
+        _columns_consumer(c, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT,
+                          HEAD_D, c * half, half, c * half, half)
+
+
+@gluon.jit
 def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr,
-               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr):
+               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr, NARROW: gl.constexpr):
     if COLUMNS:
-        _columns_consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT)
+        _columns(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT, NARROW)
     else:
         _keys_consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT)
 
@@ -434,9 +476,9 @@ def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.const
 @gluon.jit
 def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr,
-               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr):
+               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr, NARROW: gl.constexpr):
     if COLUMNS:
-        _columns_consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT)
+        _columns(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT, NARROW)
     else:
         _keys_consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT)
 
@@ -453,7 +495,7 @@ def attn_bwd_ws(
     head_dim, head_dim_v, MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    GROUPED: gl.constexpr,
+    GROUPED: gl.constexpr, NARROW: gl.constexpr,
 ):
     """Tiles of BLOCK_N keys of one key/value head: their dK, dV and their share of dQ. One
     tile per program on a grid (n blocks, Hk, B), or with PERSISTENT every programs-th tile
@@ -470,6 +512,8 @@ def attn_bwd_ws(
     COLUMNS: gl.constexpr = BLOCK_N == WARPGROUP_ROWS
     DO_STAGES: gl.constexpr = 1 if COLUMNS else STAGES
     DQ_COLS: gl.constexpr = 64 if BLOCK_D > 128 else BLOCK_D // CONSUMERS  # one bulk reduce's columns
+    gl.static_assert(not NARROW or (COLUMNS and PAD_HEAD and BLOCK_D == 256),
+                     "NARROW: the column split of padded heads in the d256 bucket")
     seqlen_q = max_seqlen_q
     seqlen_k = max_seqlen_k
     if MASK == MASK_BOTTOM_RIGHT:
@@ -557,8 +601,8 @@ def attn_bwd_ws(
              stats_smem, kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty, sizes)
     gl.warp_specialize([
         (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD,
-                      PERSISTENT)),
+                      PERSISTENT, NARROW)),
         (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD,
-                      PERSISTENT)),
+                      PERSISTENT, NARROW)),
         (_loader, (loads, MASK, BLOCK_M, BLOCK_N, STAGES, DO_STAGES, PERSISTENT)),
     ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])
