@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,8 @@ from typing import Any
 from aotattn import arch as arches
 from aotattn import families, paths
 from aotattn.compiler.jobs import Job, cache_key, compile_job, source_hash
-from aotattn.runtime.images import Archive, Entry, ImageError, Packed, archive_path, write_archive
+from aotattn.runtime.images import (Archive, Entry, ImageError, Packed, _entry_from_json, archive_path,
+                                    write_archive)
 from aotattn.spec import Functional, parse_where
 from aotattn.tuning import Database, TuningError
 from aotattn.tuning.format import block_for, fallback_chain
@@ -129,12 +132,18 @@ def _cached(cache_dir: Path, job: Job, line_info: bool, check: bool = True) -> t
     ``check`` is False; None if absent or damaged (then it is compiled again)."""
     meta, blob = _cache_paths(cache_dir, job, line_info)
     try:
-        record = json.loads(meta.read_text())
+        record = json.loads(meta.read_bytes())
         packed = Packed(record["blob"], record["size"], blob.read_bytes())
         if check:
             packed.check(str(blob))
-        return Entry(**record["entry"]), packed
-    except (OSError, ValueError, TypeError, KeyError, ImageError):
+        # the entry checked as an archive's would be, with this blob: a damaged one (say a negative
+        # shared size) was taken as cached, and every later build then failed writing the archive
+        raw = {**record["entry"], "blob": packed.blob, "offset": 0, "length": len(packed.data), "size": packed.size}
+        entry = _entry_from_json(raw, str(meta), len(packed.data))
+        if entry.key != job.key:
+            raise ValueError(f"{meta} holds {entry.key}, not {job.key}")
+        return entry, packed
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ImageError):
         return None
 
 
@@ -197,6 +206,20 @@ class BuildReport:
         return [o for o in self.outcomes if o.status in ("failed", "timeout")]
 
 
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """Held while an archive in ``folder`` is read, merged and rewritten: two builds into one
+    folder would each write what they read plus their own kernels, and the later rename
+    would drop what the other one added."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when closed
+        yield
+    finally:
+        os.close(fd)
+
+
 def pack(jobs: Iterable[Job], cache_dir: Path, out: Path, line_info: bool = False) -> list[Path]:
     """Write one archive per (arch, table) with the cached binaries of ``jobs`` (those
     :func:`run_jobs` compiled or found cached), merged with what the existing archive holds
@@ -212,20 +235,24 @@ def pack(jobs: Iterable[Job], cache_dir: Path, out: Path, line_info: bool = Fals
         digest = source_hash(spec)
         kernels: dict[str, tuple[Entry, Packed]] = {}
         path = archive_path(out, arch, table)
-        if path.is_file():
-            try:
-                old = Archive(path)
-                if old.header.source_hash == digest and old.header.triton_version == triton.__version__:
-                    kernels = {e.key: (e, old.packed(e)) for e in old.header.entries}
-            except ImageError:
-                pass  # a broken archive is rebuilt from the cache
-        for job in group:
-            found = _cached(cache_dir, job, line_info, check=False)  # run_jobs checked or wrote it
-            if found is not None:
-                kernels[found[0].key] = found
-        if kernels:
-            write_archive(path, arch, table, triton.__version__, digest, kernels.values())
-            written.append(path)
+        with _folder_lock(path.parent):  # what it reads stays what it merges into until it is written
+            if path.is_file():
+                try:
+                    old = Archive(path)
+                    # one copied or renamed into place holds another arch's or kernel's binaries, which the
+                    # merged archive would then label as this one's (the runtime refuses only the label)
+                    if ((old.header.arch, old.header.table) == (arch, table) and old.header.source_hash == digest
+                            and old.header.triton_version == triton.__version__):
+                        kernels = {e.key: (e, old.packed(e)) for e in old.header.entries}
+                except ImageError:
+                    pass  # a broken archive is rebuilt from the cache
+            for job in group:
+                found = _cached(cache_dir, job, line_info, check=False)  # run_jobs checked or wrote it
+                if found is not None:
+                    kernels[found[0].key] = found
+            if kernels:
+                write_archive(path, arch, table, triton.__version__, digest, kernels.values())
+                written.append(path)
     return written
 
 

@@ -72,6 +72,8 @@ def build_command(
     from aotattn.compiler.builder import DEFAULT_CACHE, build, check_archs, enumerate_jobs
     from aotattn.tuning import Database
 
+    if not timeout > 0:  # NaN passes a range check, and a compile is then never abandoned; 0 abandons them all
+        raise ValueError(f"--timeout: expected a number of seconds above 0, got {timeout}")
     archs = list(dict.fromkeys(arch or [_default_arch()]))  # `--arch sm_90 --arch sm_90` builds it once
     check_archs(archs)
     known = families.kernels()
@@ -149,12 +151,11 @@ def ls(paths: list[Path] = typer.Argument(None, help=_FOLDERS)) -> None:
     found = _archives(paths)
     for path in found:
         try:
-            archive = Archive(path)
+            h = Archive(path).header  # every entry checked: one out of its schema makes this archive bad, not ls fail
         except ImageError as exc:
             console.print(escape(str(exc)), style="red")
             bad += 1
             continue
-        h = archive.header
         table.add_row(str(path), h.arch, h.table, str(len(h.entries)), h.triton_version,
                       f"{path.stat().st_size / 1024:.0f} KiB")
     console.print(table)
@@ -195,6 +196,14 @@ def verify(paths: list[Path] = typer.Argument(None, help=_FOLDERS)) -> None:
                 problems.append(f"{path}: no kernel family declares {archive.table}")
             else:
                 check_loadable(archive, archive.arch, archive.table, spec.module)
+            # the runtime opens <arch>/<table>.aotimg under an image folder and refuses one holding another arch
+            # or kernel: one copied or renamed into another's place is a problem where it lies
+            placed = Path(archive.arch, f"{archive.table}{SUFFIX}")
+            if ((path.parent.name in ARCHES or path.name.removesuffix(SUFFIX) in families.kernels())
+                    and Path(*path.parts[-2:]) != placed):
+                problems.append(f"{path}: holds {archive.arch} / {archive.table}, but lies where the runtime looks for "
+                                f"{path.parent.name} / {path.name.removesuffix(SUFFIX)} (and would refuse it): move "
+                                f"it to {placed} under its image folder, or rebuild this one with aotattn build")
         except ImageError as exc:
             problems.append(str(exc))
     for problem in problems:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import json
 import os
 from collections.abc import Iterator
@@ -52,7 +51,9 @@ def source_hash(spec: Any) -> str:
 
 def _triton_inputs(job: Job) -> tuple[Any, dict, dict, dict, dict]:
     spec = job.spec()
-    fn = getattr(importlib.import_module(spec.module), spec.function)
+    from aotattn.runtime.interpreter import compiled_module  # not while another thread loads interpreted copies
+
+    fn = getattr(compiled_module(spec.module), spec.function)
     signature = spec.signature(job.functional)
     constexprs = spec.constexprs(job.functional, job.config)
     signature.update({name: "constexpr" for name in constexprs})

@@ -26,8 +26,18 @@ import triton
 import triton.experimental.gluon  # noqa: F401
 from triton.runtime.jit import JITFunction
 
-_lock = threading.RLock()  # a module's copy loads the copies of the modules it imports from
+# Held while a copy loads (a module's copy loads the copies of the modules it imports from).
+# Triton's interpret knob is process-wide: a kernel module first imported by another thread
+# while a copy loads would get interpreted functions for good (its GPU launches and builds
+# then run the interpreter); so kernel modules are imported under it (compiled_module).
+_lock = threading.RLock()
 _modules: dict[str, ModuleType] = {}
+
+
+def compiled_module(module: str) -> ModuleType:
+    """``module`` imported as it is (compiled kernels), never while a copy is loading."""
+    with _lock:
+        return importlib.import_module(module)
 
 
 def interpreted_module(module: str) -> ModuleType:
@@ -61,7 +71,7 @@ def interpreted_module(module: str) -> ModuleType:
 def interpreted_function(module: str, function: str) -> Any:
     """The interpreted copy of ``module.function``; a Gluon kernel (explicit GPU layouts,
     barriers and warp partitions) has none: ValueError."""
-    compiled = getattr(importlib.import_module(module), function)
+    compiled = getattr(compiled_module(module), function)
     if getattr(compiled, "is_gluon", lambda: False)():
         raise ValueError(f"{module}.{function} is a Gluon kernel: Triton's interpreter cannot run it on CPU tensors "
                          "(plan the family's Triton kernel for them instead)")

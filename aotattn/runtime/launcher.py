@@ -17,7 +17,6 @@ Triton is imported only by the JIT and the interpreter paths.
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 import warnings
@@ -72,7 +71,9 @@ def jit_function(kernel: KernelSpec) -> Any:
     (the padded d256-bucket dK/dV at one query row) carries a wgmma register hazard the
     images do not have (the launcher's scan refused it). So the integers that are not
     declared aligned are passed to the JIT unspecialized, as the images take them."""
-    fn = getattr(importlib.import_module(kernel.module), kernel.function)
+    from aotattn.runtime.interpreter import compiled_module  # not while another thread loads interpreted copies
+
+    fn = getattr(compiled_module(kernel.module), kernel.function)
     if not getattr(fn, "_aotattn_specialized", False):
         params = {p.name: p for p in getattr(fn, "params", ())}
         for arg in kernel.arguments:

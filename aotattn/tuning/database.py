@@ -143,6 +143,9 @@ class Database:
                                   f"{' -> '.join(chain[-2:])}): base this table on a nearer relative", where)
             if own.base not in self.archs():
                 raise TuningError(f"#! base {own.base}: no such architecture in {self.root}", where)
+            if not self.table_path(own.base, table).is_file():  # an error at the line that names it, as above
+                raise TuningError(f"#! base {own.base}: {own.base} has no {table} table (expected "
+                                  f"{self.table_path(own.base, table)}): add it, or base this table on another", where)
             base = self.effective(own.base, table, None, _stack + (arch,), only)
             merged = base.copy()
             merged.arch, merged.base, merged.comments = arch, own.base, own.comments
@@ -401,6 +404,9 @@ def _lost_comments(text: str, rewritten: str) -> list[str]:
 def read_text(path: Path) -> str:
     """A tuning file's text; bytes that are not UTF-8 are an error at their line."""
     data = path.read_bytes()
+    if data.startswith(b"\xef\xbb\xbf"):  # invisible in an editor: the header's first line would read as unknown
+        raise TuningError("the file starts with a byte-order mark (bytes EF BB BF): save it as UTF-8 without one",
+                          f"{path}:1")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -411,9 +417,16 @@ def read_text(path: Path) -> str:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    """``text`` as UTF-8, what :func:`read_text` reads (``write_text`` would use the locale's
+    encoding: under an ASCII locale, a comment's ``é`` failed and left an empty ``.tmp``
+    behind), through a temporary file renamed into place; nothing is left on failure."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        tmp.write_bytes(text.encode("utf-8"))
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @lru_cache(maxsize=8)

@@ -272,7 +272,7 @@ def _header(spec: Any, text: str, path: str, kind: str) -> tuple[dict[str, str],
     allowed = DIRECTIVES[kind]
     for number, line, where in _lines(text, path):
         if in_header and line.startswith("#!"):
-            key, _, value = line[2:].strip().partition(" ")
+            key, _, value = line[2:].strip().replace("\t", " ").partition(" ")  # a tab separates as a space does
             if key not in allowed:
                 near = difflib.get_close_matches(key, allowed, n=1)
                 other = [k for k, names in DIRECTIVES.items() if key in names]

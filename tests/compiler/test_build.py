@@ -284,3 +284,103 @@ def test_one_kernel_per_functional_and_configuration_shared_between_cells(tmp_pa
     assert per_functional[functional] == {table.configs[first], table.configs[other]}
     assert all(len(configs) == 1 for f, configs in per_functional.items() if f != functional)
     assert len(per_functional) == len(list(spec.enumerate_functionals()))
+
+
+def _fake_compiled(cache: Path, job, binary: bytes) -> None:
+    """``job`` in the build cache as if compiled, its binary a stand-in (no compiler run)."""
+    from aotattn.compiler import builder
+    from aotattn.runtime.images import Packed
+
+    entry = Entry(key=job.key, functional=job.functional.as_dict(), config=job.config.as_dict(), variant=job.variant,
+                  symbol="dropout_mask_kernel", shared=0, num_warps=4, warp_size=32, global_scratch_size=0,
+                  global_scratch_align=1, profile_scratch_size=0, binary="cubin", file=job.file(), blob="")
+    builder._store(cache, job, False, entry, Packed.of(binary))
+
+
+@pytest.mark.parametrize("arch, table", [("sm_80", "flash.dropout_mask"), ("sm_90", "flash.philox_words")])
+def test_a_build_never_merges_an_archive_of_another_arch_or_kernel_copied_into_place(tmp_path, arch, table):
+    """The build keeps what the existing archive holds; one copied or renamed into this
+    arch's and kernel's place (same source, same Triton) had its binaries relabelled: an
+    sm_80 cubin in an archive that says sm_90 (or philox_words' in dropout_mask's, the same
+    kernel module), which the runtime then loads."""
+    import triton
+
+    from aotattn.compiler import builder
+    from aotattn.runtime import images
+
+    job, = enumerate_jobs(Database(), ["sm_90"], ["flash.dropout_mask"])
+    _fake_compiled(tmp_path / "cache", job, b"\x7fELF sm_90 dropout_mask")
+    stranger = Entry(key="|BLOCK_M=64|generic", functional={}, config={"BLOCK_M": 64}, variant="generic",
+                     symbol="other", shared=0, num_warps=4, warp_size=32, global_scratch_size=0,
+                     global_scratch_align=1, profile_scratch_size=0, binary="cubin", file="x/other.cubin", blob="")
+    path = images.archive_path(tmp_path / "images", "sm_90", "flash.dropout_mask")
+    write_archive(path, arch, table, triton.__version__, images.source_hash(rules_kernels()[table].module),
+                  [(stranger, b"\x7fELF a stranger")])
+    assert builder.pack([job], tmp_path / "cache", tmp_path / "images") == [path]
+    archive = Archive(path)
+    assert (archive.arch, archive.table) == ("sm_90", "flash.dropout_mask")
+    assert [e.key for e in archive.header.entries] == [job.key]
+    assert archive.binary(archive.header.entries[0]) == b"\x7fELF sm_90 dropout_mask"
+
+
+def test_two_builds_packing_into_one_folder_at_once_keep_both_kernels(tmp_path, monkeypatch):
+    """Packing reads the archive, merges and renames a new one into place: two builds of
+    different kernels into one folder each wrote what they read plus their own, and the
+    later rename dropped the other's kernel. The first build here stalls between reading
+    and writing, the second packs meanwhile."""
+    import threading
+    import time
+
+    from aotattn.compiler import builder
+    from aotattn.compiler.jobs import Job
+    from aotattn.spec import Config
+
+    first, = enumerate_jobs(Database(), ["sm_90"], ["flash.dropout_mask"])
+    second = Job("sm_90", "flash.dropout_mask", first.functional, Config.of(BLOCK_M=64, BLOCK_N=64, num_warps=4,
+                                                                             num_stages=1))
+    for job, binary in ((first, b"\x7fELF first"), (second, b"\x7fELF second")):
+        _fake_compiled(tmp_path / "cache", job, binary)
+    writing, real_write = threading.Event(), builder.write_archive
+
+    def stalled_write(path, *args):
+        if threading.current_thread() is not threading.main_thread():
+            writing.set()
+            time.sleep(0.5)  # the other build packs now, unless it waits its turn
+        return real_write(path, *args)
+
+    monkeypatch.setattr(builder, "write_archive", stalled_write)
+    thread = threading.Thread(target=builder.pack, args=([first], tmp_path / "cache", tmp_path / "images"))
+    thread.start()
+    assert writing.wait(30)
+    builder.pack([second], tmp_path / "cache", tmp_path / "images")
+    thread.join()
+    archive = Archive(tmp_path / "images/sm_90/flash.dropout_mask.aotimg")
+    assert sorted(archive.binary(e) for e in archive.header.entries) == [b"\x7fELF first", b"\x7fELF second"]
+
+
+@pytest.mark.parametrize("timeout", ["nan", "0", "-5"])
+def test_a_timeout_that_abandons_no_compile_or_every_one_is_refused(tmp_path, timeout):
+    """``--timeout nan`` never killed a hanging compile (every comparison with NaN is
+    false); 0 or less killed each one at once. Refused before anything is compiled."""
+    result = CliRunner().invoke(app, ["build", "--arch", "sm_90", "--kernel", "dropout_mask", "--timeout", timeout,
+                                      "--out", str(tmp_path / "images"), "--cache", str(tmp_path / "cache")])
+    assert result.exit_code == 1 and "--timeout: expected a number of seconds above 0" in result.output, result.output
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "images").exists()
+
+
+@pytest.mark.parametrize("damage", [{"shared": -1}, {"num_warps": "4"}, {"key": "|BLOCK_M=1|generic"}])
+def test_a_cache_entry_whose_launch_fields_are_damaged_is_compiled_again(tmp_path, damage):
+    """Only the cached binary's checksum was checked: an entry out of the archive schema was
+    taken as cached, and this build and every later one failed writing the archive."""
+    cache = tmp_path / "cache"
+    build(["sm_90"], ["flash.dropout_mask"], None, tmp_path / "images", cache, workers=1, timeout=300, db=Database())
+    meta, = (cache / "sm_90" / "flash.dropout_mask").glob("*.json")
+    record = json.loads(meta.read_text())
+    record["entry"].update(damage)
+    meta.write_text(json.dumps(record))
+    again = build(["sm_90"], ["flash.dropout_mask"], None, tmp_path / "images", cache, workers=1, timeout=300,
+                  db=Database())
+    assert [o.status for o in again.outcomes] == ["compiled"]
+    archive = Archive(again.archives[0])
+    assert not archive.verify() and archive.header.entries[0].shared >= 0
+    assert json.loads(meta.read_text())["entry"]["num_warps"] == 4

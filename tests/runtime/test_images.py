@@ -541,3 +541,27 @@ def test_the_same_kernels_in_any_order_give_the_same_bytes(tmp_path):
     assert [archive.binary(e) for e in archive.header.entries] == [by_key[e.key] for e in archive.header.entries]
     offsets = [e.offset for e in archive.header.entries]
     assert len(set(offsets)) == 5 and sorted(set(offsets)) == sorted(set(offsets), key=offsets.index)  # key order
+
+
+def test_ls_lists_the_other_archives_when_one_has_an_entry_out_of_its_schema(tmp_path):
+    """``ls`` reports a bad archive and lists the others; an entry out of its schema (found
+    when the whole index is checked, after the archive opened) ended the command instead."""
+    folder = tmp_path / "images" / "sm_90"
+    make_archive(folder / f"{TABLE}.aotimg")
+    make_archive(folder / "flash.philox_words.aotimg", table="flash.philox_words")
+    mutate(folder / f"{TABLE}.aotimg", lambda index: index["entries"][1].update(shared=-1))
+    result = cli("images", "ls", str(tmp_path / "images"))
+    assert result.exit_code == 1 and "shared is -1" in result.output
+    assert "flash.philox_words" in result.output and "2 archive(s)" in result.output
+
+
+@pytest.mark.parametrize("place", ["sm_80/flash.dropout_mask.aotimg", "sm_90/flash.philox_words.aotimg"])
+def test_verify_reports_an_archive_copied_into_another_ones_place(tmp_path, place):
+    """The runtime opens <arch>/<table>.aotimg and refuses one that holds another arch or
+    kernel; ``verify``, which reports what the runtime would refuse, passed it."""
+    make_archive(tmp_path / "images" / place)  # holds sm_90 / flash.dropout_mask
+    result = cli("images", "verify", str(tmp_path / "images"))
+    assert result.exit_code == 1 and "1 archive(s), 1 problem(s)" in result.output, result.output
+    assert "holds sm_90 / flash.dropout_mask, but lies where the runtime looks for" in result.output
+    make_archive(tmp_path / "elsewhere" / "kept.aotimg")  # not in an image folder's layout: nothing to compare
+    assert cli("images", "verify", str(tmp_path / "elsewhere")).exit_code == 0

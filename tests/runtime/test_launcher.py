@@ -253,3 +253,49 @@ def test_the_jit_path_gives_triton_a_scratch_allocator_and_keeps_the_callers(gpu
     assert seen[-1] is own
     buffer = launcher._scratch(256, 128, None) if torch.cuda.is_available() else None
     assert buffer is None or (buffer.numel() == 256 and buffer.is_cuda)
+
+
+def test_a_kernel_module_first_imported_while_another_thread_interprets_stays_compiled(tmp_path, monkeypatch):
+    """Triton's interpret knob is process-wide and is on while the interpreter loads a
+    module's CPU copy: a kernel module another thread imported meanwhile (its first CPU or
+    JIT launch) got interpreted functions for good, so its GPU launches and builds ran the
+    interpreter. The copy of ``slow`` holds that window open until ``other`` is imported,
+    or a second has passed (when the import rightly waits for the copy to be loaded)."""
+    import importlib
+    import sys
+    import threading
+
+    from triton.runtime.jit import JITFunction
+
+    from aotattn.runtime import interpreter
+
+    package = tmp_path / "aotattn_race_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("import threading\n\nwindow = threading.Event()\n")
+    kernel = "\n\n@triton.jit\ndef kern(x):\n    pass\n"
+    (package / "other.py").write_text("import triton\n" + kernel)
+    (package / "slow.py").write_text(
+        "import sys, time, triton\n"
+        "from aotattn_race_pkg import window\n"
+        "if triton.knobs.runtime.interpret:  # the interpreted copy is loading\n"
+        "    window.set()\n"
+        "    deadline = time.monotonic() + 1\n"
+        "    while time.monotonic() < deadline and not hasattr(sys.modules.get('aotattn_race_pkg.other'), 'kern'):\n"
+        "        time.sleep(0.01)\n" + kernel)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(interpreter, "_modules", {})
+    names = ("aotattn_race_pkg", "aotattn_race_pkg.slow", "aotattn_race_pkg.other")
+    package_module = importlib.import_module("aotattn_race_pkg")
+    thread = threading.Thread(target=interpreter.interpreted_module, args=("aotattn_race_pkg.slow",))
+    try:
+        thread.start()
+        assert package_module.window.wait(30)
+        interpreted = interpreter.interpreted_function("aotattn_race_pkg.other", "kern")  # its first CPU launch
+        thread.join()
+        assert type(sys.modules["aotattn_race_pkg.other"].kern) is JITFunction
+        assert type(interpreted) is not JITFunction
+        assert type(interpreter.interpreted_module("aotattn_race_pkg.slow").kern) is not JITFunction
+    finally:
+        thread.join()
+        for name in names:
+            sys.modules.pop(name, None)

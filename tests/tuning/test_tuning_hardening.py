@@ -250,3 +250,55 @@ def test_a_folder_named_like_a_table_or_patch_is_reported_not_a_crash(tmp_path):
 def test_show_refuses_a_limit_below_one(limit):
     result = CliRunner().invoke(app, ["tuning", "show", "--limit", limit, "--where", "dtype=bf16 BLOCK_D=128"])
     assert result.exit_code == 2 and "--limit" in result.output and "more" not in result.output
+
+
+def test_lint_fix_writes_utf8_whatever_the_locale(tmp_path):
+    """Tables are UTF-8 and are read as such; ``--fix`` (and squash, set-knobs) wrote them in
+    the locale's encoding: under LC_ALL=C a comment's 'é' failed the rewrite with a codec
+    error and left an empty ``.tmp`` beside the table, which lint then reported."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    project = Path(__file__).resolve().parents[2]
+    table = tmp_path / "nvidia/sm_90/flash.philox_words.txt"
+    table.parent.mkdir(parents=True)
+    canonical = "# réglé à la main\n" + (project / "tuning/nvidia/sm_90/flash.philox_words.txt").read_text("utf-8")
+    table.write_bytes(canonical.replace("\n[configs]\n", "\n\n[configs]\n").encode())  # not canonical
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0",
+           "PYTHONPATH": str(project)}
+    done = subprocess.run([sys.executable, "-c", "from aotattn.cli import app; app()", "tuning", "lint", "--fix",
+                           "--tuning-db", str(tmp_path)], env=env, cwd=project, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert table.read_bytes() == canonical.encode("utf-8")
+    assert [p.name for p in table.parent.iterdir()] == [table.name]
+
+
+def test_a_base_without_the_table_is_an_error_at_the_base_line(tmp_path):
+    """The docs: a base that does not exist is an error pointing at the ``#! base`` line.
+    A base architecture that exists but lacks the table was reported as a missing file of
+    that architecture, naming neither the table that asked for it nor the line."""
+    db = make_db(tmp_path, {"nvidia/sm_86/toy.k.txt": HEADER.format(arch="sm_86", base="#! base sm_80\n")})
+    (tmp_path / "nvidia/sm_80").mkdir()  # the architecture, without this table
+    with pytest.raises(TuningError, match=r"#! base sm_80: sm_80 has no toy.k table") as info:
+        db.effective("sm_86", "toy.k")
+    assert info.value.where == f"{tmp_path / 'nvidia/sm_86/toy.k.txt'}:4"
+    assert [p.where for p in Database(tmp_path, SPECS).lint()] == [info.value.where]
+
+
+def test_a_byte_order_mark_is_named_not_read_as_a_missing_header(tmp_path):
+    """An editor's BOM (invisible) made the first line something else: the error said the
+    '#! aotattn-tuning 1' line that is plainly there was missing."""
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE})
+    path = tmp_path / "nvidia/sm_90/toy.k.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    with pytest.raises(TuningError, match="byte-order mark.*save it as UTF-8 without one") as info:
+        db.lookup("sm_90", TOY, f(), {"seqlen_q": 16, "seqlen_k": 16})
+    assert info.value.where == f"{path}:1"
+    assert [str(p) for p in Database(tmp_path, SPECS).lint()] == [str(info.value)]
+
+
+def test_a_tab_after_a_directive_separates_it_from_its_value():
+    text = TABLE.replace("#! table toy.k", "#! table\ttoy.k").replace("#! arch sm_90", "#!\tarch \t sm_90")
+    assert parse_table(TOY, text, "t.txt").blocks == parse_table(TOY, TABLE, "t.txt").blocks
