@@ -31,6 +31,7 @@ from aotattn.pgdef.queries import QUERIES
 from aotattn.pgdef.registry import App, TaskKind, load_app
 
 DISPATCH_CHUNK = 5000
+DISPATCH_LOCK = 0x70676466  # the class of lock_dispatch's advisory locks
 STATES = ("queued", "running", "done", "failed", "cancelled")
 
 
@@ -184,6 +185,8 @@ class Client:
 
         def work(conn) -> int:  # every chunk or none: run again after a lost connection, it inserts the rest
             with conn.transaction():
+                conn.execute(QUERIES["lock_dispatch"], {"lock_class": DISPATCH_LOCK, "category": str(category),
+                                                        "pool": pool})
                 return sum(len(conn.execute(sql, {name: values[start:start + DISPATCH_CHUNK]
                                                   for name, values in columns.items()}).fetchall())
                            for start in range(0, total, DISPATCH_CHUNK))

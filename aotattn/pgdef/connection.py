@@ -87,12 +87,28 @@ def resolve_dsn(dsn: str | None) -> str | None:
 _LOST_STATES = ("57P01", "57P02", "57P03")
 
 
+# SQLSTATE class 40: the server rolled the transaction back (deadlock, serialization
+# failure); the connection is fine and the same work may simply run again. psycopg's
+# classes for them do not share a base below OperationalError.
+_ROLLED_BACK = (psycopg.errors.TransactionRollback, psycopg.errors.SerializationFailure,
+                psycopg.errors.DeadlockDetected)
+
+
 def is_connection_error(exc: BaseException) -> bool:
     """True when ``exc`` means the connection is gone (not that the statement was wrong)."""
     if not isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
         return False
     state = getattr(exc, "sqlstate", None)
     return state is None or state.startswith("08") or state in _LOST_STATES
+
+
+def refuses_data(exc: BaseException) -> bool:
+    """True when the database refused a statement for the values it was given (SQLSTATE class
+    22, data exception; 54, program limit: a jsonb too large or too deep), so sending the same
+    values again fails again; not for a lock or statement timeout, a full disk and the like."""
+    cause = exc if isinstance(exc, psycopg.Error) else exc.__cause__
+    state = getattr(cause, "sqlstate", None) or ""
+    return state[:2] in ("22", "54")
 
 
 def connect(dsn: str, application_name: str = "pgdef") -> psycopg.Connection:
@@ -146,6 +162,13 @@ class Runner:
         for attempt in (0, 1):
             try:
                 return self._call(work)
+            except _ROLLED_BACK as exc:
+                # A deadlock (two dispatchers inserting the same keys in other orders, a cancel
+                # crossing a check-in) or a serialization failure rolled the work back on a
+                # connection still usable: run it once more, as after a lost connection.
+                if attempt == 1:
+                    raise PgdefError(f"database error: {_first_line(exc)} (twice); run the command again") from exc
+                log.warning("%s; running it again", _first_line(exc))
             except (psycopg.OperationalError, psycopg.InterfaceError, ConnectionLost) as exc:
                 if not isinstance(exc, ConnectionLost) and not is_connection_error(exc):
                     raise PgdefError(f"database error: {_first_line(exc)}") from exc

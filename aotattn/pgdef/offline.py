@@ -244,9 +244,13 @@ def read_results(path: Path) -> tuple[str, list[Outcome]]:
     """A results file's batch id and outcomes. A last line cut short (a crash mid-write) is
     ignored; any other malformed line is an error naming ``path:line``."""
     try:
-        lines = Path(path).read_text().splitlines()
+        data = Path(path).read_text()
     except OSError as exc:
         raise BatchError(f"cannot read results file {path} ({exc})") from exc
+    lines = data.splitlines()
+    # every line is written with its newline: a last line without one was cut short, even
+    # where the cut fell just after a "}" (the end of the output object)
+    unterminated = not data.endswith("\n")
     try:
         header = json.loads(lines[0]) if lines else None
     except ValueError:
@@ -263,7 +267,7 @@ def read_results(path: Path) -> tuple[str, list[Outcome]]:
                 permanent=bool(obj.get("permanent", False)), elapsed_s=float(obj.get("elapsed_s", 0.0)),
                 worker_id=None if obj.get("worker_id") is None else str(obj["worker_id"]))))
         except (ValueError, KeyError, TypeError) as exc:
-            if number == len(lines) and not text.endswith("}"):
+            if number == len(lines) and (unterminated or not text.endswith("}")):
                 log.warning("%s:%d: ignoring a line cut short", path, number)
                 break
             raise BatchError(f"{path}:{number}: malformed result line ({type(exc).__name__}: {exc})") from exc

@@ -27,6 +27,12 @@ SELECT to_regclass('pgdef_migration') IS NOT NULL AS present
 -- name: schema_version
 SELECT coalesce(max(version), 0) AS version FROM pgdef_migration
 
+-- name: lock_dispatch
+-- Serialises concurrent dispatches to one category and pool until the end of the transaction:
+-- two dispatchers inserting the same keys in different orders would each wait for a row the
+-- other inserted and not committed, a deadlock. The two-key form does not meet the migration lock.
+SELECT pg_advisory_xact_lock(%(lock_class)s::integer, hashtext(%(category)s || ' ' || %(pool)s))
+
 -- name: dispatch
 -- Inserts tasks from parallel arrays; a task whose (app, subcategory, pool, task_key) exists is skipped.
 INSERT INTO pgdef_task (app, subcategory, pool, task_key, priority, payload, max_attempts)

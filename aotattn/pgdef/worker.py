@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from aotattn.pgdef.connection import Connector, jsonb
+from aotattn.pgdef.connection import Connector, jsonb, refuses_data
 from aotattn.pgdef.errors import ConfigError, ConnectionLost, PgdefError
 from aotattn.pgdef.model import Outcome, Task, TaskContext, check_pool, storable_text
 from aotattn.pgdef.registry import App, TaskKind, kinds_of, run_attempt
@@ -191,9 +191,13 @@ class Worker:
                         "attempt": task.attempt, "elapsed_s": outcome.elapsed_s})
                 except ConnectionLost:
                     raise
-                except PgdefError as exc:  # the database refused the output: the attempt fails, for good
-                    outcome = dataclasses.replace(outcome, ok=False, output=None, permanent=True,
-                                                  error=storable_text(f"the database refused the output: {exc}"))
+                except PgdefError as exc:
+                    # the database refused the output (its value): the attempt fails, for good; any
+                    # other refusal (a lock timeout, a full disk) is a failed attempt, retried
+                    refused = refuses_data(exc)
+                    outcome = dataclasses.replace(outcome, ok=False, output=None, permanent=refused, error=storable_text(
+                        f"the database refused the output: {exc}" if refused else
+                        f"the result could not be recorded: {exc}"))
                 else:
                     if accepted:
                         self.stats.done += 1
@@ -240,8 +244,8 @@ class Worker:
                 try:
                     renewed = beat.execute("renew_leases", {"owner": self.id, "task_ids": held,
                                                             "lease_s": self.config.lease_s})
-                except ConnectionLost as exc:
-                    log.warning("heartbeat of %s missed (%s)", self.id, exc)
+                except PgdefError as exc:  # lost connection, or refused (a lock timeout, ...): the next beat
+                    log.warning("heartbeat of %s missed (%s)", self.id, exc)  # tries again, within the lease
                     continue
                 lost = set(held) - {row["id"] for row in renewed}
                 with self._held_lock:

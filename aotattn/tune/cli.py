@@ -144,7 +144,7 @@ def checkout(arch: str = ARCH, out: Path = typer.Option(..., "--out", "-o", help
              lease: float = typer.Option(86400.0, help="seconds before unreturned tasks are queued again"),
              dsn: str = DSN, home: Path = HOME) -> None:
     """Claim queued tuning tasks into an offline batch sized to fit ``--minutes`` of GPU time."""
-    from aotattn.pgdef import Client
+    from aotattn.pgdef import Client, PayloadError
     from aotattn.tune import ahead
     from aotattn.tune.app import APP, parse_payload
     from aotattn.tune.estimate import gpu_seconds
@@ -155,7 +155,11 @@ def checkout(arch: str = ARCH, out: Path = typer.Option(..., "--out", "-o", help
         queued.sort(key=lambda t: (-t.priority, t.id))  # pgdef's claiming order
         budget, spent, count, jobs = minutes * 60.0 * gpus, 0.0, 0, set()
         for info in queued:
-            task, settings = parse_payload(info.payload)
+            try:
+                task, settings = parse_payload(info.payload)
+            except PayloadError as exc:  # dispatched without the app's check: say which, and what to do
+                raise PayloadError(f"queued task {info.id} ({info.category}) cannot be tuned: {exc}; cancel it "
+                                   f"(aotattn pgdef cancel --id {info.id}) and check out again") from exc
             needed = {(j.table, j.functional, j.config) for j in ahead.task_jobs(task, settings, db)}
             cost = gpu_seconds(task, settings)
             if count and (spent + cost > budget or len(jobs | needed) > max_kernels):
@@ -265,7 +269,8 @@ def _load_results(paths: list[Path]) -> list[dict[str, Any]]:
 
     found: list[dict[str, Any]] = []
     for path in paths:
-        files = sorted(path.rglob("*.json*")) if path.is_dir() else [path]
+        # in a folder, *.json and *.jsonl only: `tune run` leaves <id>.json.tmp when cut short mid-write
+        files = sorted(f for f in path.rglob("*.json*") if f.suffix in (".json", ".jsonl")) if path.is_dir() else [path]
         for file in files:
             text = file.read_text()
             if file.suffix == ".jsonl":
@@ -275,7 +280,11 @@ def _load_results(paths: list[Path]) -> list[dict[str, Any]]:
 
                 found += [o.output for o in read_results(file)[1] if o.ok]
             else:
-                data = json.loads(text)
+                try:
+                    data = json.loads(text)
+                except ValueError as exc:
+                    raise ValueError(f"{file}: not JSON ({exc}); expected a tuner result file or a pgdef "
+                                     "results file (leave it out, or re-run its task)") from exc
                 found += data if isinstance(data, list) else [data]
     return [r for r in found if isinstance(r, dict) and r.get("format") == RESULT_FORMAT]
 

@@ -54,10 +54,41 @@ def latest(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         task = Task.from_json(result["task"])
         if result.get("id") != task.id:
             raise ValueError(f"result id {result.get('id')} does not match its task ({task.id}: {task.describe()})")
+        _check_winner(result)
         kept = newest.get(task.id)
         if kept is None or str(result.get("date", "")) >= str(kept.get("date", "")):
             newest[task.id] = dict(result)
     return list(newest.values())
+
+
+def _check_winner(result: Mapping[str, Any]) -> None:
+    """The result's winner is one of its candidates, measured and eligible as the runner
+    chooses: an edited, cut or corrupt result must not put a configuration nobody timed (or
+    a NaN, infinite or negative time) in the database."""
+    where = f"result {result.get('id')}"
+    what = "a result file from aotattn tune; re-run its task (aotattn tune dispatch --rerun LABEL) or leave it out"
+    if not isinstance(result.get("date"), str) or not isinstance(result.get("versions"), Mapping) \
+            or not all(isinstance(result.get(k), str) for k in ("device", "shape")):
+        raise ValueError(f"{where}: date, device, shape or versions missing; expected {what}")
+    candidates = result.get("candidates")
+    if not isinstance(candidates, list) or not all(isinstance(c, Mapping) and "name" in c for c in candidates):
+        raise ValueError(f"{where}: candidates: expected a list of named candidates; expected {what}")
+    winner = result.get("winner")
+    if winner is None:
+        return
+    found = next((c for c in candidates if c["name"] == winner), None)
+    if found is None:
+        raise ValueError(f"{where}: winner {winner} is not one of its candidates; expected {what}")
+    for name in ("median_ms", "error"):
+        value = found.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+                or (name == "median_ms" and value == 0):
+            raise ValueError(f"{where}: winner {winner} has {name} {value!r}, not a measurement; expected {what}")
+    if found.get("eligible") is not True:
+        raise ValueError(f"{where}: winner {winner} is not eligible (status {found.get('status')!r}); expected {what}")
+    if found.get("config") != result.get("winner_config"):
+        raise ValueError(f"{where}: winner_config {result.get('winner_config')} is not the config of its winner "
+                         f"{winner} ({found.get('config')}); expected {what}")
 
 
 def _cell_label(spec: Any, functional: Functional, cell: tuple[int, ...]) -> str:

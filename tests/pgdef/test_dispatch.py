@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 import random
+import threading
+import time
 
+import psycopg
 import pytest
 
-from aotattn.pgdef import Category, ConfigError, PayloadError, TaskSpec
+from aotattn.pgdef import Category, Client, ConfigError, PayloadError, TaskSpec
+from aotattn.pgdef.client import DispatchReport
 from aotattn.pgdef.model import default_key
 from tests.pgdef.conftest import run_workers
 
@@ -105,3 +109,51 @@ def test_max_attempts_zero_is_refused_not_replaced(client):
         client.dispatch("testapp,square", "cpu", [{"x": 1}], max_attempts=0)
     assert client.dispatch("testapp,square", "cpu", [{"x": 1}], max_attempts=1).inserted == 1
     assert client.tasks()[0].max_attempts == 1
+
+
+def test_concurrent_dispatchers_that_deadlock_still_insert_each_key_once(client, dsn):
+    """Two dispatchers inserting the same keys in different orders wait on each other's
+    uncommitted rows; PostgreSQL aborts one with a deadlock. Re-running that transaction is
+    safe (ON CONFLICT DO NOTHING), so the dispatch must succeed, not fail with "deadlock"."""
+    with psycopg.connect(dsn) as other:  # another dispatcher, mid-transaction, holding key a
+        other.execute("SET deadlock_timeout = '60s'")  # the client detects the deadlock, not this one
+        other.execute("INSERT INTO pgdef_task (app, subcategory, pool, task_key, payload) "
+                      "VALUES ('testapp', 'square', 'cpu', 'a', '{\"x\": 1}')")
+        outcome: list = []
+        thread = threading.Thread(target=lambda: outcome.append(_dispatch_or_error(
+            client, [TaskSpec({"x": 2}, key="b"), TaskSpec({"x": 1}, key="a")])))
+        thread.start()
+        deadline = time.monotonic() + 30
+        with psycopg.connect(dsn, autocommit=True) as watch:  # the client has b and waits for a
+            while not watch.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                                    "'pgdef-client' AND wait_event_type = 'Lock'").fetchone()[0]:
+                assert time.monotonic() < deadline, "the client never waited for the other transaction"
+                time.sleep(0.05)
+        other.execute("INSERT INTO pgdef_task (app, subcategory, pool, task_key, payload) "
+                      "VALUES ('testapp', 'square', 'cpu', 'b', '{\"x\": 2}')")  # waits for b: a cycle
+    thread.join(30)
+    assert outcome == [DispatchReport(inserted=0, existing=2)]
+    assert sorted(t.key for t in client.tasks()) == ["a", "b"]
+
+
+def _dispatch_or_error(client, specs):
+    try:
+        return client.dispatch("testapp,square", "cpu", specs)
+    except Exception as exc:  # compared above
+        return exc
+
+
+def test_two_clients_dispatching_the_same_keys_in_opposite_orders(client, dsn):
+    """Each dispatch waits for the other's uncommitted rows of the same keys; in opposite
+    orders that was a deadlock that failed one of them (and again on a re-run)."""
+    specs = [TaskSpec({"x": i}, key=f"k{i:05d}") for i in range(20000)]
+    with Client(dsn) as other:
+        outcome: list = []
+        threads = [threading.Thread(target=lambda c=c, s=s: outcome.append(_dispatch_or_error(c, s)))
+                   for c, s in ((client, specs), (other, specs[::-1]))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert sorted(outcome, key=str) == [DispatchReport(0, 20000), DispatchReport(20000, 0)]
+    assert len(client.tasks()) == 20000

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psycopg
+import psycopg.sql
 import pytest
 
 from aotattn.pgdef import Client, EmbeddedServer, Worker, schema
@@ -118,3 +119,50 @@ def test_server_restart_during_a_run(private_server):
         assert all(r.output["y"] == r.payload["x"] ** 2 for r in results)
         assert {t.state for t in client.tasks()} == {"done"}
     assert set(count_results(dsn).values()) == {1}
+
+
+def test_a_heartbeat_that_meets_a_database_error_keeps_beating(client, dsn):
+    """A heartbeat refused by the database for a while (here a lock timeout: someone holds
+    the worker's row) misses those beats only; it used to end the heartbeat thread, so the
+    running task's lease expired under a live worker and the task was re-queued."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(psycopg.sql.SQL("ALTER DATABASE {} SET lock_timeout = '100ms'").format(
+            psycopg.sql.Identifier(conn.info.dbname)))
+    client.dispatch("testapp,sleep", "cpu", [{"x": 3, "s": 4}])
+    worker = Worker(dsn, ["tests.pgdef.apps"], fast_config(lease_s=2.0, heartbeat_s=0.3))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    (task,) = _wait_for(lambda: client.tasks("testapp,sleep", states=["running"]), 30, "the claim")
+    with psycopg.connect(dsn) as locker:
+        locker.execute("SELECT 1 FROM pgdef_worker WHERE id = %s FOR UPDATE", (worker.id,))
+        time.sleep(1.0)  # the beats meanwhile time out waiting for the row
+    while thread.is_alive():  # any other worker's pass over expired leases
+        client.requeue_expired()
+        thread.join(0.1)
+    assert [e["event"] for e in client.events([task.id])] == []
+    (result,) = client.results("testapp,sleep")
+    assert result.attempt == 1 and worker.stats.done == 1
+
+
+def test_a_result_refused_for_a_passing_reason_is_retried_not_failed_for_good(client, dsn):
+    """`complete` meeting a lock timeout (someone holds pgdef_result) said nothing about the
+    output, yet the worker recorded "the database refused the output" as a permanent
+    failure: a good result lost and the task failed. It is a failed attempt, retried."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(psycopg.sql.SQL("ALTER DATABASE {} SET lock_timeout = '100ms'").format(
+            psycopg.sql.Identifier(conn.info.dbname)))
+    client.dispatch("testapp,square", "cpu", [{"x": 5}], max_attempts=5)
+    (task,) = client.tasks("testapp,square")
+    done: list = []
+    with psycopg.connect(dsn) as locker:
+        locker.execute("LOCK TABLE pgdef_result IN EXCLUSIVE MODE")  # inserts wait, then time out
+        thread = threading.Thread(target=lambda: done.extend(run_workers(dsn)), daemon=True)
+        thread.start()
+        _wait_for(lambda: any(e["event"] == "error" for e in client.events([task.id])), 30, "a failed complete")
+    thread.join(60)
+    (after,) = client.tasks("testapp,square")
+    assert after.state == "done" and after.attempts >= 2
+    (result,) = client.results("testapp,square")
+    assert result.output["y"] == 25
+    errors = [e for e in client.events([task.id]) if e["event"] == "error"]
+    assert errors and all("could not be recorded" in e["detail"] and "lock timeout" in e["detail"] for e in errors)

@@ -169,6 +169,25 @@ def test_a_resumed_run_continues_on_a_line_of_its_own(client, tmp_path, cut_at):
     assert sorted(r.payload["x"] for r in client.results("testapp,square")) == sorted(xs)
 
 
+def test_a_line_cut_after_its_output_object_is_ignored_and_resumed(client, tmp_path):
+    """A crash can cut a line right after the output's closing brace: the file then ends in
+    "}" without being JSON. It is still a cut last line (no newline ends it): resume and
+    checkin must treat it so, not refuse the file as malformed."""
+    xs = _dispatch(client, 3)
+    client.checkout("sm_90", ["testapp,square"], tmp_path / "b.json")
+    run_offline(tmp_path / "b.json", tmp_path / "r.jsonl", APPS)
+    text = tmp_path.joinpath("r.jsonl").read_text()
+    last = text.rstrip("\n").rfind("\n") + 1
+    cut = text[:text.index('},"permanent"', last) + 1]  # ...,"output":{"attempt":1,"y":..}
+    assert cut.endswith("}") and not cut.endswith("\n")
+    tmp_path.joinpath("r.jsonl").write_text(cut)
+    assert len(read_results(tmp_path / "r.jsonl")[1]) == 2
+    report = run_offline(tmp_path / "b.json", tmp_path / "r.jsonl", APPS)
+    assert (report.ran, report.skipped) == (1, 2)
+    assert client.checkin([tmp_path / "r.jsonl"]).accepted == 3
+    assert sorted(r.payload["x"] for r in client.results("testapp,square")) == sorted(xs)
+
+
 def test_checkin_fails_an_output_the_database_refuses_and_records_the_rest(client, tmp_path):
     """The online workers' rule: such an output fails its task for good; the batch's other
     results are recorded (one bad line used to roll the whole check-in back)."""

@@ -166,3 +166,32 @@ def test_a_planned_batch_is_measured_with_its_limit_and_size(tmp_path, monkeypat
     broken.write_text(json.dumps({**lines[0], "settings": [2]}) + "\n")
     with pytest.raises(ValueError, match="settings"):
         offline.run_batch(broken, tmp_path / "out3")
+
+
+def test_export_of_a_folder_skips_a_result_cut_by_a_crash(forward_results, tmp_path):
+    """`tune run` writes <id>.json.tmp and renames it; a crash leaves the half-written tmp
+    file in the results folder, which `tune export DIR` read as a result (a JSON error that
+    named no file). A malformed result file is named in the error."""
+    results, _ = forward_results
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / f"{results[0]['id']}.json").write_text(json.dumps(results[0]))
+    (out / f"{results[1]['id']}.json.tmp").write_text(json.dumps(results[1])[:100])  # the crash
+    assert _load_results([out]) == [json.loads(json.dumps(results[0]))]
+    (out / "edited.json").write_text("{not json")
+    with pytest.raises(ValueError, match="edited.json: not JSON"):
+        _load_results([out])
+
+
+def test_checkout_names_a_queued_task_it_cannot_read(dsn, tmp_path):
+    """A tune task dispatched without the app's validation (`aotattn pgdef dispatch` with no
+    --app) made every `tune checkout` fail with the parse error of a payload it did not name."""
+    with Client(dsn) as client:
+        client.dispatch("tune,flash.attn_fwd", "sm_90", [{"task": {"arch": "sm_90"}}])
+        (bad,) = client.tasks("tune")
+    failed = CliRunner().invoke(cli, ["tune", "checkout", "-o", str(tmp_path / "b.json"), "--dsn", dsn])
+    assert failed.exit_code == 1
+    assert f"queued task {bad.id} (tune,flash.attn_fwd)" in failed.output
+    assert f"aotattn pgdef cancel --id {bad.id}" in failed.output
+    with Client(dsn) as client:
+        assert [t.state for t in client.tasks("tune")] == ["queued"]  # nothing claimed

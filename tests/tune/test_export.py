@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 
@@ -71,3 +72,33 @@ def test_refusals(forward_results, tuning_copy):
     nothing.update(winner=None, winner_config=None)
     done = export.export([nothing], tuning_copy, allow_cpu_clock=True, dry_run=True)
     assert done[0].cells == 0 and len(done[0].empty) == 1 and not done[0].path.exists()
+
+
+def _edit_winner(result: dict, **changes) -> dict:
+    edited = copy.deepcopy(result)
+    winner = next(c for c in edited["candidates"] if c["name"] == edited["winner"])
+    winner.update(changes)
+    return edited
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda r: {**r, "winner": "m999_n1_w1_s1"}, "winner m999_n1_w1_s1 is not one of its candidates"),
+    (lambda r: {**r, "candidates": []}, "is not one of its candidates"),
+    (lambda r: _edit_winner(r, median_ms=math.nan), "median_ms nan"),
+    (lambda r: _edit_winner(r, median_ms=math.inf), "median_ms inf"),
+    (lambda r: _edit_winner(r, median_ms=-0.5), "median_ms -0.5"),
+    (lambda r: _edit_winner(r, median_ms=None), "median_ms None"),
+    (lambda r: _edit_winner(r, error=None), "error None"),
+    (lambda r: _edit_winner(r, eligible=False), "not eligible"),
+    (lambda r: {**r, "winner_config": {**r["winner_config"], "BLOCK_N": 2 * r["winner_config"]["BLOCK_N"]}},
+     "winner_config .* is not the config of its winner"),
+    (lambda r: {k: v for k, v in r.items() if k != "date"}, "date"),
+])
+def test_a_result_whose_winner_was_not_measured_is_refused(forward_results, tuning_copy, edit, match):
+    """An edited, cut or corrupt result must not write an unmeasured configuration into the
+    database (it did: a NaN or negative time was exported as a winner), nor end in a
+    KeyError: a ValueError names the result."""
+    results, _ = forward_results
+    bad = edit(copy.deepcopy(results[0]))
+    with pytest.raises(ValueError, match=f"result {results[0]['id']}: .*{match}"):
+        export.export([bad, results[1]], tuning_copy, allow_cpu_clock=True, dry_run=True)
