@@ -135,9 +135,19 @@ def worker(
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    resolved = _dsn(dsn, home)
-    gpu_list = [int(g) for g in gpus.split(",") if g.strip()] if gpus else []
+    try:
+        gpu_list = [int(g) for g in gpus.split(",") if g.strip()] if gpus else []
+    except ValueError:
+        raise typer.BadParameter(f"expected GPU indices separated by commas, e.g. 0,1,2,3; got {gpus!r}",
+                                 param_hint="--gpus") from None
+    if any(g < 0 for g in gpu_list):
+        raise typer.BadParameter(f"expected GPU indices >= 0, got {gpus!r}", param_hint="--gpus")
     processes = processes if processes is not None else (0 if gpu_list else 1)
+    # checked here, before any process starts (each would refuse it on its own)
+    config = WorkerConfig(pool=pool, gpu=gpu, lease_s=lease, heartbeat_s=heartbeat, poll_s=poll,
+                          claim_batch=claim_batch, max_tasks=max_tasks, exit_when_idle=exit_when_idle,
+                          reconnect_timeout_s=reconnect_timeout)
+    resolved = _dsn(dsn, home)
     if gpu_list or processes > 1:
         args = [f"--app={a}" for a in apps] + [
             "--pool", pool, "--lease", str(lease), "--poll", str(poll), "--claim-batch", str(claim_batch),
@@ -150,9 +160,6 @@ def worker(
         codes = [p.wait() for p in procs]
         console.print(f"{len(procs)} workers finished, exit codes {codes}")
         raise typer.Exit(max(codes, default=0))
-    config = WorkerConfig(pool=pool, gpu=gpu, lease_s=lease, heartbeat_s=heartbeat, poll_s=poll,
-                          claim_batch=claim_batch, max_tasks=max_tasks, exit_when_idle=exit_when_idle,
-                          reconnect_timeout_s=reconnect_timeout)
     stats = run_worker(resolved, apps, config)
     console.print(f"worker done: {stats.done} results, {stats.errors} errors, {stats.late} late, "
                   f"{stats.lost} lost to the connection")

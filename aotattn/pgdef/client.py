@@ -25,8 +25,8 @@ from typing import Any
 from aotattn.pgdef import schema
 from aotattn.pgdef.connection import PooledConnector, jsonb, redact, resolve_dsn
 from aotattn.pgdef.errors import ConfigError
-from aotattn.pgdef.model import (Category, Result, Selection, TaskSpec, check_payload, check_pool, default_key,
-                                 storable_text)
+from aotattn.pgdef.model import (Category, Result, Selection, TaskSpec, check_payload, check_pool, check_seconds,
+                                 check_task_ids, default_key, storable_text)
 from aotattn.pgdef.queries import QUERIES
 from aotattn.pgdef.registry import App, TaskKind, load_app
 
@@ -228,13 +228,14 @@ class Client:
 
     def events(self, task_ids: Sequence[int]) -> list[dict[str, Any]]:
         """The recorded events (error, expired, retry, cancel, late_result, released) of tasks."""
-        return self.db.execute("events", {"task_ids": list(task_ids)})
+        return self.db.execute("events", {"task_ids": check_task_ids(task_ids)})
 
     def status(self, category: str | Category | None = None, pool: str | None = None, *,
                window_s: float = 300.0, limit: int = 10) -> Status:
         """Progress per category and pool, live workers, expired leases, recent failures and
         open offline batches. Rates (and so ETAs) are over the last ``window_s`` seconds."""
-        params = {**Selection.of(category, pool).params(), "window_s": window_s, "limit": limit}
+        params = {**Selection.of(category, pool).params(), "window_s": check_seconds(window_s, "window_s"),
+                  "limit": limit}
         progress = []
         for row in self.db.execute("status_counts", params):
             span = max(row["recent_span_s"] or 0.0, 1.0)
@@ -268,7 +269,7 @@ class Client:
         reset; returns how many."""
         states = ["failed", "cancelled"] if include_cancelled else ["failed"]
         rows = self.db.execute("retry", {**Selection.of(category, pool).params(), "states": states,
-                                         "task_ids": list(task_ids) if task_ids is not None else None})
+                                         "task_ids": check_task_ids(task_ids)})
         return rows[0]["n"]
 
     def cancel(self, category: str | Category | None = None, pool: str | None = None, *,
@@ -276,7 +277,7 @@ class Client:
         """Cancel tasks not yet done (queued, running, failed); returns how many. A running
         task's result, when it comes, is not accepted."""
         rows = self.db.execute("cancel", {**Selection.of(category, pool).params(),
-                                          "task_ids": list(task_ids) if task_ids is not None else None})
+                                          "task_ids": check_task_ids(task_ids)})
         return rows[0]["n"]
 
     def requeue_expired(self) -> int:

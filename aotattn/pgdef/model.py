@@ -48,6 +48,30 @@ class Category:
         return f"{self.app},{self.subcategory}" if self.subcategory else self.app
 
 
+# Durations a lease, heartbeat or status window may take: past this PostgreSQL's intervals
+# and timestamps overflow ("interval out of range"), and no task waits ten years.
+MAX_SECONDS = 10 * 365 * 86400.0
+MAX_TASK_ID = 2**63 - 1  # pgdef_task.id is a bigint
+
+
+def check_seconds(value: float, name: str) -> float:
+    """A duration in seconds, above 0 and at most MAX_SECONDS (NaN and infinity refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:
+        raise ConfigError(f"{name}: expected seconds above 0 and at most {MAX_SECONDS:.0f} (ten years), got {value!r}")
+    return float(value)
+
+
+def check_task_ids(task_ids: Any) -> list[int] | None:
+    """Task ids as a list (None: every task), each a positive bigint."""
+    if task_ids is None:
+        return None
+    ids = list(task_ids)
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= MAX_TASK_ID]
+    if bad:
+        raise ConfigError(f"task ids: expected integers from 1 to {MAX_TASK_ID}, got {bad[0]!r}")
+    return ids
+
+
 def check_pool(pool: str) -> str:
     """A pool name (``sm_90``, ``cpu``, ``gfx942``): letters, digits and ``_.-``."""
     if not isinstance(pool, str) or not _POOL.match(pool):

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aotattn.pgdef.errors import BatchError, ConfigError
-from aotattn.pgdef.model import (Category, Outcome, Task, TaskContext, canonical_json, check_pool, storable_json,
-                                 storable_text)
+from aotattn.pgdef.model import (Category, Outcome, Task, TaskContext, canonical_json, check_pool, check_seconds,
+                                 storable_json, storable_text)
 from aotattn.pgdef.queries import QUERIES
 from aotattn.pgdef.registry import App, kinds_of, run_attempt
 
@@ -120,8 +120,9 @@ def checkout(db: Runner, pool: str, categories: Sequence[str | Category], path: 
     names = [str(Category.parse(c)) for c in categories]
     if not names:
         raise ConfigError("checkout: expected at least one --category app,subcategory")
-    if not isinstance(limit, int) or limit < 1 or not lease_s > 0:
-        raise ConfigError(f"checkout: expected limit >= 1 and lease_s > 0, got {limit!r}, {lease_s!r}")
+    if not isinstance(limit, int) or limit < 1:
+        raise ConfigError(f"checkout: expected limit >= 1, got {limit!r}")
+    check_seconds(lease_s, "lease_s")
     batch_id = uuid.uuid4().hex
     owner = f"batch:{batch_id}"
 

@@ -102,6 +102,26 @@ def test_cli_errors_are_one_line(dsn, tmp_path):
     assert missing.exit_code == 1 and "cannot read results file" in missing.output
 
 
+@pytest.mark.parametrize("args, words", [
+    (["worker", "--app", "aotattn.pgdef.toy", "--lease", "inf"], "lease_s"),
+    (["worker", "--app", "aotattn.pgdef.toy", "--poll", "nan"], "poll_s"),
+    (["worker", "--app", "aotattn.pgdef.toy", "--reconnect-timeout", "-1"], "reconnect_timeout_s"),
+    (["worker", "--app", "aotattn.pgdef.toy", "--gpus", "a"], "--gpus"),
+    (["worker", "--app", "aotattn.pgdef.toy", "--gpus", "0,-1"], "--gpus"),
+    (["status", "--window", "nan"], "window_s"),
+    (["retry", "--id", str(2**64)], "task ids"),
+    (["cancel", "--id", "0"], "task ids"),
+    (["checkout", "-c", "toy,square", "-p", "cpu", "--lease", "1e300", "--out", "{tmp}/b.json"], "lease_s"),
+])
+def test_out_of_range_durations_and_ids_are_refused_before_the_database_sees_them(args, words, dsn, tmp_path):
+    """They reached PostgreSQL as 'interval out of range', 'timestamp out of range' or
+    'bigint out of range'; a bad --gpus was 'invalid literal for int()'."""
+    result = runner.invoke(app, [a.format(tmp=tmp_path) for a in args] + ["--dsn", dsn])
+    assert result.exit_code in (1, 2) and words in result.output and "out of range" not in result.output, \
+        result.output
+    assert "Traceback" not in result.output and not (tmp_path / "b.json").exists()
+
+
 def test_cli_errors_go_to_stderr_on_one_line_also_through_python_m(dsn, admin_dsn):
     """`python -m aotattn.pgdef` is the same CLI, errors included; a server that answers and
     refuses (no such database) is reported at once with its reason, not after a wait."""
