@@ -101,15 +101,18 @@ def _image(plan: LaunchPlan, device: torch.device) -> Any:
                           "verified, but not loaded yet): each new kernel variant compiles on its first call")
         return None
     from aotattn.runtime import image_loader
-    from aotattn.runtime.images import ImageMissing
+    from aotattn.runtime.images import ENV_VAR, ImageMissing, image_roots
 
     try:
         return image_loader.load(plan, device)
     except ImageMissing as exc:
         if current == "aot":
             raise
-        _warn_once(exc.table, f"aotattn: no kernel image for {exc.table} on {exc.arch}: compiling with Triton's "
-                              "JIT instead (seconds per new kernel variant, on its first call). Build the images "
+        # a mistyped $AOTATTN_IMAGES looks like images never built: say where it looked
+        absent = [str(r) for r in image_roots() if not r.is_dir()]
+        looked = (f" ({ENV_VAR}={absent[0]} is no folder)" if os.environ.get(ENV_VAR) and absent else "")
+        _warn_once(exc.table, f"aotattn: no kernel image for {exc.table} on {exc.arch}{looked}: compiling with "
+                              "Triton's JIT instead (seconds per new kernel variant, on its first call). Build the images "
                               f"once with: aotattn build --arch {exc.arch}   (all kernels; this one alone: "
                               f"{exc.command}). {MODE_VAR}=aot makes a missing image an error; said once per "
                               "kernel per process")

@@ -119,6 +119,22 @@ def test_a_missing_image_runs_through_the_jit_with_one_warning_per_kernel_table(
     assert "cuLaunchKernel" not in gpu.names()
 
 
+def test_the_fallback_warning_names_an_images_folder_that_does_not_exist(gpu, tmp_path, monkeypatch):
+    """A mistyped AOTATTN_IMAGES read as images never built: the warning did not name it."""
+    from aotattn.runtime import image_loader
+    from aotattn.runtime.images import ENV_VAR
+
+    typo = tmp_path / "imagse"
+    monkeypatch.setenv(ENV_VAR, str(typo))
+    image_loader._stores.clear()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        launcher.launch(plan())
+    said = jit_warnings(record)
+    assert len(said) == 1 and f"{ENV_VAR}={typo} is no folder" in said[0], said
+    image_loader._stores.clear()
+
+
 def test_a_prepared_launch_decides_once(gpu, tmp_path):
     p = plan()
     with warnings.catch_warnings(record=True) as record:
