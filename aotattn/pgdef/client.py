@@ -286,12 +286,13 @@ class Client:
 
     # -- offline batches ---------------------------------------------------------------------
     def checkout(self, pool: str, categories: Sequence[str | Category], path: Path, *, limit: int = 100,
-                 lease_s: float = 86400.0, host: str | None = None):
+                 lease_s: float = 86400.0, host: str | None = None, task_ids: Sequence[int] | None = None):
         """Claim up to ``limit`` tasks under one lease of ``lease_s`` into the batch file ``path``
         (see :mod:`aotattn.pgdef.offline`); None when nothing is queued."""
         from aotattn.pgdef.offline import checkout
 
-        return checkout(self.db, pool, categories, Path(path), limit=limit, lease_s=lease_s, host=host)
+        return checkout(self.db, pool, categories, Path(path), limit=limit, lease_s=lease_s, host=host,
+                        task_ids=task_ids)
 
     def checkin(self, results: Sequence[Path]):
         """Record the results files of an offline batch (idempotent; see :mod:`aotattn.pgdef.offline`)."""

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from aotattn.pgdef.errors import BatchError, ConfigError
 from aotattn.pgdef.model import (Category, Outcome, Task, TaskContext, canonical_json, check_pool, check_seconds,
-                                 storable_json, storable_text)
+                                 check_task_ids, storable_json, storable_text)
 from aotattn.pgdef.queries import QUERIES
 from aotattn.pgdef.registry import App, kinds_of, run_attempt
 
@@ -113,9 +113,11 @@ def _write_atomically(path: Path, text: str) -> None:
 
 # -- checkout ---------------------------------------------------------------------------------
 def checkout(db: Runner, pool: str, categories: Sequence[str | Category], path: Path, *, limit: int = 100,
-             lease_s: float = 86400.0, host: str | None = None) -> Batch | None:
-    """Claim up to ``limit`` queued tasks of ``pool`` and ``categories`` into the batch file
-    ``path`` under one lease of ``lease_s`` seconds. None (and no file) when none is queued."""
+             lease_s: float = 86400.0, host: str | None = None, task_ids: Sequence[int] | None = None) -> Batch | None:
+    """Claim up to ``limit`` queued tasks of ``pool`` and ``categories`` (and, given
+    ``task_ids``, only among those: a batch sized from a listing claims no task it did not
+    see) into the batch file ``path`` under one lease of ``lease_s`` seconds. None (and no
+    file) when none is queued."""
     check_pool(pool)
     names = [str(Category.parse(c)) for c in categories]
     if not names:
@@ -123,6 +125,7 @@ def checkout(db: Runner, pool: str, categories: Sequence[str | Category], path: 
     if not isinstance(limit, int) or limit < 1:
         raise ConfigError(f"checkout: expected limit >= 1, got {limit!r}")
     check_seconds(lease_s, "lease_s")
+    ids = check_task_ids(task_ids)
     batch_id = uuid.uuid4().hex
     owner = f"batch:{batch_id}"
 
@@ -133,7 +136,7 @@ def checkout(db: Runner, pool: str, categories: Sequence[str | Category], path: 
             if made is not None:
                 rows = conn.execute(QUERIES["batch_held"], {"owner": owner}).fetchall()
                 return rows, made["lease_expires_at"], None
-            rows = conn.execute(QUERIES["claim"], {"pool": pool, "categories": names, "limit": limit,
+            rows = conn.execute(QUERIES["claim"], {"pool": pool, "categories": names, "limit": limit, "task_ids": ids,
                                                    "owner": owner, "lease_s": lease_s}).fetchall()
             if not rows:
                 return [], None, None

@@ -44,11 +44,13 @@ RETURNING id
 -- name: claim
 -- Takes up to limit queued tasks of one pool and the given categories, best priority then
 -- oldest first; rows another claimer has locked are skipped, not waited for. Each claim is
--- an attempt. Also used by checkout, with owner "batch:<id>" and a long lease.
+-- an attempt. Also used by checkout, with owner "batch:<id>" and a long lease, and there
+-- optionally only among task_ids (a batch its caller sized from the tasks it listed).
 WITH candidate AS (
     SELECT id
       FROM pgdef_task
      WHERE state = 'queued' AND pool = %(pool)s AND category = ANY(%(categories)s::text[])
+       AND (%(task_ids)s::bigint[] IS NULL OR id = ANY(%(task_ids)s::bigint[]))
      ORDER BY priority DESC, id
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED

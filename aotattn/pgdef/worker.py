@@ -167,7 +167,7 @@ class Worker:
         return self.stats
 
     def _claim(self) -> list[Task]:
-        rows = self.db.execute("claim", {"pool": self.config.pool, "categories": self.categories,
+        rows = self.db.execute("claim", {"pool": self.config.pool, "categories": self.categories, "task_ids": None,
                                          "limit": self.config.claim_batch, "owner": self.id,
                                          "lease_s": self.config.lease_s})
         tasks = sorted((Task.from_row(row) for row in rows), key=lambda t: (-t.priority, t.id))

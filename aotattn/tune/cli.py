@@ -168,8 +168,16 @@ def checkout(arch: str = ARCH, out: Path = typer.Option(..., "--out", "-o", help
         if not count:
             console.print(f"nothing queued for {arch}")
             return
-        categories = sorted({str(info.category) for info in queued[:count]})
-        batch = client.checkout(arch, categories, out, limit=count, lease_s=lease)
+        chosen = queued[:count]
+        categories = sorted({str(info.category) for info in chosen})
+        # the tasks sized above and no others (another claimer may take some meanwhile: fewer, never others)
+        batch = client.checkout(arch, categories, out, limit=count, lease_s=lease, task_ids=[t.id for t in chosen])
+    if batch is None:
+        console.print(f"nothing queued for {arch} any more (claimed meanwhile by another worker or checkout)")
+        return
+    if len(batch.tasks) < count:
+        kept = {t.id for t in batch.tasks}
+        spent = sum(gpu_seconds(*parse_payload(t.payload)) for t in chosen if t.id in kept)
     console.print(f"batch {batch.id}: {len(batch.tasks)} tasks (~{spent / 60:.1f} GPU-minutes, {len(jobs)} kernels) "
                   f"in {out}")
 

@@ -195,3 +195,45 @@ def test_checkout_names_a_queued_task_it_cannot_read(dsn, tmp_path):
     assert f"aotattn pgdef cancel --id {bad.id}" in failed.output
     with Client(dsn) as client:
         assert [t.state for t in client.tasks("tune")] == ["queued"]  # nothing claimed
+
+
+def test_checkout_claims_the_tasks_it_sized_and_no_others(dsn, tmp_path, monkeypatch):
+    """`tune checkout` sizes its batch from a listing, then claims: a task dispatched (or
+    re-prioritised) between the two used to be claimed in place of a sized one, and a batch
+    whose tasks were all taken meanwhile crashed on None."""
+    from aotattn.pgdef import Client as PgClient, TaskSpec
+
+    runner = CliRunner()
+    args = ["tune", "dispatch", "-c", "flash,attn_fwd", "--dtype", "bf16", "--head-dim", "64", "--seqlen", "1024",
+            "--dsn", dsn]
+    assert runner.invoke(cli, args).exit_code == 0
+    listed = PgClient.tasks
+
+    def list_then_a_newcomer(self, *a, **kw):
+        seen = listed(self, *a, **kw)
+        with PgClient(dsn) as other:  # arrives after the listing, at a higher priority
+            other.dispatch("tune,flash.attn_fwd", "sm_90", [TaskSpec(seen[0].payload, key="newcomer", priority=9)])
+        return seen
+
+    monkeypatch.setattr(PgClient, "tasks", list_then_a_newcomer)
+    batch = tmp_path / "batch.json"
+    taken = runner.invoke(cli, ["tune", "checkout", "-o", str(batch), "--dsn", dsn])
+    monkeypatch.undo()
+    assert taken.exit_code == 0, taken.output
+    with PgClient(dsn) as client:
+        newcomer = [t for t in client.tasks("tune") if t.key == "newcomer"]
+        sized = [t.id for t in client.tasks("tune") if t.key != "newcomer"]
+    assert [t["id"] for t in json.loads(batch.read_text())["tasks"]] == sorted(sized)
+    assert [t.state for t in newcomer] == ["queued"]
+
+    def list_then_all_taken(self, *a, **kw):
+        seen = listed(self, *a, **kw)
+        with PgClient(dsn) as other:
+            other.cancel("tune")
+        return seen
+
+    monkeypatch.setattr(PgClient, "tasks", list_then_all_taken)
+    assert runner.invoke(cli, args + ["--rerun", "again"]).exit_code == 0
+    again = runner.invoke(cli, ["tune", "checkout", "-o", str(tmp_path / "b2.json"), "--dsn", dsn])
+    assert again.exit_code == 0 and "claimed meanwhile" in again.output, again.output
+    assert not (tmp_path / "b2.json").exists()
