@@ -135,6 +135,14 @@ def build_patch(spec: Any, results: list[Mapping[str, Any]], old: Patch | None) 
         label = _cell_label(spec, task.functional, task.cell)
         comments[label] = _comment(spec, result)
         if result.get("winner") is not None:
+            space = dict(spec.tuning_space)
+            outside = [f"{k}={v}" for k, v in Config.of(result["winner_config"]).items
+                       if k not in space or v not in space[k]]
+            if outside:  # an edited or foreign result: the database would name a kernel nobody builds
+                raise ValueError(f"result {result.get('id')}: winner_config {result['winner_config']}: "
+                                 f"{', '.join(outside)} outside {spec.qualname}'s tuning space "
+                                 f"({', '.join(f'{k} {vs}' for k, vs in space.items())}); re-run its task "
+                                 "(aotattn tune dispatch --rerun LABEL) or leave it out")
             config = spec.canonical(Config.of(result["winner_config"]))  # a knob at its default is not spelled
             new_cells[(task.functional, task.cell)] = (config_name(config), config, label)
     patch = Patch(spec.qualname)

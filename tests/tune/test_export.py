@@ -102,3 +102,16 @@ def test_a_result_whose_winner_was_not_measured_is_refused(forward_results, tuni
     bad = edit(copy.deepcopy(results[0]))
     with pytest.raises(ValueError, match=f"result {results[0]['id']}: .*{match}"):
         export.export([bad, results[1]], tuning_copy, allow_cpu_clock=True, dry_run=True)
+
+
+@pytest.mark.parametrize("knob, value", [("FOO", 1), ("BLOCK_M", 3)])
+def test_a_winner_outside_the_tuning_space_is_refused(forward_results, tuning_copy, knob, value):
+    """A winner with a knob the table does not declare (or a value outside its space) was
+    exported: the knob dropped from the configuration, its name kept (``..._foo1``)."""
+    results, _ = forward_results
+    bad = copy.deepcopy(results[0])
+    winner = next(c for c in bad["candidates"] if c["name"] == bad["winner"])
+    winner["config"] = bad["winner_config"] = {**bad["winner_config"], knob: value}
+    with pytest.raises(ValueError, match=f"result {bad['id']}: winner_config .*{knob}={value} outside "
+                                         "flash.attn_fwd's tuning space"):
+        export.export([bad], tuning_copy, allow_cpu_clock=True, dry_run=True)
