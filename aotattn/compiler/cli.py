@@ -145,7 +145,7 @@ def _archives(paths: list[Path] | None) -> list[Path]:
 
 @images_app.command("ls")
 def ls(paths: list[Path] = typer.Argument(None, help=_FOLDERS)) -> None:
-    """List archives and the kernels inside them."""
+    """List archives: architecture, kernel table, how many kernels, Triton version, size."""
     table = RichTable("archive", "arch", "table", "kernels", "triton", "size")
     bad = 0
     found = _archives(paths)

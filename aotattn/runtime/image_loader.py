@@ -98,7 +98,8 @@ def check_loadable(archive: Archive, arch: str, table: str, module: str) -> None
     stale image whose arguments may no longer match the host code)."""
     rebuild = f"rebuild with: aotattn build --arch {arch} --kernel {table}"
     if archive.arch != arch or archive.table != table:
-        raise ImageError(f"{archive.path}: holds {archive.arch} / {archive.table}, expected {arch} / {table}")
+        raise ImageError(f"{archive.path}: holds {archive.arch} / {archive.table}, expected {arch} / {table}; "
+                         f"{rebuild}")
     if triton_abi(archive.triton_version) != TRITON_ABI:
         raise ImageError(f"{archive.path}: compiled by Triton {archive.triton_version}, but this aotattn launches "
                          f"Triton {TRITON_ABI} kernels; {rebuild}")

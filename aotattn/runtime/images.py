@@ -396,8 +396,11 @@ def _frame(data: Any, data_size: int) -> dict[str, Any]:
     return by_key
 
 
+REBUILD = "rebuild it with aotattn build"  # what to do about a damaged archive
+
+
 def _refuse(where: str, exc: ValueError) -> ImageError:
-    return ImageError(f"{where}: {exc}: the archive is damaged or hostile; rebuild it with aotattn build")
+    return ImageError(f"{where}: {exc}: the archive is damaged or hostile; {REBUILD}")
 
 
 def _header_from_json(data: Any, where: str, data_size: int) -> Header:
@@ -448,10 +451,10 @@ class Archive:
         self.path = Path(path)
         raw = _read_regular_file(self.path, MAX_ARCHIVE_BYTES)
         if len(raw) < _HEAD.size:
-            raise ImageError(f"{self.path}: truncated (no header)")
+            raise ImageError(f"{self.path}: truncated (no header): {REBUILD}")
         magic, version, length, digest = _HEAD.unpack_from(raw)
         if magic != MAGIC:
-            raise ImageError(f"{self.path}: not an aotattn image archive")
+            raise ImageError(f"{self.path}: not an aotattn image archive: remove it, or {REBUILD}")
         if version != VERSION:
             raise ImageError(f"{self.path}: archive format {version}, this aotattn reads {VERSION}: rebuild it with "
                              "aotattn build")
@@ -459,9 +462,9 @@ class Archive:
             raise ImageError(f"{self.path}: an index of {length} bytes, above the {MAX_INDEX_BYTES >> 20} MiB limit")
         index = raw[_HEAD.size:_HEAD.size + length]
         if len(index) != length:
-            raise ImageError(f"{self.path}: truncated index")
+            raise ImageError(f"{self.path}: truncated index: {REBUILD}")
         if hashlib.sha256(index).digest() != digest:
-            raise ImageError(f"{self.path}: index checksum mismatch (altered or corrupted)")
+            raise ImageError(f"{self.path}: index checksum mismatch (altered or corrupted): {REBUILD}")
         self._data = memoryview(raw)[_HEAD.size + length:]
         self._index_bytes = index
         self._index = _parse_index(index, str(self.path))
@@ -569,14 +572,14 @@ def _inflate(data: bytes | memoryview, size: int, blob: str, what: str) -> bytes
     try:
         binary = inflater.decompress(data, max_length=size + 1)
     except lzma.LZMAError as exc:
-        raise ImageError(f"{what} does not decompress: {exc}") from None
+        raise ImageError(f"{what} does not decompress: {exc}: {REBUILD}") from None
     if len(binary) > size:
-        raise ImageError(f"{what} inflates past its declared size of {size} bytes (altered or hostile)")
+        raise ImageError(f"{what} inflates past its declared size of {size} bytes (altered or hostile): {REBUILD}")
     if not inflater.eof or inflater.unused_data:
         raise ImageError(f"{what} {'ends early' if not inflater.eof else 'carries trailing data'} (altered or "
-                         "corrupted)")
+                         f"corrupted): {REBUILD}")
     if len(binary) != size or hashlib.sha256(binary).hexdigest() != blob:
-        raise ImageError(f"{what} fails its checksum (altered or corrupted)")
+        raise ImageError(f"{what} fails its checksum (altered or corrupted): {REBUILD}")
     return binary
 
 

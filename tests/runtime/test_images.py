@@ -243,6 +243,38 @@ def test_the_runtime_loader_reports_archive_errors_as_one_image_error(tmp_path, 
     assert "extra" in one_line_error(info.value, path)
 
 
+def _flip_index_byte(raw: bytes) -> bytes:
+    at = HEAD.size + 5
+    return raw[:at] + bytes([raw[at] ^ 0x20]) + raw[at + 1:]
+
+
+def _flip_last_blob_byte(raw: bytes) -> bytes:
+    return raw[:-20] + bytes([raw[-20] ^ 0xFF]) + raw[-19:]
+
+
+@pytest.mark.parametrize("damage", [
+    lambda raw: raw[:HEAD.size - 3],  # no whole header
+    lambda raw: raw[:HEAD.size + 10],  # the index cut short
+    _flip_index_byte,  # the index altered: its checksum fails
+    _flip_last_blob_byte,  # a binary altered: it no longer inflates, or fails its checksum
+    lambda raw: b"NOTIMAGE" + raw[8:],  # not an archive at all
+], ids=["no header", "truncated index", "altered index", "altered blob", "not an archive"])
+def test_a_damaged_archive_the_runtime_reads_says_to_rebuild_it(tmp_path, damage):
+    """A user's attention call that meets a damaged archive gets a one-line error that
+    says what to do (rebuild it), as the schema errors and a stale archive's do."""
+    spec = families.kernels()[TABLE]
+    path = images.archive_path(tmp_path, "sm_90", TABLE)
+    path.parent.mkdir(parents=True)
+    make_archive(path, names=("a",))
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(ImageError) as info:
+        archive, = image_loader.ImageStore([tmp_path]).archives("sm_90", TABLE, spec.module)
+        archive.binary(archive.header.entries[0])
+    assert "aotattn build" in one_line_error(info.value, path)
+    result = cli("images", "verify", str(tmp_path))
+    assert result.exit_code == 1 and "aotattn build" in result.output
+
+
 # --------------------------------------------------------------------------- item 5: extract
 
 
@@ -408,6 +440,18 @@ def test_the_runtime_refuses_images_of_another_kernel_source_naming_both_hashes(
     assert "0" * 12 in text and expected[:12] in text and "aotattn build" in text and "\n" not in text
     result = cli("images", "verify", str(tmp_path))
     assert result.exit_code == 1 and expected[:12] in result.output
+
+
+def test_the_runtime_refuses_an_archive_of_another_kernel_in_its_place_saying_what_to_do(tmp_path):
+    """An archive of another kernel copied into this one's place: the runtime names both and the
+    command that builds the right one."""
+    other = "flash.philox_words"
+    path = images.archive_path(tmp_path, "sm_90", TABLE)
+    path.parent.mkdir(parents=True)
+    make_archive(path, names=("a",), table=other)
+    with pytest.raises(ImageError, match=other) as info:
+        image_loader.ImageStore([tmp_path]).archives("sm_90", TABLE, families.kernels()[TABLE].module)
+    assert f"aotattn build --arch sm_90 --kernel {TABLE}" in one_line_error(info.value, path)
 
 
 def test_the_source_hash_is_computed_without_importing_triton():
