@@ -68,7 +68,19 @@ class Problem:
 def _tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check_untransformed(name, t)
     return t
+
+
+def check_untransformed(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor of a ``torch.func`` transform (vmap's batched tensors, grad's and
+    jacrev's wrappers): it has no storage, and the kernels read data pointers (without
+    this, torch raised "Cannot access data pointer of Tensor that doesn't have storage").
+    Not while Dynamo traces (it cannot trace the test; its graphs hold no such tensors)."""
+    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(t):
+        raise ValueError(f"{name}: expected a plain tensor, got one wrapped by a torch.func transform (vmap, grad, "
+                         "jacrev, ...), which aotattn's operators do not support; loop over the batch instead of "
+                         "vmap, use torch.autograd.grad instead of torch.func.grad")
 
 
 def check_tensors(names: tuple[str, str, str], q: object, k: object, v: object, layout: str) -> None:
@@ -221,6 +233,9 @@ def check_flash(q: object, k: object, v: object, *, dropout_p: object, softmax_s
                    dropout_p=dropout_p)
 
 
+MAX_SEQLEN = 2**31 - 1  # max_seqlen_q/k are int32 arguments of the kernels
+
+
 def _check_cu_seqlens(name: str, cu: object, device: torch.device) -> torch.Tensor:
     """dtype, device and rank of one offsets tensor (its values: :func:`check_offsets`)."""
     cu = _tensor(name, cu)
@@ -287,6 +302,10 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqle
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        if value > MAX_SEQLEN:
+            # the kernels take it as an int32: beyond, the GPU launch failed packing it and the
+            # interpreter ran a program per block of 2**31 rows (no error, no end)
+            raise ValueError(f"{name}: expected at most {MAX_SEQLEN} (an int32), got {value}")
         if read_offsets:
             _check_longest(name, offsets_q if name == "max_seqlen_q" else offsets_k, int(value))
     dropout_p = check_dropout("dropout_p", dropout_p)

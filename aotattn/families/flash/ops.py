@@ -346,16 +346,21 @@ class _PlanCache:
         self.lock = threading.Lock()
 
     @staticmethod
-    def key(q, k, v, *flags) -> tuple:
+    def key(q, k, v, *flags) -> tuple | None:
         """Hashed only where it is looked up or stored: a key with an unhashable argument
-        misses and is not stored (the full path then reports the argument).
+        misses and is not stored (the full path then reports the argument). None for
+        tensors without a data pointer (a ``torch.func`` transform's: the checks refuse
+        them; catching here costs the hot path nothing, a test of each tensor would not).
 
         Each flag is keyed with its type (and a window's sides with theirs): ``True == 1``
         and ``2.0 == 2`` in Python, so a value-only key would let ``causal=1`` hit the
         entry of a valid ``causal=True`` call and skip the check that rejects it. Only
         calls that passed the checks are stored, so a hit is a call the checks accept.
         """
-        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+        try:
+            aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+        except RuntimeError:
+            return None
         typed = []
         for f in flags:
             kind = type(f)

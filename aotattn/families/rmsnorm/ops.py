@@ -14,6 +14,9 @@ from aotattn.spec import Functional, LaunchPlan
 MAX_EPS = float(torch.finfo(torch.float32).max)  # the kernel adds eps in fp32: more would round to inf
 
 
+# Run eagerly under torch.compile (a graph break): Dynamo traced into the launch, on CPU into
+# Triton's interpreter, and failed there on fake tensors (KeyError(torch.uint64)).
+@torch.compiler.disable
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(mean(x**2, -1) + eps) * weight`` over the last dimension, in fp32.
 
@@ -24,10 +27,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         eps: a non-negative real number representable in float32.
 
     Returns:
-        A tensor of x's shape and dtype. Forward only (no autograd).
+        A tensor of x's shape and dtype. Forward only: where x or weight requires grad
+        (under grad mode), backpropagating through the result raises (it has no backward),
+        rather than leaving out this term of the gradient.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    _check_dense("x", x)
     if x.dtype not in rules.DTYPES:
         raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
     if x.dim() < 1 or not 1 <= x.shape[-1] <= rules.MAX_COLS:
@@ -37,6 +43,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     if weight is not None:
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"weight: expected a torch.Tensor or None, got {type(weight).__name__}")
+        _check_dense("weight", weight)
         if weight.dtype != x.dtype:
             raise TypeError(f"weight: expected dtype {x.dtype} (the dtype of x), got {weight.dtype}")
         if weight.shape != (x.shape[-1],) or weight.device != x.device:
@@ -60,4 +67,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     args = kernel.bind(X=rows, W=rows if weight is None else weight, Y=y, Rstd=rstd, stride_x=rows.stride(0),
                        stride_y=y.stride(0), n_cols=n_cols, eps=float(eps))
     launch(LaunchPlan(kernel, functional, config, (rows.shape[0], 1, 1), args))
-    return y.reshape(x.shape)
+    y = y.reshape(x.shape)
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        # a result detached from its inputs would silently drop this term of their gradient
+        # (``rms_norm(x) + x`` would backpropagate through ``x`` alone): mark it instead, as
+        # flash's _first_order marks gradients that have no backward
+        y = torch._C._functions.DelayedError(_NO_BACKWARD, 1)(y.requires_grad_())
+    return y
+
+
+_NO_BACKWARD = (b"aotattn.rms_norm has no backward: it is forward only; for gradients use "
+                b"torch.nn.functional.rms_norm (or call aotattn.rms_norm under torch.no_grad())")
+
+
+def _check_dense(name: str, t: torch.Tensor) -> None:
+    """A strided tensor with storage: the kernel reads data pointers. (Sparse tensors and
+    those of a ``torch.func`` transform made torch raise from deep inside, in reshape or
+    data_ptr.)"""
+    if t.layout != torch.strided:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
+    if torch._C._functorch.is_functorch_wrapped_tensor(t):  # never under Dynamo: rms_norm is compiler-disabled
+        raise ValueError(f"{name}: expected a plain tensor, got one wrapped by a torch.func transform (vmap, grad, "
+                         "...), which aotattn.rms_norm does not support")

@@ -92,3 +92,30 @@ def test_bias_rejects(bias, exc, message):
     with pytest.raises(exc) as info:
         aotattn.flash_attn_func(q, k, v, bias=bias)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["float", "bool"])
+@pytest.mark.parametrize("enable_gqa", [False, True], ids=["mha", "gqa"])
+def test_sdpa_is_causal_with_attn_mask_applies_both(request, kind, enable_gqa):
+    """docs/semantics.md: a key is seen where the top-left causal mask and attn_mask both
+    keep it (Sq != Sk, gradients included), against the float64 reference."""
+    seed_from(request.node.nodeid)
+    q, k, v = make_qkv(2, 13, 19, 4, 2 if enable_gqa else 4, 32, 32, torch.float32, "cpu", requires_grad=True)
+    if kind == "float":
+        mask = torch.randn(4, 13, 19)
+    else:
+        mask = torch.rand(13, 19) > 0.4
+        mask[5] = False  # a row hidden by the mask alone: output 0
+    out = aotattn.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask,
+                                               is_causal=True, enable_gqa=enable_gqa).transpose(1, 2)
+    bias = mask.double() if kind == "float" else torch.zeros(13, 19, dtype=torch.float64).masked_fill(
+        ~mask, float("-inf"))
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference.attention(*ref_in, bias=bias, causal=True, diagonal="top_left")
+    assert rel_err(out, ref_out) < TOLERANCE[torch.float32]
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(ref_out, ref_in, dout.double())):
+        assert rel_err(g, r) < TOLERANCE[torch.float32], name
+    if kind == "bool":
+        assert (out[:, 5] == 0).all()

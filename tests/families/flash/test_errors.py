@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import aotattn
+from aotattn import reference
+from tests.helpers import rel_err
 
 
 def _qkv(dtype=torch.float16, b=1, sq=8, sk=8, hq=2, hk=2, d=16, dv=16):
@@ -130,3 +132,39 @@ def test_dropout_mask_rejects(case):
     with pytest.raises(exc) as info:
         aotattn.dropout_mask(**args)
     assert message in str(info.value)
+
+
+def _transformed(api: str, warm: bool):
+    """``api`` called under ``torch.vmap`` (or ``torch.func.grad``) on fresh inputs; with
+    ``warm``, after a plain call of the per-sample shapes (the plan cache holds its entry)."""
+    q, k, v = (torch.randn(3, 1, 8, 2, 16) for _ in range(3))
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    calls = {
+        "flash": lambda q, k, v: aotattn.flash_attn_func(q, k, v, causal=True),
+        "sdpa": lambda q, k, v: aotattn.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                     v.transpose(1, 2)).transpose(1, 2),
+        "varlen": lambda q, k, v: aotattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8),
+    }
+    call = calls[api]
+    if warm:
+        plain = call(q[0], k[0], v[0])
+        ref, _ = reference.attention(q[0], k[0], v[0], causal=api == "flash")
+        assert rel_err(plain, ref.reshape(plain.shape)) < 1e-5
+    return lambda: torch.vmap(call)(q, k, v)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+@pytest.mark.parametrize("api, name", [("flash", "q"), ("sdpa", "query"), ("varlen", "q")])
+def test_torch_func_transforms_are_refused_clearly(api, name, warm):
+    """Tensors of a torch.func transform have no storage: the kernels (and the plan cache's
+    key) read data pointers, which made torch raise "Cannot access data pointer of Tensor
+    that doesn't have storage" from deep inside. Refused at the boundary, naming the argument."""
+    with pytest.raises(ValueError, match=f"^{name}: expected a plain tensor, got one wrapped by a torch.func"):
+        _transformed(api, warm)()
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="^q: expected a plain tensor"):
+        torch.func.grad(lambda q: aotattn.flash_attn_func(q, q, q).sum())(q)
+    query = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="^attn_mask: expected a plain tensor"):
+        torch.vmap(lambda m: aotattn.scaled_dot_product_attention(query, query, query, attn_mask=m))(
+            torch.randn(3, 8, 8))

@@ -100,6 +100,9 @@ def _varlen_args(**changes):
     (dict(cu_seqlens_q=[0, 4, 10]), TypeError, "cu_seqlens_q: expected a torch.Tensor"),
     (dict(max_seqlen_q=5), ValueError, "max_seqlen_q: expected at least the longest sequence, 6"),
     (dict(max_seqlen_k=7.0), TypeError, "max_seqlen_k: expected an int"),
+    # int32 arguments of the kernels: beyond, the interpreter looped over 2**31 rows without end
+    (dict(max_seqlen_q=2**31), ValueError, "max_seqlen_q: expected at most 2147483647 (an int32), got 2147483648"),
+    (dict(max_seqlen_k=2**40), ValueError, "max_seqlen_k: expected at most 2147483647"),
     (dict(q=torch.randn(1, 10, 2, 16)), ValueError, "q: expected a 3-D tensor"),
     (dict(k=torch.randn(12, 3, 16), v=torch.randn(12, 3, 16)), ValueError, "multiple of k's 3"),
 ])

@@ -41,8 +41,48 @@ def test_strided_rows():
     ((torch.randn(4, 8), None, "1e-6"), TypeError, "eps: expected a real number, got str"),
     ((torch.randn(4, 8), None, True), TypeError, "eps: expected a real number, got bool"),
     ((torch.randn(8, 4).t(),), ValueError, "x: expected a unit stride"),
+    # sparse tensors made torch raise from inside (reshape, contiguous)
+    ((torch.randn(4, 8).to_sparse(),), ValueError, "x: expected a dense (strided) tensor, got layout torch.sparse_coo"),
+    ((torch.randn(4, 8), torch.randn(8).to_sparse()), ValueError, "weight: expected a dense (strided) tensor"),
 ])
 def test_rejects(args, exc, message):
     with pytest.raises(exc) as info:
         aotattn.rms_norm(*args)
     assert message in str(info.value)
+
+
+def test_vmap_is_refused_clearly():
+    """vmap's batched tensors have no storage (torch raised "Cannot access storage of
+    BatchedTensorImpl" from inside): refused at the boundary, naming the argument."""
+    x, w = torch.randn(3, 4, 8), torch.randn(3, 8)
+    with pytest.raises(ValueError, match="^x: expected a plain tensor, got one wrapped by a torch.func"):
+        torch.vmap(aotattn.rms_norm)(x)
+    with pytest.raises(ValueError, match="^weight: expected a plain tensor"):
+        torch.vmap(lambda w: aotattn.rms_norm(x[0], w))(w)
+
+
+@pytest.mark.parametrize("needs_grad", ["x", "weight"])
+def test_no_gradient_is_silently_dropped(request, needs_grad):
+    """rms_norm has no backward. Its result used to be detached from its inputs, so
+    ``rms_norm(x) + x`` backpropagated through ``x`` alone: a silently wrong gradient.
+    Now backpropagating through it raises; the forward is unchanged, and under no_grad
+    (or without inputs that require grad) the result is a plain tensor."""
+    seed_from(request.node.nodeid)
+    x, w = torch.randn(5, 24), torch.randn(24)
+    (x if needs_grad == "x" else w).requires_grad_()
+    y = aotattn.rms_norm(x, w)
+    assert rel_err(y.detach(), rms_norm(x.detach(), w.detach())) < TOLERANCE[torch.float32]
+    with pytest.raises(RuntimeError, match="aotattn.rms_norm has no backward"):
+        (y + x + w).sum().backward()
+    with torch.no_grad():
+        assert not aotattn.rms_norm(x, w).requires_grad
+    assert not aotattn.rms_norm(x.detach(), w.detach()).requires_grad
+
+
+def test_under_torch_compile(request):
+    """A compiled caller runs rms_norm eagerly (a graph break) and gets the reference's
+    answer; Dynamo used to trace into the launch and fail inside Triton's interpreter."""
+    seed_from(request.node.nodeid)
+    x, w = torch.randn(6, 40), torch.randn(40)
+    compiled = torch.compile(lambda x, w: aotattn.rms_norm(x * 2.0, w) + 1.0, backend="eager")
+    assert rel_err(compiled(x, w), rms_norm(x * 2.0, w) + 1.0) < TOLERANCE[torch.float32]
