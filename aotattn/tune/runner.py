@@ -74,7 +74,8 @@ class Settings:
             it after the first touch) and its timings rank latency rather than bandwidth:
             the small-key forward cells timed at 2^17 tokens (33 MiB at d64) kept
             configurations 1.3-1.5x slower at the perfmon entries' 132 MiB
-            (benchmarks/RESULTS.md, 2026-12-04, thirty-fourth session).
+            (benchmarks/RESULTS.md, 2026-12-04, thirty-fourth session). A CUDA device's
+            only: on the CPU the interpreter times ``tokens`` alone.
         accuracy_batch, accuracy_heads: the accuracy problems' batch and heads.
         error_multiple: eligible within this multiple of the most accurate candidate's error.
         limit: candidates per cell kept by the speed model (plus the current choice).
@@ -379,8 +380,10 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
                 for shape in h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch,
                                                settings.accuracy_heads)]
     references = [p.reference() for p in problems]
+    # the floor on what a timed problem moves is for a GPU's bandwidth: the interpreter's
+    # clock says nothing of it, and 128 MiB of interpreted rows took hours a task
     timed_shape = h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes,
-                                   settings.min_traffic_bytes)
+                                   settings.min_traffic_bytes if device.type == "cuda" else 0)
     timed = h.Problem(task.table, task.functional, timed_shape, device, run.generator)
 
     # 1-2: images, accuracy; 3a: the probe

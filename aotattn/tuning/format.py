@@ -257,12 +257,15 @@ def _selection(spec: Any, text: str, where: str, allow_ranges: bool) -> tuple[tu
     return tuple(selection)
 
 
-def _header(spec: Any, text: str, path: str, kind: str) -> tuple[dict[str, str], dict[str, str], list[str], list]:
+def _header(spec: Any, text: str, path: str, kind: str,
+            report: _Report) -> tuple[dict[str, str], dict[str, str], list[str], list]:
     """Directives (``#! key value``), where each was given (``path:line``), leading
     comments, and the remaining numbered lines.
 
     The directives are ``DIRECTIVES[kind]``, each once and with a value; anything else is
-    an error at its line.
+    an error at its line, sent to ``report`` and the line left out: lint then goes on to
+    the body, so a typo in the header does not hide the file's other errors (a lookup's
+    report raises at once, as before).
     """
     directives: dict[str, str] = {}
     given: dict[str, str] = {}
@@ -276,13 +279,16 @@ def _header(spec: Any, text: str, path: str, kind: str) -> tuple[dict[str, str],
             if key not in allowed:
                 near = difflib.get_close_matches(key, allowed, n=1)
                 other = [k for k, names in DIRECTIVES.items() if key in names]
-                raise TuningError(f"unknown directive '#! {key}'" + (f" in a {kind} file" if other else "")
-                                  + (f" (did you mean '{near[0]}'?)" if near and not other else "")
-                                  + f"; a {kind} file's directives are {', '.join(allowed)}", where)
+                report(TuningError(f"unknown directive '#! {key}'" + (f" in a {kind} file" if other else "")
+                                   + (f" (did you mean '{near[0]}'?)" if near and not other else "")
+                                   + f"; a {kind} file's directives are {', '.join(allowed)}", where))
+                continue
             if key in directives:
-                raise TuningError(f"directive #! {key} given twice", where)
+                report(TuningError(f"directive #! {key} given twice", where))
+                continue
             if not value.strip() and key != "keys":  # a table without tuning keys writes "#! keys"
-                raise TuningError(f"directive #! {key} has no value", where)
+                report(TuningError(f"directive #! {key} has no value", where))
+                continue
             directives[key] = value.strip()
             given[key] = where
             continue
@@ -372,7 +378,7 @@ def parse_table(spec: Any, text: str, path: str = "<table>", only: Collection[Fu
     wanted = None if only is None else {functional_key(f) for f in only}
     if wanted is not None:
         text = _blank_other_sections(text, wanted, spec)
-    directives, given, comments, rest = _header(spec, text, path, "tuning")
+    directives, given, comments, rest = _header(spec, text, path, "tuning", report)
     table_arch = directives.get("arch")
     if not table_arch:
         raise TuningError("expected '#! arch <arch>' in the header", f"{path}:1")
@@ -461,7 +467,7 @@ def _cells(spec: Any, text: str, width: int, where: str) -> list[str]:
 def parse_patch(spec: Any, text: str, path: str = "<patch>", errors: list[TuningError] | None = None) -> Patch:
     """Parse a patch; ``errors`` as in :func:`parse_table` (edits in error are left out)."""
     report = _Report(errors)
-    _, _, comments, rest = _header(spec, text, path, "patch")
+    _, _, comments, rest = _header(spec, text, path, "patch", report)
     patch = Patch(spec.qualname, comments=comments)
     broken: set[str] = set()
     for header, where, body in _sections(rest, spec, path, report):

@@ -16,7 +16,7 @@ from aotattn.tune import runner
 from aotattn.tune.candidates import config_name
 from aotattn.tune.tasks import Task
 from aotattn.tuning import Database
-from tests.tune.conftest import PROJECT_TUNING, TINY
+from tests.tune.conftest import PROJECT_TUNING, TINY, forward_task
 
 
 def test_gate():
@@ -245,3 +245,19 @@ def test_small_key_cells_are_timed_at_the_size_perfmon_times_them():
                                   settings.min_traffic_bytes)) == "B13 H16 G4 Sq1024 Sk1024 D128"
     assert shape(128, (4096, 512)) == "B4 H16 Sq4096 Sk512 D128"
     assert shape(128, (4096, 4096)) == "B2 H16 Sq4096 Sk4096 D128"
+
+
+def test_the_traffic_floor_is_a_gpus_only(tmp_path):
+    """The planned settings carry a 128 MiB floor on the timed problem; on the CPU it made
+    the interpreter time a batch of thousands (a d64 s128 task ran for hours): there
+    ``tokens`` alone sizes it, and the result records that shape."""
+    from aotattn.tune import flash
+    from aotattn.tune.runner import run_task
+
+    settings = dataclasses.replace(TINY, min_traffic_bytes=128 << 20)
+    task = forward_task(cell=(16, 16))
+    result = run_task(task, settings, device="cpu", db=Database(PROJECT_TUNING), journal=tmp_path)
+    tokens_only = flash.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes, 0)
+    floored = flash.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes, 128 << 20)
+    assert result["shape"] == str(tokens_only) != str(floored)
+    assert result["settings"]["min_traffic_bytes"] == 128 << 20  # the task's settings are kept as dispatched

@@ -155,6 +155,18 @@ def test_lint_reports_every_error_of_a_file(tmp_path):
     assert where == ["8", "9", "13", "16"], [str(p) for p in db.lint()]
 
 
+def test_lint_reports_a_bad_directive_and_the_errors_below_it(tmp_path):
+    # a typo in the header must not hide the body's errors (nor one directive error the others)
+    broken = (TABLE.replace("#! arch sm_90\n", "#! arch sm_90\n#! bsae sm_80\n#! base\n")
+              .replace("seqlen_q=64: big*3", "seqlen_q=64: big*100000000"))
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": broken})
+    problems = db.lint()
+    assert [p.where.rsplit(":", 1)[1] for p in problems] == ["5", "6", "15"], [str(p) for p in problems]
+    assert "did you mean 'base'" in str(problems[0]) and "expected 3 cells" in str(problems[2])
+    with pytest.raises(TuningError, match="unknown directive '#! bsae'"):  # a lookup still refuses at once
+        parse_table(TOY, broken, "t.txt")
+
+
 def test_lint_names_each_problem_once_with_the_archs_it_affects(tmp_path):
     derived = HEADER.format(arch="sm_80", base="#! base sm_90\n")
     patch_of_absent = PATCH.replace("dtype=fp16", "dtype=bf16").replace("seqlen_q=16", "seqlen_q=32")

@@ -203,7 +203,23 @@ def check_shapes(names: tuple[str, str, str], q: torch.Tensor, k: torch.Tensor, 
     for name, d in ((qn, head_dim), (vn, head_dim_v)):
         if not 1 <= d <= MAX_HEAD_DIM:
             raise ValueError(f"{name}: expected a head dim in 1..{MAX_HEAD_DIM}, got {d}")
+    check_grid(qn, batch, heads_q, q.device)
     return batch, q.shape[seq_dim], k.shape[seq_dim], heads_q, heads_k, head_dim, head_dim_v
+
+
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z sizes: the kernels' heads and sequences
+
+
+def check_grid(qn: str, batch: int, heads: int, device: torch.device) -> None:
+    """Sequences and query heads within CUDA's grid limits on a CUDA device (the kernels'
+    grids are (blocks, heads, sequences); past the limit the launch failed with the driver's
+    CUDA_ERROR_INVALID_VALUE). The interpreter has no such limit."""
+    if device.type != "cuda":
+        return
+    for what, n in (("sequences (batch size)", batch), ("heads", heads)):
+        if n > MAX_GRID_YZ:
+            raise ValueError(f"{qn}: expected at most {MAX_GRID_YZ} {what} on a CUDA device (a grid dimension of the "
+                             f"kernels), got {n}: split the call")
 
 
 def mask_mode(causal: bool, window: tuple[int, int], diagonal: str) -> tuple[int, int, int]:
@@ -296,6 +312,7 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqle
     cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tensors[0].device)
     if read_offsets:
         offsets_k = _offsets("cu_seqlens_k", cu_k, tensors[1].shape[0])
+    check_grid(names[0], cu_q.numel() - 1, heads_q, tensors[0].device)
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_k: expected {cu_q.numel()} offsets (those of cu_seqlens_q), "
                          f"got {cu_k.numel()}")

@@ -168,3 +168,26 @@ def test_torch_func_transforms_are_refused_clearly(api, name, warm):
     with pytest.raises(ValueError, match="^attn_mask: expected a plain tensor"):
         torch.vmap(lambda m: aotattn.scaled_dot_product_attention(query, query, query, attn_mask=m))(
             torch.randn(3, 8, 8))
+
+
+def test_sequences_or_heads_past_cudas_grid_limit_are_refused_on_cuda_only():
+    """The kernels' grids are (blocks, heads, sequences): past 65535 in y or z the launch
+    failed with the driver's CUDA_ERROR_INVALID_VALUE; the interpreter has no such limit."""
+    from aotattn.families.flash import checks
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for batch, heads, what in ((65536, 1, "sequences"), (1, 65536, "heads")):
+        with pytest.raises(ValueError, match=f"q: expected at most 65535 {what}.*got 65536: split the call"):
+            checks.check_grid("q", batch, heads, cuda)
+        checks.check_grid("q", batch, heads, cpu)
+    checks.check_grid("q", 65535, 65535, cuda)
+
+
+@pytest.mark.gpu
+def test_a_batch_past_the_grid_limit_is_refused_on_the_gpu():
+    q = torch.randn(65536, 1, 1, 8, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="65535 sequences"):
+        aotattn.flash_attn_func(q, q, q)
+    cu = torch.arange(0, 65537, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="65535 sequences"):
+        aotattn.flash_attn_varlen_func(q[:, 0], q[:, 0], q[:, 0], cu, cu, 1, 1)
