@@ -16,7 +16,8 @@ import torch
 
 from aotattn.families.flash import planning, rules
 from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_dropout,
-                                           check_flash, check_sdpa, check_varlen)
+                                           check_flash, check_grid, check_sdpa,
+                                           check_varlen)
 from aotattn.families.flash.planning import (Call, backward_buffers, backward_dout, backward_plans, choose_backend,
                                              dropout_mask_plan, finish_dq, forward_plan, lse_shape, new_call,
                                              new_output, philox_state, run_backward, run_forward, trim_keys,
@@ -565,6 +566,7 @@ def dropout_mask(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, dropout
         raise ValueError(f"device: expected a CPU or CUDA device, got {device!r}") from exc
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device: expected a CPU or CUDA device, got {device}")
+    check_grid("batch", batch, heads_q, device)  # the attention calls' limit: the mask's kernel has their grid
     dropout_p = check_dropout("dropout_p", dropout_p)
     if dropout_p == 0.0:
         raise ValueError("dropout_p: expected a float in (0, 1), got 0.0 (a call without dropout keeps everything)")

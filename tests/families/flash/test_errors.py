@@ -181,6 +181,8 @@ def test_sequences_or_heads_past_cudas_grid_limit_are_refused_on_cuda_only():
             checks.check_grid("q", batch, heads, cuda)
         checks.check_grid("q", batch, heads, cpu)
     checks.check_grid("q", 65535, 65535, cuda)
+    with pytest.raises(ValueError, match="batch: expected at most 65535 sequences"):  # before any CUDA call
+        aotattn.dropout_mask(65536, 1, 1, 1, 0.5, device="cuda")
 
 
 @pytest.mark.gpu
@@ -191,3 +193,5 @@ def test_a_batch_past_the_grid_limit_is_refused_on_the_gpu():
     cu = torch.arange(0, 65537, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="65535 sequences"):
         aotattn.flash_attn_varlen_func(q[:, 0], q[:, 0], q[:, 0], cu, cu, 1, 1)
+    with pytest.raises(ValueError, match="batch: expected at most 65535 sequences"):
+        aotattn.dropout_mask(65536, 1, 1, 1, 0.5, device="cuda")
