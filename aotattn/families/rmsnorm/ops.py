@@ -14,9 +14,6 @@ from aotattn.spec import Functional, LaunchPlan
 MAX_EPS = float(torch.finfo(torch.float32).max)  # the kernel adds eps in fp32: more would round to inf
 
 
-# Run eagerly under torch.compile (a graph break): Dynamo traced into the launch, on CPU into
-# Triton's interpreter, and failed there on fake tensors (KeyError(torch.uint64)).
-@torch.compiler.disable
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(mean(x**2, -1) + eps) * weight`` over the last dimension, in fp32.
 
@@ -54,10 +51,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         raise TypeError(f"eps: expected a real number, got {type(eps).__name__}")
     if not (math.isfinite(eps) and 0 <= eps <= MAX_EPS):
         raise ValueError(f"eps: expected a non-negative number up to {MAX_EPS:.3g} (float32's largest), got {eps!r}")
+    if x.numel() and x.stride(-1) != 1:
+        raise ValueError(f"x: expected a unit stride in the last dimension, got strides {x.stride()}")
+    if torch.compiler.is_compiling():
+        # one opaque node with a shape-only fake: Dynamo traced into the launch (on CPU into
+        # Triton's interpreter) and failed on fake tensors. No autograd formula is registered,
+        # so differentiating through it raises, as the eager result below does.
+        return torch.ops.aotattn.rms_norm(x, weight, float(eps))
+    y = _forward(x, weight, float(eps))
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        # a result detached from its inputs would silently drop this term of their gradient
+        # (``rms_norm(x) + x`` would backpropagate through ``x`` alone): mark it instead, as
+        # flash's _first_order marks gradients that have no backward
+        y = torch._C._functions.DelayedError(_NO_BACKWARD, 1)(y.requires_grad_())
+    return y
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The checked call: plan and launch; y contiguous, x's shape."""
     n_cols = x.shape[-1]
     rows = x.reshape(-1, n_cols)  # a view whenever the rows are evenly strided
-    if rows.numel() and rows.stride(-1) != 1:
-        raise ValueError(f"x: expected a unit stride in the last dimension, got strides {x.stride()}")
     y = torch.empty_like(rows, memory_format=torch.contiguous_format)
     rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
     block = next(b for b in rules.BLOCKS if n_cols <= b)
@@ -67,13 +80,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     args = kernel.bind(X=rows, W=rows if weight is None else weight, Y=y, Rstd=rstd, stride_x=rows.stride(0),
                        stride_y=y.stride(0), n_cols=n_cols, eps=float(eps))
     launch(LaunchPlan(kernel, functional, config, (rows.shape[0], 1, 1), args))
-    y = y.reshape(x.shape)
-    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
-        # a result detached from its inputs would silently drop this term of their gradient
-        # (``rms_norm(x) + x`` would backpropagate through ``x`` alone): mark it instead, as
-        # flash's _first_order marks gradients that have no backward
-        y = torch._C._functions.DelayedError(_NO_BACKWARD, 1)(y.requires_grad_())
-    return y
+    return y.reshape(x.shape)
+
+
+@torch.library.custom_op("aotattn::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` under ``torch.compile``, its arguments checked while Dynamo traced it."""
+    return _forward(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 _NO_BACKWARD = (b"aotattn.rms_norm has no backward: it is forward only; for gradients use "
@@ -86,6 +104,6 @@ def _check_dense(name: str, t: torch.Tensor) -> None:
     data_ptr.)"""
     if t.layout != torch.strided:
         raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
-    if torch._C._functorch.is_functorch_wrapped_tensor(t):  # never under Dynamo: rms_norm is compiler-disabled
+    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(t):  # Dynamo cannot trace it
         raise ValueError(f"{name}: expected a plain tensor, got one wrapped by a torch.func transform (vmap, grad, "
                          "...), which aotattn.rms_norm does not support")

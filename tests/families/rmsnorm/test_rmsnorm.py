@@ -80,9 +80,13 @@ def test_no_gradient_is_silently_dropped(request, needs_grad):
 
 
 def test_under_torch_compile(request):
-    """A compiled caller runs rms_norm eagerly (a graph break) and gets the reference's
-    answer; Dynamo used to trace into the launch and fail inside Triton's interpreter."""
+    """A compiled caller gets the reference's answer through a custom op (checked while
+    Dynamo traces); Dynamo used to trace into the launch and fail inside Triton's
+    interpreter. (`torch.compiler.disable` at import imported Dynamo and Triton with aotattn.)"""
     seed_from(request.node.nodeid)
     x, w = torch.randn(6, 40), torch.randn(40)
     compiled = torch.compile(lambda x, w: aotattn.rms_norm(x * 2.0, w) + 1.0, backend="eager")
     assert rel_err(compiled(x, w), rms_norm(x * 2.0, w) + 1.0) < TOLERANCE[torch.float32]
+    # one opaque node (no trace into the launch), and, as in eager mode, no silent gradient
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        torch.compile(lambda x: aotattn.rms_norm(x) + x, backend="eager")(x.requires_grad_()).sum().backward()
