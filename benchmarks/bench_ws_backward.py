@@ -4,6 +4,7 @@ cuDNN and flash backends, in one process (JIT).
 
     python benchmarks/bench_ws_backward.py [--shapes d64-q128-k16384-full,...] [--reps 20]
 
+Padded head dims of the d256 bucket (d160-d192) also run ``NARROW=1`` (ws-NP0, ...).
 A shape ``d<D>[-g<G>]-q<Sq>-k<Sk>-<full|causal>`` runs at hidden size 2048 (H = 2048 / D
 query heads, H / G key heads) and 16k query tokens (B = 16384 / Sq; ``--batch``
 overrides), bf16, flash-attn's layout. Each variant's backward (the stats, the kernel and,
@@ -97,10 +98,14 @@ def bench(shape: str, args) -> None:
         return run, (dq, dk, dv)
 
     variants = [("split", "split", None), ("fused", "fused", None)]
-    if d in WS:
-        variants += [("ws-P0", "ws", config(WS[d])), ("ws-P1", "ws", config(WS[d] + " PERSISTENT=1"))]
+    bucket = rules.head_dim_bucket(d)
+    if bucket in WS:
+        variants += [("ws-P0", "ws", config(WS[bucket])), ("ws-P1", "ws", config(WS[bucket] + " PERSISTENT=1"))]
         if causal:  # the wider masked sections
-            variants.append(("ws-P2", "ws", config(WS[d] + " PERSISTENT=2")))
+            variants.append(("ws-P2", "ws", config(WS[bucket] + " PERSISTENT=2")))
+        if bucket == 256 and d < bucket:  # padded heads: the 128 + 64 split (d160-d192)
+            walks = (0, 1, 2) if causal else (0, 1)
+            variants += [(f"ws-N{w}", "ws", config(f"{WS[bucket]} PERSISTENT={w} NARROW=1")) for w in walks]
     ref = None
     for name, backend, cfg in variants:  # one variant's buffers at a time (and split's, the reference)
         fn, grads = ours(backend, cfg)
