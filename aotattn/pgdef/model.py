@@ -54,10 +54,13 @@ MAX_SECONDS = 10 * 365 * 86400.0
 MAX_TASK_ID = 2**63 - 1  # pgdef_task.id is a bigint
 
 
-def check_seconds(value: float, name: str) -> float:
-    """A duration in seconds, above 0 and at most MAX_SECONDS (NaN and infinity refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:
-        raise ConfigError(f"{name}: expected seconds above 0 and at most {MAX_SECONDS:.0f} (ten years), got {value!r}")
+def check_seconds(value: float, name: str, zero: bool = False) -> float:
+    """A duration in seconds, above 0 (or, with ``zero``, at least 0) and at most MAX_SECONDS
+    (NaN and infinity refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not (0 <= value if zero else 0 < value) or not value <= MAX_SECONDS:
+        raise ConfigError(f"{name}: expected seconds {'from 0' if zero else 'above 0'} and at most "
+                          f"{MAX_SECONDS:.0f} (ten years), got {value!r}")
     return float(value)
 
 

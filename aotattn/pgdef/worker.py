@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from aotattn.pgdef.connection import Connector, jsonb, refuses_data
 from aotattn.pgdef.errors import ConfigError, ConnectionLost, PgdefError
-from aotattn.pgdef.model import MAX_SECONDS, Outcome, Task, TaskContext, check_pool, check_seconds, storable_text
+from aotattn.pgdef.model import Outcome, Task, TaskContext, check_pool, check_seconds, storable_text
 from aotattn.pgdef.registry import App, TaskKind, kinds_of, run_attempt
 
 log = logging.getLogger("aotattn.pgdef.worker")
@@ -69,9 +69,7 @@ class WorkerConfig:
         check_seconds(self.lease_s, "lease_s")
         if self.heartbeat_s is not None and not 0 < self.heartbeat_s < self.lease_s:
             raise ConfigError(f"heartbeat_s: expected between 0 and lease_s={self.lease_s}, got {self.heartbeat_s}")
-        if isinstance(self.poll_s, bool) or not isinstance(self.poll_s, (int, float)) \
-                or not 0 <= self.poll_s <= MAX_SECONDS:
-            raise ConfigError(f"poll_s: expected seconds from 0 to {MAX_SECONDS:.0f}, got {self.poll_s!r}")
+        check_seconds(self.poll_s, "poll_s", zero=True)
         check_seconds(self.reconnect_timeout_s, "reconnect_timeout_s")
         if not isinstance(self.claim_batch, int) or self.claim_batch < 1:
             raise ConfigError(f"claim_batch: expected an integer >= 1, got {self.claim_batch!r}")
