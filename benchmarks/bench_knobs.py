@@ -2,16 +2,20 @@
 against the same tiles with each knob setting, in one process on the GPU. The forward
 (``flash.attn_fwd``): OVERLAP=1, TMA=1 (K), TMA=2 (K and V) and OVERLAP=1 TMA=2; the split
 backward's dQ and dK/dV (``flash.attn_bwd_dq``, ``flash.attn_bwd_dkdv``): TMA=1; the ws
-forward (``flash.attn_fwd_ws``): the persistent grid against one program per tile.
+forward (``flash.attn_fwd_ws``): the persistent grid against one program per tile, and
+with a second Q slot (``Q_SLOTS=2``; also at two stages, where the tiles' ring leaves no
+room for it).
 ``--cudnn``: SDPA's cuDNN backend at each forward cell's shape too, by the same clock.
 
     AOTATTN_MODE=aot AOTATTN_IMAGES=... python benchmarks/bench_knobs.py [--table flash.attn_fwd]
-        [--dtype bf16,fp16] [--head-dim 64,128,256] [--seqlen 512,...,16384] [--mask 0,2] [--json out.json]
+        [--dtype bf16,fp16] [--head-dim 64,128,256] [--seqlen 512,...,16384] [--keys 77,512] [--mask 0,2]
+        [--json out.json]
 
 (``benchmarks/forward_knobs_session.sh`` builds the forward's images of all five and runs
 this; a variant whose compile failed, as TMA at two stages does in the forward with Triton
 3.6, or that needs more shared memory than the GPU has, shows as failed.)
-Grid: hidden size 2048 (H = 2048 / D), 16k tokens per batch (B = 16384 / S), Sq = Sk.
+Grid: hidden size 2048 (H = 2048 / D), 16k tokens per batch (B = 16384 / S), Sq = Sk
+(``--keys``: these key lengths against each query length instead).
 Timed by the tuner's clock (:func:`aotattn.tune.timing.measure`: CUDA events, L2 flushed
 before each call), two interleaved rounds per variant, the lower median kept; each
 variant's outputs are compared with the plain loop's (relative error, the largest over
@@ -41,7 +45,9 @@ VARIANTS = {
                        "both": {"OVERLAP": 1, "TMA": 2}},
     "flash.attn_bwd_dq": {"plain": {}, "tma": {"TMA": 1}},
     "flash.attn_bwd_dkdv": {"plain": {}, "tma": {"TMA": 1}},
-    "flash.attn_fwd_ws": {"plain": {}, "persist": {"PERSISTENT": 1}},
+    "flash.attn_fwd_ws": {"plain": {}, "persist": {"PERSISTENT": 1},
+                          "qslots": {"PERSISTENT": 1, "Q_SLOTS": 2},  # the next tile's Q a tile ahead
+                          "qslots-st2": {"PERSISTENT": 1, "Q_SLOTS": 2, "STAGES": 2}},  # room for it
 }
 # the kernel's matmul FLOPs over the forward's two (dQ: S, dP, dQ; dK/dV: S, dP, dV, dK)
 FLOPS_OVER_FORWARD = {"flash.attn_fwd": 1.0, "flash.attn_fwd_ws": 1.0, "flash.attn_bwd_dq": 1.5,
@@ -110,6 +116,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16,fp16")
     ap.add_argument("--head-dim", default="64,128,256")
     ap.add_argument("--seqlen", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--keys", default="", help="key lengths (default: each query length)")
     ap.add_argument("--mask", default="0,2", help="0: full, 2: causal (bottom-right)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--cudnn", action="store_true", help="time SDPA's cuDNN forward at each cell too")
@@ -118,16 +125,18 @@ def main() -> None:
     device = torch.device(args.device)
     dtypes, masks = args.dtype.split(","), [int(m) for m in args.mask.split(",")]
     if device.type == "cuda":
-        grid = [(dtype, int(d), int(s), m) for dtype in dtypes for d in args.head_dim.split(",")
-                for s in args.seqlen.split(",") for m in masks]
+        grid = [(dtype, int(d), int(s), int(sk or s), m) for dtype in dtypes for d in args.head_dim.split(",")
+                for s in args.seqlen.split(",") for sk in (args.keys.split(",") if args.keys else [0])
+                for m in masks]
     else:  # one tiny problem per dtype and mask: the code path, in the interpreter
-        grid = [(dtype, 16, 64, m) for dtype in dtypes for m in masks]
+        grid = [(dtype, 16, 64, 64, m) for dtype in dtypes for m in masks]
     others = [name for name in VARIANTS[args.table] if name != "plain"] + (["cudnn"] if args.cudnn else [])
     print(f"{'shape':30} {'dtype':5} {'mask':4} {'tiles':16} {'plain ms':>9} {'TFLOP/s':>7} "
           + " ".join(f"{name:>8}" for name in others) + "  (speedup over plain)  largest diff")
     rows = []
-    for dtype, d, s, m in grid:
-        shape = Shape(max(1, 16384 // s), max(1, 2048 // d), s, s, d) if device.type == "cuda" else Shape(1, 2, s, s, d)
+    for dtype, d, s, sk, m in grid:
+        shape = (Shape(max(1, 16384 // s), max(1, 2048 // d), s, sk, d) if device.type == "cuda"
+                 else Shape(1, 2, s, sk, d))
         try:
             row = compare(args.table, functional(dtype, d, m), shape, device, cudnn=args.cudnn)
         except Exception as exc:  # a variant without an image, a failed compile: say so, go on

@@ -53,6 +53,8 @@ def _ws_registers(values: Mapping[str, Any]) -> str | None:
     with three)."""
     from aotattn.families.flash.kernels.forward_ws import consumer_regs  # noqa: PLC0415 (Gluon, on demand)
 
+    if values.get("Q_SLOTS", 1) == 2 and not values.get("PERSISTENT", 0):
+        return "Q_SLOTS=2 loads the next tile's Q ahead: one tile per program has none (PERSISTENT=1)"
     held = (64 * values["BLOCK_D"] + 64 * values["BLOCK_N"] * 3 // 2) // 128
     budget = consumer_regs(values["BLOCK_M"] // 64) - 32
     if held > budget:
@@ -108,9 +110,11 @@ FOOTPRINTS: dict[str, Footprint] = {
                           accumulators=(Tile("BLOCK_M", "BLOCK_DV", "fp32"), *_SCORES,
                                         Tile("BLOCK_M", "BLOCK_N", "fp32", when="OVERLAP")), pads=_PADS,
                           loop=("BLOCK_N", "seqlen_k")),
-    # attn_fwd_ws: each consumer's Q tile resident, K and V in rings STAGES deep; its
-    # accumulators are per consumer warpgroup (the budget), checked by _ws_registers
-    "attn_fwd_ws": Footprint(resident=(_Q,), pipelined=(_K, _V), stages="STAGES", budget=_ws_registers, pads=_PADS),
+    # attn_fwd_ws: each consumer's Q tile resident (two with Q_SLOTS=2), K and V in rings
+    # STAGES deep; its accumulators are per consumer warpgroup (the budget), checked by
+    # _ws_registers
+    "attn_fwd_ws": Footprint(resident=(_Q, Tile("BLOCK_M", "BLOCK_D", when=lambda v: v.get("Q_SLOTS", 1) == 2)),
+                             pipelined=(_K, _V), stages="STAGES", budget=_ws_registers, pads=_PADS),
     # attn_bwd_ws: the program's K and V resident, q and its rows' stats in a ring STAGES
     # deep, dO in one too (the key split) or in one slot (the column split), dS^T tiles
     # double-buffered (and P^T's, in the column split) and the consumers' fp32 dQ columns

@@ -236,17 +236,19 @@ def _ws_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
 # The warp-specialized forward (Gluon, sm_90 only): BLOCK_M rows per program, 64 per
 # consumer warpgroup (128: two, 192: three); BLOCK_N keys per step; STAGES slots in each
 # of the K and V rings; PINGPONG, the consumers take turns issuing their products;
-# PERSISTENT, one program per SM walks the tiles, costliest first (planning.forward_plan's grid).
+# PERSISTENT, one program per SM walks the tiles, costliest first (planning.forward_plan's grid);
+# Q_SLOTS, the Q tiles a consumer holds (2: the next tile's Q loads a tile ahead; PERSISTENT only).
 _WS_TUNING = (
     ("BLOCK_M", (128, 192)),
     ("BLOCK_N", (32, 64, 128)),
     ("STAGES", (2, 3, 4)),
     ("PINGPONG", (0, 1)),
     ("PERSISTENT", (0, 1)),
+    ("Q_SLOTS", (1, 2)),
     ("num_warps", (4,)),
     ("num_stages", (1,)),
 )
-_WS_KNOB_DEFAULTS = (("PERSISTENT", 0),)
+_WS_KNOB_DEFAULTS = (("PERSISTENT", 0), ("Q_SLOTS", 1))
 
 def _ws_kernel(name: str, module: str, arguments: tuple[Arg, ...], functionals, tuning_space,
                unserved, chosen_by: ChosenBy, knob_defaults=(), axis_defaults=(), fallback=None) -> KernelSpec:

@@ -149,6 +149,17 @@ def test_the_tuners_pruning_follows_the_rings_and_register_budgets():
     assert "budget" in why(128, BLOCK_M=192, BLOCK_N=128)
     assert "budget" in why(256, BLOCK_M=192, BLOCK_N=32)
     assert len(fitting(64)) > len(fitting(256)) >= 4
+    # a second Q slot loads the next tile's Q ahead: with PERSISTENT only, and it costs a Q tile
+    assert "PERSISTENT" in why(128, Q_SLOTS=2)
+    assert why(128, BLOCK_N=128, PERSISTENT=1, Q_SLOTS=2) is None
+    slots = [candidates.shared_bytes(fp, Functional.of(functional(d=128)), Config.of(
+        BLOCK_M=128, BLOCK_N=128, STAGES=2, PINGPONG=1, PERSISTENT=1, Q_SLOTS=q, num_warps=4, num_stages=1), SM_90)
+        for q in (1, 2)]
+    assert slots[1] - slots[0] == 128 * 128 * 2
+    assert "shared memory" in why(256, PERSISTENT=1, Q_SLOTS=2)  # 128 KB of Q and a 64-key ring: too much
+    for d in (64, 128, 256):
+        assert {c.as_dict().get("Q_SLOTS", 1) for c in covering(d)} == {1, 2}, d
+        assert all(c.as_dict().get("PERSISTENT") for c in fitting(d) if c.as_dict().get("Q_SLOTS", 1) == 2)
     # the tuner times it where it serves, as a forward
     f = Functional.of(functional())
     assert tune_flash.supports(TABLE, f) and tune_flash.supports("flash.forward", f)
@@ -160,15 +171,20 @@ def test_the_tuners_pruning_follows_the_rings_and_register_budgets():
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton package carries no cuobjdump")
-@pytest.mark.parametrize("persistent", [0, 1])
+@pytest.mark.parametrize("persistent, q_slots", [(0, 1), (1, 1), (1, 2)])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies(d, persistent):
+def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies(d, persistent, q_slots):
     """What makes it the kernel it is, in the sm_90 machine code: more warps than it was
     compiled with (the partitions), registers moved between them (setmaxnreg), wgmma
     (HGMMA), tensor-map bulk copies (UTMALDG) waited on with mbarriers, and no local
     memory (a spill of the accumulators would be 2-3x slower), one tile per program or
-    many (PERSISTENT). compile_job also ran the wgmma register-hazard scan over its PTX."""
-    config = Config.of({**covering(d)[0].as_dict(), "PERSISTENT": persistent})
+    many (PERSISTENT), with one Q slot or two. compile_job also ran the wgmma register-hazard
+    scan over its PTX."""
+    base = {**covering(d)[0].as_dict(), "PERSISTENT": persistent, "Q_SLOTS": q_slots}
+    if q_slots == 2:  # the second Q tile's shared memory: the smallest K/V ring
+        base.update(BLOCK_N=min(base["BLOCK_N"], 64 if d < 256 else 32), STAGES=2)
+    config = Config.of(base)
+    assert candidates.why_pruned(tune_flash.footprint(TABLE), Functional.of(functional(d=d)), config, SM_90) is None
     entry, cubin = compile_job(Job("sm_90", TABLE, Functional.of(functional(d=d, mask=rules.MASK_BOTTOM_RIGHT)),
                                    config))
     assert entry.num_warps == 4 * (config["BLOCK_M"] // 64 + 1)  # consumers and the loader's warpgroup

@@ -39,6 +39,12 @@ rings' and barriers' phases run on across tiles, and the loader brings a tile's 
 as soon as the consumers have computed the last scores of the tile before (a
 ``q_empty`` barrier), overlapping its last ``P V`` product and epilogue. Without it
 the grid is (m blocks, Hq, B) and each program runs the one tile it names.
+
+``Q_SLOTS`` (2: with PERSISTENT): each consumer has two Q slots, alternate tiles take
+alternate slots, so the loader brings tile r+1's Q as soon as it has issued tile r's K/V
+loads, a whole tile ahead, instead of after tile r's last scores. Tiles of few key blocks
+(small-key or short forwards) otherwise start by waiting for their Q. It costs a second
+``BLOCK_M x D`` tile of shared memory.
 """
 
 from triton.experimental import gluon
@@ -161,9 +167,10 @@ def heads_descriptor(base, batch, heads, rows, cols, stride_z, stride_h, stride_
 
 @gluon.jit
 def _loader(loads, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_D: gl.constexpr,
-            STAGES: gl.constexpr, MASK: gl.constexpr, PERSISTENT: gl.constexpr):
-    """The loader warp: per tile, each consumer's Q (once the consumer is done with the
-    last one), then K and V of every key block into the rings (counters run across tiles)."""
+            STAGES: gl.constexpr, MASK: gl.constexpr, PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr):
+    """The loader warp: per tile, each consumer's Q (into the tile's Q slot, once the
+    consumer is done with the tile that last used it), then K and V of every key block into
+    the rings (counters run across tiles)."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, n_m,
      batch, heads_q, group_size, seqlen_q, seqlen_k, window_left, window_right) = loads
     it = 0
@@ -174,10 +181,11 @@ def _loader(loads, CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
                                                          window_left, window_right, MASK, BLOCK_M, BLOCK_N, BLOCK_D,
                                                          PERSISTENT)
         for c in gl.static_range(CONSUMERS):
-            mbarrier.wait(q_empty.index(c), (k & 1) ^ 1)
-            mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [z, h, m0 + c * WARPGROUP_ROWS, 0], q_bar.index(c),
-                                            q_smem.index(c))
+            qi = (k % Q_SLOTS) * CONSUMERS + c
+            mbarrier.wait(q_empty.index(qi), ((k // Q_SLOTS) & 1) ^ 1)
+            mbarrier.expect(q_bar.index(qi), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [z, h, m0 + c * WARPGROUP_ROWS, 0], q_bar.index(qi),
+                                            q_smem.index(qi))
         for i in range(n_blocks):
             slot = it % STAGES
             free = ((it // STAGES) & 1) ^ 1  # a fresh barrier passes the wait on parity 1
@@ -246,7 +254,7 @@ def _pass_turn(turn, c: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.cons
 @gluon.jit
 def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr,
-              PERSISTENT: gl.constexpr, PAD_HEAD: gl.constexpr):
+              PERSISTENT: gl.constexpr, PAD_HEAD: gl.constexpr, Q_SLOTS: gl.constexpr):
     """Consumer warpgroup c: rows m0 + 64 c .. m0 + 64 c + 63 of every tile of the program."""
     (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn, Out, Lse, stride_oz,
      stride_oh, stride_om, stride_lz, stride_lh, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k, window_left,
@@ -260,7 +268,6 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
     no_scores = gl.zeros([WARPGROUP_ROWS, BLOCK_N], gl.float32, s_layout)
-    q = q_smem.index(c).reshape([WARPGROUP_ROWS, HEAD_D])
     count = program_tiles(n_m * batch * heads_q, PERSISTENT)
     it = 0  # key blocks consumed so far (the rings' position)
     tt = 0  # ping-pong turns taken so far
@@ -275,7 +282,9 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
         m_i = gl.full([WARPGROUP_ROWS], float("-inf"), gl.float32, row_s)
         l_i = gl.full([WARPGROUP_ROWS], 0.0, gl.float32, row_s)
         acc = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, o_layout)
-        mbarrier.wait(q_bar.index(c), k & 1)
+        qi = (k % Q_SLOTS) * CONSUMERS + c
+        q = q_smem.index(qi).reshape([WARPGROUP_ROWS, HEAD_D])
+        mbarrier.wait(q_bar.index(qi), (k // Q_SLOTS) & 1)
 
         # block 0: its scores and softmax; its P V product is issued beside block 1's scores
         slot0 = it % STAGES
@@ -318,7 +327,7 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         # every score of the tile is computed: the loader may bring the next tile's Q
-        mbarrier.arrive(q_empty.index(c), count=1)
+        mbarrier.arrive(q_empty.index(qi), count=1)
         g = it + n_blocks - 1
         last = g % STAGES
         mbarrier.wait(v_ready.index(last), (g // STAGES) & 1)
@@ -351,22 +360,22 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
 @gluon.jit
 def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
-               PAD_HEAD: gl.constexpr):
-    _consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)
+               PAD_HEAD: gl.constexpr, Q_SLOTS: gl.constexpr):
+    _consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)
 
 
 @gluon.jit
 def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
-               PAD_HEAD: gl.constexpr):
-    _consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)
+               PAD_HEAD: gl.constexpr, Q_SLOTS: gl.constexpr):
+    _consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)
 
 
 @gluon.jit
 def _consumer2(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
-               PAD_HEAD: gl.constexpr):
-    _consumer(2, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)
+               PAD_HEAD: gl.constexpr, Q_SLOTS: gl.constexpr):
+    _consumer(2, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)
 
 
 @gluon.jit
@@ -381,7 +390,7 @@ def attn_fwd_ws(
     head_dim_v, MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-    PERSISTENT: gl.constexpr,
+    PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
 ):
     """Tiles of BLOCK_M query rows (BLOCK_M // 64 consumer warpgroups) of one query head:
     one per program on a grid (m blocks, Hq, B), or with PERSISTENT every programs-th
@@ -411,20 +420,21 @@ def attn_fwd_ws(
     v_desc = heads_descriptor(V, batch, num_heads_k, keys, cols_v, stride_vz, stride_vh, stride_vn, BLOCK_N, BLOCK_D,
                               kv_layout)
 
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, WARPGROUP_ROWS, BLOCK_D], q_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS, 1, 1, WARPGROUP_ROWS, BLOCK_D], q_layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [Q_SLOTS * CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_SLOTS * CONSUMERS, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
-        mbarrier.init(q_bar.index(c), count=1)
-        mbarrier.init(q_empty.index(c), count=1)
         mbarrier.init(turn.index(c), count=1)
+    for qi in gl.static_range(Q_SLOTS * CONSUMERS):
+        mbarrier.init(q_bar.index(qi), count=1)
+        mbarrier.init(q_empty.index(qi), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(slot), count=1)
         mbarrier.init(v_ready.index(slot), count=1)
@@ -439,15 +449,15 @@ def attn_fwd_ws(
              batch, num_heads_q, group_size, seqlen_q, seqlen_k, window_left, window_right)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)),
-            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)),
-            (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, MASK, PERSISTENT)),
+            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)),
+            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)),
+            (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, MASK, PERSISTENT, Q_SLOTS)),
         ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])
     else:
         gl.static_assert(CONSUMERS == 3, "BLOCK_M is 128 or 192: two or three consumer warpgroups")
         gl.warp_specialize([
-            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)),
-            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)),
-            (_consumer2, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD)),
-            (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, MASK, PERSISTENT)),
+            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)),
+            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)),
+            (_consumer2, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)),
+            (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, MASK, PERSISTENT, Q_SLOTS)),
         ], [4, 4, 1], [consumer_regs(CONSUMERS), consumer_regs(CONSUMERS), LOADER_REGS])
