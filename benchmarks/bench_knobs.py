@@ -3,8 +3,8 @@ against the same tiles with each knob setting, in one process on the GPU. The fo
 (``flash.attn_fwd``): OVERLAP=1, TMA=1 (K), TMA=2 (K and V) and OVERLAP=1 TMA=2; the split
 backward's dQ and dK/dV (``flash.attn_bwd_dq``, ``flash.attn_bwd_dkdv``): TMA=1; the ws
 forward (``flash.attn_fwd_ws``): the persistent grid against one program per tile, and
-with a second Q slot (``Q_SLOTS=2``; also at two stages, where the tiles' ring leaves no
-room for it).
+persistent with a second Q slot (``Q_SLOTS=2``), with the output stored by bulk copies
+(``TMA_STORE=1``), and both at two stages (where the cell's ring leaves no room for them).
 ``--cudnn``: SDPA's cuDNN backend at each forward cell's shape too, by the same clock.
 
     AOTATTN_MODE=aot AOTATTN_IMAGES=... python benchmarks/bench_knobs.py [--table flash.attn_fwd]
@@ -47,7 +47,8 @@ VARIANTS = {
     "flash.attn_bwd_dkdv": {"plain": {}, "tma": {"TMA": 1}},
     "flash.attn_fwd_ws": {"plain": {}, "persist": {"PERSISTENT": 1},
                           "qslots": {"PERSISTENT": 1, "Q_SLOTS": 2},  # the next tile's Q a tile ahead
-                          "qslots-st2": {"PERSISTENT": 1, "Q_SLOTS": 2, "STAGES": 2}},  # room for it
+                          "store": {"PERSISTENT": 1, "TMA_STORE": 1},  # the output by bulk copies
+                          "both-st2": {"PERSISTENT": 1, "Q_SLOTS": 2, "TMA_STORE": 1, "STAGES": 2}},
 }
 # the kernel's matmul FLOPs over the forward's two (dQ: S, dP, dQ; dK/dV: S, dP, dV, dK)
 FLOPS_OVER_FORWARD = {"flash.attn_fwd": 1.0, "flash.attn_fwd_ws": 1.0, "flash.attn_bwd_dq": 1.5,

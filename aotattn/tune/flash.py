@@ -111,9 +111,10 @@ FOOTPRINTS: dict[str, Footprint] = {
                                         Tile("BLOCK_M", "BLOCK_N", "fp32", when="OVERLAP")), pads=_PADS,
                           loop=("BLOCK_N", "seqlen_k")),
     # attn_fwd_ws: each consumer's Q tile resident (two with Q_SLOTS=2), K and V in rings
-    # STAGES deep; its accumulators are per consumer warpgroup (the budget), checked by
-    # _ws_registers
-    "attn_fwd_ws": Footprint(resident=(_Q, Tile("BLOCK_M", "BLOCK_D", when=lambda v: v.get("Q_SLOTS", 1) == 2)),
+    # STAGES deep, the output's staging tiles with TMA_STORE; its accumulators are per
+    # consumer warpgroup (the budget), checked by _ws_registers
+    "attn_fwd_ws": Footprint(resident=(_Q, Tile("BLOCK_M", "BLOCK_D", when=lambda v: v.get("Q_SLOTS", 1) == 2),
+                                       Tile("BLOCK_M", "BLOCK_DV", when="TMA_STORE")),
                              pipelined=(_K, _V), stages="STAGES", budget=_ws_registers, pads=_PADS),
     # attn_bwd_ws: the program's K and V resident, q and its rows' stats in a ring STAGES
     # deep, dO in one too (the key split) or in one slot (the column split), dS^T tiles

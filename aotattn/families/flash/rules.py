@@ -237,7 +237,8 @@ def _ws_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
 # consumer warpgroup (128: two, 192: three); BLOCK_N keys per step; STAGES slots in each
 # of the K and V rings; PINGPONG, the consumers take turns issuing their products;
 # PERSISTENT, one program per SM walks the tiles, costliest first (planning.forward_plan's grid);
-# Q_SLOTS, the Q tiles a consumer holds (2: the next tile's Q loads a tile ahead; PERSISTENT only).
+# Q_SLOTS, the Q tiles a consumer holds (2: the next tile's Q loads a tile ahead; PERSISTENT only);
+# TMA_STORE, the output leaves through a shared staging tile and a bulk copy.
 _WS_TUNING = (
     ("BLOCK_M", (128, 192)),
     ("BLOCK_N", (32, 64, 128)),
@@ -245,10 +246,11 @@ _WS_TUNING = (
     ("PINGPONG", (0, 1)),
     ("PERSISTENT", (0, 1)),
     ("Q_SLOTS", (1, 2)),
+    ("TMA_STORE", (0, 1)),
     ("num_warps", (4,)),
     ("num_stages", (1,)),
 )
-_WS_KNOB_DEFAULTS = (("PERSISTENT", 0), ("Q_SLOTS", 1))
+_WS_KNOB_DEFAULTS = (("PERSISTENT", 0), ("Q_SLOTS", 1), ("TMA_STORE", 0))
 
 def _ws_kernel(name: str, module: str, arguments: tuple[Arg, ...], functionals, tuning_space,
                unserved, chosen_by: ChosenBy, knob_defaults=(), axis_defaults=(), fallback=None) -> KernelSpec:

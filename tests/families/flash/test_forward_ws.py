@@ -157,8 +157,12 @@ def test_the_tuners_pruning_follows_the_rings_and_register_budgets():
         for q in (1, 2)]
     assert slots[1] - slots[0] == 128 * 128 * 2
     assert "shared memory" in why(256, PERSISTENT=1, Q_SLOTS=2)  # 128 KB of Q and a 64-key ring: too much
+    staged = [candidates.shared_bytes(fp, Functional.of(functional(d=128)), Config.of(
+        BLOCK_M=128, BLOCK_N=64, STAGES=2, PINGPONG=1, TMA_STORE=t, num_warps=4, num_stages=1), SM_90) for t in (0, 1)]
+    assert staged[1] - staged[0] == 128 * 128 * 2  # TMA_STORE's staging tiles
     for d in (64, 128, 256):
         assert {c.as_dict().get("Q_SLOTS", 1) for c in covering(d)} == {1, 2}, d
+        assert {c.as_dict().get("TMA_STORE", 0) for c in covering(d)} == {0, 1}, d
         assert all(c.as_dict().get("PERSISTENT") for c in fitting(d) if c.as_dict().get("Q_SLOTS", 1) == 2)
     # the tuner times it where it serves, as a forward
     f = Functional.of(functional())
@@ -171,17 +175,17 @@ def test_the_tuners_pruning_follows_the_rings_and_register_budgets():
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton package carries no cuobjdump")
-@pytest.mark.parametrize("persistent, q_slots", [(0, 1), (1, 1), (1, 2)])
+@pytest.mark.parametrize("persistent, q_slots, tma_store", [(0, 1, 0), (1, 1, 0), (1, 2, 0), (1, 1, 1)])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies(d, persistent, q_slots):
+def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies(d, persistent, q_slots, tma_store):
     """What makes it the kernel it is, in the sm_90 machine code: more warps than it was
     compiled with (the partitions), registers moved between them (setmaxnreg), wgmma
     (HGMMA), tensor-map bulk copies (UTMALDG) waited on with mbarriers, and no local
     memory (a spill of the accumulators would be 2-3x slower), one tile per program or
-    many (PERSISTENT), with one Q slot or two. compile_job also ran the wgmma register-hazard
-    scan over its PTX."""
-    base = {**covering(d)[0].as_dict(), "PERSISTENT": persistent, "Q_SLOTS": q_slots}
-    if q_slots == 2:  # the second Q tile's shared memory: the smallest K/V ring
+    many (PERSISTENT), with one Q slot or two, the output stored from registers or by a bulk
+    copy (UTMASTG, TMA_STORE). compile_job also ran the wgmma register-hazard scan over its PTX."""
+    base = {**covering(d)[0].as_dict(), "PERSISTENT": persistent, "Q_SLOTS": q_slots, "TMA_STORE": tma_store}
+    if q_slots == 2 or tma_store:  # room for the second Q tile or the staging tiles: a small K/V ring
         base.update(BLOCK_N=min(base["BLOCK_N"], 64 if d < 256 else 32), STAGES=2)
     config = Config.of(base)
     assert candidates.why_pruned(tune_flash.footprint(TABLE), Functional.of(functional(d=d)), config, SM_90) is None
@@ -192,6 +196,11 @@ def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies(d, persistent
     code = sass(cubin)
     assert re.search(r"HGMMA\.64x\d+x16\.F32\.BF16", code)
     assert "UTMALDG" in code and "SYNCS" in code and "USETMAXREG" in code
+    stores = re.findall(r"\bSTG\.E\S*", code)
+    if tma_store:  # the output by bulk copies; the log-sum-exp alone from registers
+        assert "UTMASTG" in code and len(stores) <= 4, stores
+    else:
+        assert "UTMASTG" not in code and len(stores) > 8
     local = re.findall(r"\b(?:LDL|STL)\b", code)
     if persistent:  # d256: a few scalars of the tile loop kept on the stack (once per tile), not the accumulators
         assert len(local) <= 12, f"local memory: {len(local)} spill loads and stores"

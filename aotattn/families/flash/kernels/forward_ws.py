@@ -45,6 +45,11 @@ alternate slots, so the loader brings tile r+1's Q as soon as it has issued tile
 loads, a whole tile ahead, instead of after tile r's last scores. Tiles of few key blocks
 (small-key or short forwards) otherwise start by waiting for their Q. It costs a second
 ``BLOCK_M x D`` tile of shared memory.
+
+``TMA_STORE`` (1): a consumer writes its output rows into a shared staging tile and one
+bulk tensor copy stores them, asynchronously (the next tile's wait for the copy comes a
+whole tile later), instead of 4-byte stores from the accumulator's registers (32 a thread
+at d128). The staging costs a ``BLOCK_M x D`` tile of shared memory.
 """
 
 from triton.experimental import gluon
@@ -254,11 +259,11 @@ def _pass_turn(turn, c: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.cons
 @gluon.jit
 def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr,
-              PERSISTENT: gl.constexpr, PAD_HEAD: gl.constexpr, Q_SLOTS: gl.constexpr):
+              PERSISTENT: gl.constexpr, PAD_HEAD: gl.constexpr, Q_SLOTS: gl.constexpr, TMA_STORE: gl.constexpr):
     """Consumer warpgroup c: rows m0 + 64 c .. m0 + 64 c + 63 of every tile of the program."""
     (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn, Out, Lse, stride_oz,
      stride_oh, stride_om, stride_lz, stride_lh, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k, window_left,
-     window_right, qk_scale, head_dim_v) = work
+     window_right, qk_scale, head_dim_v, o_desc, o_smem) = work
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -342,40 +347,52 @@ def _consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, B
         inv_l = 1.0 / gl.where(empty, 1.0, l_i)
         lse = gl.where(empty, float("inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
         out = acc * gl.convert_layout(inv_l, row_o)[:, None]
-        out_rows = first_row + gl.arange(0, WARPGROUP_ROWS, layout=row_o)
-        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-        out_ptr = Out + z.to(gl.int64) * stride_oz + h.to(gl.int64) * stride_oh
+        if TMA_STORE:  # staged, then one bulk copy: rows past the sequence, columns past the head dim dropped
+            o_tile = o_smem.index(c)
+            tma.store_wait(0)  # the last tile's copy has read the staging tile (a whole tile ago)
+            o_tile.store(gl.reshape(out.to(dtype), [1, 1, WARPGROUP_ROWS, HEAD_D]))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [z, h, first_row, 0], o_tile)
+        else:
+            out_rows = first_row + gl.arange(0, WARPGROUP_ROWS, layout=row_o)
+            cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+            out_ptr = Out + z.to(gl.int64) * stride_oz + h.to(gl.int64) * stride_oh
+            keep = out_rows[:, None] < seqlen_q
+            if PAD_HEAD:  # the bucket's columns past the head dim are not the output's
+                keep = keep & (cols[None, :] < head_dim_v)
+            gl.store(out_ptr + out_rows[:, None].to(gl.int64) * stride_om + cols[None, :], out.to(dtype), mask=keep)
         lse_ptr = Lse + z.to(gl.int64) * stride_lz + h.to(gl.int64) * stride_lh
-        keep = out_rows[:, None] < seqlen_q
-        if PAD_HEAD:  # the bucket's columns past the head dim are not the output's
-            keep = keep & (cols[None, :] < head_dim_v)
-        gl.store(out_ptr + out_rows[:, None].to(gl.int64) * stride_om + cols[None, :], out.to(dtype), mask=keep)
         gl.store(lse_ptr + rows, lse, mask=rows < seqlen_q)
         it += n_blocks
         tt += n_blocks + 1
         k += 1
+    if TMA_STORE:  # the shared memory outlives the last copy's read of it
+        tma.store_wait(0)
 
 
 # warp_specialize takes one function per partition: the consumers differ only in c
 @gluon.jit
 def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
-               PAD_HEAD: gl.constexpr, Q_SLOTS: gl.constexpr):
-    _consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)
+               PAD_HEAD: gl.constexpr, Q_SLOTS: gl.constexpr, TMA_STORE: gl.constexpr):
+    _consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS,
+              TMA_STORE)
 
 
 @gluon.jit
 def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
-               PAD_HEAD: gl.constexpr, Q_SLOTS: gl.constexpr):
-    _consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)
+               PAD_HEAD: gl.constexpr, Q_SLOTS: gl.constexpr, TMA_STORE: gl.constexpr):
+    _consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS,
+              TMA_STORE)
 
 
 @gluon.jit
 def _consumer2(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr, PERSISTENT: gl.constexpr,
-               PAD_HEAD: gl.constexpr, Q_SLOTS: gl.constexpr):
-    _consumer(2, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)
+               PAD_HEAD: gl.constexpr, Q_SLOTS: gl.constexpr, TMA_STORE: gl.constexpr):
+    _consumer(2, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS,
+              TMA_STORE)
 
 
 @gluon.jit
@@ -390,7 +407,7 @@ def attn_fwd_ws(
     head_dim_v, MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-    PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr,
+    PERSISTENT: gl.constexpr, Q_SLOTS: gl.constexpr, TMA_STORE: gl.constexpr,
 ):
     """Tiles of BLOCK_M query rows (BLOCK_M // 64 consumer warpgroups) of one query head:
     one per program on a grid (m blocks, Hq, B), or with PERSISTENT every programs-th
@@ -421,6 +438,10 @@ def attn_fwd_ws(
                               kv_layout)
 
     q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS, 1, 1, WARPGROUP_ROWS, BLOCK_D], q_layout)
+    o_desc = heads_descriptor(Out, batch, num_heads_q, gl.maximum(seqlen_q, 1), cols_v, stride_oz, stride_oh,
+                              stride_om, WARPGROUP_ROWS, BLOCK_DV, q_layout)
+    o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS if TMA_STORE else 1, 1, 1, WARPGROUP_ROWS, BLOCK_DV],
+                                       q_layout)  # TMA_STORE's staging tiles
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [Q_SLOTS * CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -444,20 +465,25 @@ def attn_fwd_ws(
 
     work = (q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, turn, Out, Lse, stride_oz,
             stride_oh, stride_om, stride_lz, stride_lh, n_m, batch, num_heads_q, group_size, seqlen_q, seqlen_k,
-            window_left, window_right, qk_scale, head_dim_v)
+            window_left, window_right, qk_scale, head_dim_v, o_desc, o_smem)
     loads = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, k_ready, v_ready, k_empty, v_empty, n_m,
              batch, num_heads_q, group_size, seqlen_q, seqlen_k, window_left, window_right)
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)),
-            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)),
+            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS,
+                          TMA_STORE)),
+            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS,
+                          TMA_STORE)),
             (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, MASK, PERSISTENT, Q_SLOTS)),
         ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])
     else:
         gl.static_assert(CONSUMERS == 3, "BLOCK_M is 128 or 192: two or three consumer warpgroups")
         gl.warp_specialize([
-            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)),
-            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)),
-            (_consumer2, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS)),
+            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS,
+                          TMA_STORE)),
+            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS,
+                          TMA_STORE)),
+            (_consumer2, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS, PERSISTENT, PAD_HEAD, Q_SLOTS,
+                          TMA_STORE)),
             (_loader, (loads, CONSUMERS, BLOCK_M, BLOCK_N, BLOCK_D, STAGES, MASK, PERSISTENT, Q_SLOTS)),
         ], [4, 4, 1], [consumer_regs(CONSUMERS), consumer_regs(CONSUMERS), LOADER_REGS])
