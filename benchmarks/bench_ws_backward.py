@@ -4,7 +4,8 @@ cuDNN and flash backends, in one process (JIT).
 
     python benchmarks/bench_ws_backward.py [--shapes d64-q128-k16384-full,...] [--reps 20]
 
-Padded head dims of the d256 bucket (d160-d192) also run ``NARROW=1`` (ws-NP0, ...).
+Padded head dims of the d256 bucket (d160-d192) also run ``NARROW=1`` (ws-N0, ...); the
+key split (d64, d128 buckets) also ``TMA_STORE=1`` (ws-T0, ...).
 A shape ``d<D>[-g<G>]-q<Sq>-k<Sk>-<full|causal>`` runs at hidden size 2048 (H = 2048 / D
 query heads, H / G key heads) and 16k query tokens (B = 16384 / Sq; ``--batch``
 overrides), bf16, flash-attn's layout. Each variant's backward (the stats, the kernel and,
@@ -103,6 +104,9 @@ def bench(shape: str, args) -> None:
         variants += [("ws-P0", "ws", config(WS[bucket])), ("ws-P1", "ws", config(WS[bucket] + " PERSISTENT=1"))]
         if causal:  # the wider masked sections
             variants.append(("ws-P2", "ws", config(WS[bucket] + " PERSISTENT=2")))
+        if bucket < 256:  # the key split: dK and dV by bulk stores (ws-T0, ...)
+            walks = (0, 1, 2) if causal else (0, 1)
+            variants += [(f"ws-T{w}", "ws", config(f"{WS[bucket]} PERSISTENT={w} TMA_STORE=1")) for w in walks]
         if bucket == 256 and d < bucket:  # padded heads: the 128 + 64 split (d160-d192)
             walks = (0, 1, 2) if causal else (0, 1)
             variants += [(f"ws-N{w}", "ws", config(f"{WS[bucket]} PERSISTENT={w} NARROW=1")) for w in walks]

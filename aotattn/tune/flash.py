@@ -78,6 +78,8 @@ def _ws_bwd_registers(values: Mapping[str, Any]) -> str | None:
         return "the column split (BLOCK_N=64) serves head dim 256, the key split (BLOCK_N=128) 64 and 128"
     if values.get("NARROW", 0) and not (columns and values["PAD_HEAD"]):
         return "NARROW splits the padded heads of the column split (head dims up to 192 in the d256 bucket)"
+    if values.get("TMA_STORE", 0) and columns:
+        return "TMA_STORE stages the key split's dK and dV (BLOCK_N=128)"
     held = (2 * 64 * values["BLOCK_D"] + 2 * 64 * values["BLOCK_M"]) // (2 if columns else 1) // 128
     budget = consumer_regs(2) - 32
     if held > budget:

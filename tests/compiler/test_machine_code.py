@@ -120,6 +120,8 @@ def resources(cubin: bytes) -> dict[str, int]:
     (128, 2, "BLOCK_M=64 BLOCK_N=128 STAGES=3 PERSISTENT=2"),
     (256, 2, "BLOCK_M=64 BLOCK_N=64 STAGES=2 NARROW=1"),  # padded heads: 128 + 64 below 193, halves above
     (256, 0, "BLOCK_M=64 BLOCK_N=64 STAGES=2 NARROW=1 PERSISTENT=1"),
+    (128, 0, "BLOCK_M=64 BLOCK_N=128 STAGES=2 PERSISTENT=1 TMA_STORE=1"),  # dK/dV by bulk stores
+    (64, 2, "BLOCK_M=64 BLOCK_N=128 STAGES=3 TMA_STORE=1"),
 ])
 def test_the_ws_backward_keeps_its_registers(head_dim, mask, tiles):
     """The ws backward's consumers spill nothing (no stack): with the wgmma descriptors of
@@ -133,3 +135,8 @@ def test_the_ws_backward_keeps_its_registers(head_dim, mask, tiles):
     _, cubin = compile_job(Job("sm_90", "flash.attn_bwd_ws", Functional.of(axes), config))
     used = resources(cubin)
     assert used["STACK"] == 0, used
+    stores = re.findall(r"\b(STG\S*|UTMASTG\S*)", sass(cubin))
+    if "TMA_STORE=1" in tiles:  # dK and dV by two bulk copies a consumer, nothing from registers
+        assert stores and all(s.startswith("UTMASTG") for s in stores), stores
+    else:
+        assert "UTMASTG.4D" not in stores and len(stores) >= 64, len(stores)

@@ -380,10 +380,11 @@ _WS_BWD_TUNING = (
     ("STAGES", (2, 3)),
     ("PERSISTENT", (0, 1, 2)),
     ("NARROW", (0, 1)),  # 1: padded heads up to 192 split 128 + 64 (kernels/backward_ws.NARROW_D)
+    ("TMA_STORE", (0, 1)),  # 1: the key split's dK and dV leave by bulk stores from a staging tile
     ("num_warps", (4,)),
     ("num_stages", (1,)),
 )
-_WS_BWD_KNOB_DEFAULTS = (("PERSISTENT", 0), ("NARROW", 0))
+_WS_BWD_KNOB_DEFAULTS = (("PERSISTENT", 0), ("NARROW", 0), ("TMA_STORE", 0))
 
 ATTN_BWD_WS = _ws_kernel(
     "attn_bwd_ws", BACKWARD_WS_MODULE,

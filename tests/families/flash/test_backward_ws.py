@@ -198,6 +198,12 @@ def test_the_tuner_times_it_where_it_serves_within_its_budgets():
         == [(n, p) for n in (0, 1) for p in (0, 1, 2)]
     assert not any(c.as_dict().get("NARROW", 0) for d in (64, 128) for pad in (False, True)
                    for c in fitting(d, pad=pad)) and not any(c.as_dict().get("NARROW", 0) for c in fitting(256))
+    # the key split's dK and dV by bulk stores from the dQ staging tiles' bytes (TMA_STORE), at
+    # every tile; the column split keeps its register stores
+    for d in (64, 128):
+        assert {c.as_dict().get("TMA_STORE", 0) for c in fitting(d)} == {0, 1}
+        assert len([c for c in fitting(d) if c.as_dict().get("TMA_STORE", 0)]) * 2 == len(fitting(d))
+    assert not any(c.as_dict().get("TMA_STORE", 0) for pad in (False, True) for c in fitting(256, pad=pad))
     # one tile per program or one program per SM walking the tiles, at every tile size; the
     # wider masked sections (2) only under a mask, where they order anything
     for d in (64, 128, 256):

@@ -36,6 +36,9 @@ tiles. Two *consumer* warpgroups share the work in one of two ways:
 Either way dQ leaves through a staging tile per consumer and one bulk tensor reduce
 (``cp.reduce.async.bulk .add``: the L2 does the adds, no per-element atomics), issued
 asynchronously: its read of the tile is waited for only before the next write to it.
+``TMA_STORE`` (the key split): a tile's dK and dV leave the same way, through that staging
+tile's bytes reinterpreted as 64 keys x D 16-bit and bulk tensor stores, instead of 4-byte
+stores from the accumulators' registers (64 a thread at d128).
 """
 
 from triton.experimental import gluon
@@ -212,7 +215,7 @@ def _store_key_grads(dk, dv, out_rows, cols, key_grads, z, hk, sm_scale, seqlen_
     """A consumer's dK (scaled) and dV of key head hk of sequence z at rows ``out_rows``
     (keys) and columns ``cols``: keys past the sequence and, for padded heads, the columns
     past the head dims (zeros read through the descriptors) are not stored."""
-    DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn = key_grads
+    DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, _, _, _ = key_grads
     dk_ptr = DK + z.to(gl.int64) * stride_dkz + hk.to(gl.int64) * stride_dkh
     dv_ptr = DV + z.to(gl.int64) * stride_dvz + hk.to(gl.int64) * stride_dvh
     keep_k = out_rows[:, None] < seqlen_k
@@ -226,9 +229,31 @@ def _store_key_grads(dk, dv, out_rows, cols, key_grads, z, hk, sm_scale, seqlen_
 
 
 @gluon.jit
+def _copy_key_grads(dk, dv, c: gl.constexpr, key_grads, z, hk, first_key, sm_scale, dtype: gl.constexpr,
+                    HEAD_D: gl.constexpr, SLOTS: gl.constexpr):
+    """TMA_STORE: a key-split consumer's dK (scaled) and dV through shared staging tiles and
+    bulk tensor stores (keys past the sequence and columns past padded head dims dropped by
+    the descriptors). The staging tiles are the consumer's dQ staging tile, reinterpreted:
+    ``SLOTS`` tiles of 64 keys (1 at BLOCK_M=64: dV waits for dK's copy to read it; 2 at 128).
+    The next write of dQ's staging tile waits for these copies as for a reduce."""
+    _, _, _, _, _, _, _, _, dk_desc, dv_desc, kg_smem = key_grads
+    tma.store_wait(0)  # the tile's last dQ reduce has read the staging tile
+    dk_tile = kg_smem.index(c * SLOTS)
+    dk_tile.store(gl.reshape((dk * sm_scale).to(dtype), [1, 1, WARPGROUP_ROWS, HEAD_D]))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [z, hk, first_key, 0], dk_tile)
+    if SLOTS == 1:
+        tma.store_wait(0)
+    dv_tile = kg_smem.index(c * SLOTS + SLOTS - 1)
+    dv_tile.store(gl.reshape(dv.to(dtype), [1, 1, WARPGROUP_ROWS, HEAD_D]))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dv_desc, [z, hk, first_key, 0], dv_tile)
+
+
+@gluon.jit
 def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PAD_HEAD: gl.constexpr,
-                   PERSISTENT: gl.constexpr):
+                   PERSISTENT: gl.constexpr, TMA_STORE: gl.constexpr):
     """Consumer warpgroup c of 128-key tiles: keys start_n + 64 c .. start_n + 64 c + 63 of
     every tile of the program."""
     (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, kv_empty, q_ready, do_ready,
@@ -316,10 +341,13 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
             mbarrier.arrive(kv_empty, count=1)
         g += n_steps
         kv += (n_steps > 0).to(gl.int32)
-        out_rows = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
-        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
-        _store_key_grads(dk, dv, out_rows, cols, key_grads, z, hk, sm_scale, seqlen_k, head_dim, head_dim_v, dtype,
-                         PAD_HEAD)
+        if TMA_STORE:
+            _copy_key_grads(dk, dv, c, key_grads, z, hk, first_key, sm_scale, dtype, HEAD_D, BLOCK_M // WARPGROUP_ROWS)
+        else:
+            out_rows = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
+            cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+            _store_key_grads(dk, dv, out_rows, cols, key_grads, z, hk, sm_scale, seqlen_k, head_dim, head_dim_v,
+                             dtype, PAD_HEAD)
     tma.store_wait(0)
 
 
@@ -466,21 +494,21 @@ def _columns(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BL
 @gluon.jit
 def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr,
-               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr, NARROW: gl.constexpr):
+               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr, NARROW: gl.constexpr, TMA_STORE: gl.constexpr):
     if COLUMNS:
         _columns(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT, NARROW)
     else:
-        _keys_consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT)
+        _keys_consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT, TMA_STORE)
 
 
 @gluon.jit
 def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr,
-               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr, NARROW: gl.constexpr):
+               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr, NARROW: gl.constexpr, TMA_STORE: gl.constexpr):
     if COLUMNS:
         _columns(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT, NARROW)
     else:
-        _keys_consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT)
+        _keys_consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT, TMA_STORE)
 
 
 @gluon.jit
@@ -495,7 +523,7 @@ def attn_bwd_ws(
     head_dim, head_dim_v, MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    GROUPED: gl.constexpr, NARROW: gl.constexpr,
+    GROUPED: gl.constexpr, NARROW: gl.constexpr, TMA_STORE: gl.constexpr,
 ):
     """Tiles of BLOCK_N keys of one key/value head: their dK, dV and their share of dQ. One
     tile per program on a grid (n blocks, Hk, B), or with PERSISTENT every programs-th tile
@@ -514,6 +542,7 @@ def attn_bwd_ws(
     DQ_COLS: gl.constexpr = 64 if BLOCK_D > 128 else BLOCK_D // CONSUMERS  # one bulk reduce's columns
     gl.static_assert(not NARROW or (COLUMNS and PAD_HEAD and BLOCK_D == 256),
                      "NARROW: the column split of padded heads in the d256 bucket")
+    gl.static_assert(not TMA_STORE or not COLUMNS, "TMA_STORE: the key split")
     seqlen_q = max_seqlen_q
     seqlen_k = max_seqlen_k
     if MASK == MASK_BOTTOM_RIGHT:
@@ -593,7 +622,20 @@ def attn_bwd_ws(
         mbarrier.init(ds_ready.index(buf), count=CONSUMERS)
     fence_async_shared()
 
-    key_grads = (DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn)
+    if TMA_STORE:  # dK and dV staged in the dQ staging tiles' bytes (64 keys x D 16-bit: 64 x D / 2 fp32)
+        kg_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, WARPGROUP_ROWS, BLOCK_D], dtype)
+        kg_smem = dq_smem._reinterpret(dtype, [CONSUMERS * (BLOCK_M // WARPGROUP_ROWS), 1, 1, WARPGROUP_ROWS, BLOCK_D],
+                                       kg_layout)
+        dk_desc = heads_descriptor(DK, batch, num_heads_k, keys, cols_qk, stride_dkz, stride_dkh, stride_dkn,
+                                   WARPGROUP_ROWS, BLOCK_D, kg_layout)
+        dv_desc = heads_descriptor(DV, batch, num_heads_k, keys, cols_v, stride_dvz, stride_dvh, stride_dvn,
+                                   WARPGROUP_ROWS, BLOCK_D, kg_layout)
+    else:
+        kg_smem = dq_smem
+        dk_desc = DK
+        dv_desc = DV
+    key_grads = (DK, DV, stride_dkz, stride_dkh, stride_dkn, stride_dvz, stride_dvh, stride_dvn, dk_desc, dv_desc,
+                 kg_smem)
     work = (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, kv_empty, q_ready,
             do_ready, q_empty, do_empty, ds_ready, dq_desc, key_grads, sizes, qk_scale, sm_scale, head_dim,
             head_dim_v)
@@ -601,8 +643,8 @@ def attn_bwd_ws(
              stats_smem, kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty, sizes)
     gl.warp_specialize([
         (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD,
-                      PERSISTENT, NARROW)),
+                      PERSISTENT, NARROW, TMA_STORE)),
         (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD,
-                      PERSISTENT, NARROW)),
+                      PERSISTENT, NARROW, TMA_STORE)),
         (_loader, (loads, MASK, BLOCK_M, BLOCK_N, STAGES, DO_STAGES, PERSISTENT)),
     ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])
