@@ -2,7 +2,8 @@
 # Thirty-seventh session's GPU call: the ws backward's TMA_STORE checked (GPU tests of
 # flash.attn_bwd_ws, JIT) and timed (bench_ws_backward.py), then the ws forward's cells with
 # Q_SLOTS/TMA_STORE tuned (attn_fwd_ws, then the flash.forward engine choice) into a copy of
-# the tuning database (tuned.tgz under $OUT; no perfmon here: SELECT is empty).
+# the tuning database without the hand patch 0003-short-tiles (tuned.tgz under $OUT: delete
+# that patch when landing it; no perfmon here: SELECT is empty).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -18,7 +19,7 @@ AOTATTN_MODE=jit timeout "${BENCH_S:-120}" python benchmarks/bench_ws_backward.p
   > "$OUT/bench-bwd.log" 2>&1
 cat "$OUT/bench-bwd.log"
 stamp "tune the ws forward cells"
-TUNE_S=${TUNE_S:-110} SELECT= bash benchmarks/tune_cells_session.sh -- -c flash,attn_fwd_ws --dtype bf16 \
+DROP=flash.attn_fwd_ws.0003-short-tiles.dbpatch TUNE_S=${TUNE_S:-110} SELECT= bash benchmarks/tune_cells_session.sh -- -c flash,attn_fwd_ws --dtype bf16 \
   --head-dim 64,128 --where "MASK=0,2" --cells 4096x128,4096x512,512x512,1024x1024 --limit 24 \
   --then -c flash,forward --dtype bf16 --head-dim 64,128 --where "MASK=0,2" --cells 4096x128,4096x512,512x512,1024x1024
 stamp "done"

@@ -22,7 +22,9 @@
 #       --where PAD_HEAD=True --head-dim 256 --then --all-functionals -c flash,backward \
 #       --where "PAD_HEAD=True DETERMINISTIC=False" --head-dim 256
 #
-# Environment: SELECT (perfmon's selection; empty: no perfmon run), TUNE_S (200: each stage's
+# Environment: DROP (patch file names under tuning/nvidia/sm_90/ left out of the copy: hand
+# patches over the cells tuned, which would mask the export), SELECT (perfmon's selection;
+# empty: no perfmon run), TUNE_S (200: each stage's
 # deadline, compile included), RUN_S (120: perfmon's deadline), TAG (h200-<date>-retuned),
 # RUN_ARGS (more `perfmon run` options, e.g. "--hide-host-ms 1"), RUN_EXTRA_S (120: perfmon is stopped
 # this long after its deadline; add the FlexAttention compile with "--flex-all --flex-jobs N").
@@ -33,6 +35,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 work=build/tune-cells
 rm -rf "$work" && mkdir -p "$work"
 cp -r tuning "$work/tuning"
+for patch in ${DROP:-}; do  # hand patches over the cells being tuned: a later layer would mask the export
+  rm -v "$work/tuning/nvidia/sm_90/$patch"
+done
 export AOTATTN_TUNING_DB=$PWD/$work/tuning  # every stage plans, compiles and times on the copy
 aot() { python -m aotattn.cli "$@"; }
 
