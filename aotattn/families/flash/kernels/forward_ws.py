@@ -438,10 +438,13 @@ def attn_fwd_ws(
                               kv_layout)
 
     q_smem = gl.allocate_shared_memory(dtype, [Q_SLOTS * CONSUMERS, 1, 1, WARPGROUP_ROWS, BLOCK_D], q_layout)
-    o_desc = heads_descriptor(Out, batch, num_heads_q, gl.maximum(seqlen_q, 1), cols_v, stride_oz, stride_oh,
-                              stride_om, WARPGROUP_ROWS, BLOCK_DV, q_layout)
-    o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS if TMA_STORE else 1, 1, 1, WARPGROUP_ROWS, BLOCK_DV],
-                                       q_layout)  # TMA_STORE's staging tiles
+    if TMA_STORE:  # the output's descriptor (made on the device: only where used) and staging tiles
+        o_desc = heads_descriptor(Out, batch, num_heads_q, gl.maximum(seqlen_q, 1), cols_v, stride_oz, stride_oh,
+                                  stride_om, WARPGROUP_ROWS, BLOCK_DV, q_layout)
+        o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, WARPGROUP_ROWS, BLOCK_DV], q_layout)
+    else:
+        o_desc = Out
+        o_smem = q_smem
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [Q_SLOTS * CONSUMERS, 1], mbarrier.MBarrierLayout())
