@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import multiprocessing as mp
 import multiprocessing.connection
@@ -16,6 +17,7 @@ from typing import Any
 
 from aotattn import arch as arches
 from aotattn import families, paths
+from aotattn.files import write_atomically
 from aotattn.compiler.jobs import Job, cache_key, compile_job, source_hash
 from aotattn.runtime.images import (Archive, Entry, ImageError, Packed, _entry_from_json, archive_path,
                                     write_archive)
@@ -120,19 +122,28 @@ def _cache_paths(cache_dir: Path, job: Job, line_info: bool) -> tuple[Path, Path
 def _store(cache_dir: Path, job: Job, line_info: bool, entry: Entry, packed: Packed) -> None:
     meta, blob = _cache_paths(cache_dir, job, line_info)
     meta.parent.mkdir(parents=True, exist_ok=True)
-    record = {"entry": asdict(entry), "blob": packed.blob, "size": packed.size}
+    record = {"entry": asdict(entry), "blob": packed.blob, "size": packed.size,
+              "entry_sha256": _entry_digest(asdict(entry))}
     for path, data in ((blob, packed.data), (meta, json.dumps(record).encode())):  # the entry last: it marks done
-        tmp = path.with_suffix(path.suffix + f".{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+        write_atomically(path, data)
+
+
+def _entry_digest(entry: dict) -> str:
+    """sha256 of a cache entry's canonical JSON: a damaged entry that still reads as one
+    (say ``shared`` 98304 -> 98305, or another ``num_warps``) would otherwise be packed and
+    launched with the wrong launch fields."""
+    return hashlib.sha256(json.dumps(entry, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _cached(cache_dir: Path, job: Job, line_info: bool, check: bool = True) -> tuple[Entry, Packed] | None:
     """The job's entry and binary from the cache, the binary inflated and checked unless
-    ``check`` is False; None if absent or damaged (then it is compiled again)."""
+    ``check`` is False, the entry always checked against its checksum; None if absent,
+    damaged or written before entries had one (then it is compiled again)."""
     meta, blob = _cache_paths(cache_dir, job, line_info)
     try:
         record = json.loads(meta.read_bytes())
+        if record["entry_sha256"] != _entry_digest(record["entry"]):
+            raise ValueError(f"{meta}: the entry does not match its checksum")
         packed = Packed(record["blob"], record["size"], blob.read_bytes())
         if check:
             packed.check(str(blob))

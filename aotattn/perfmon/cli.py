@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from aotattn.files import write_atomically
 from aotattn.perfmon import perfdb as store
 from aotattn.perfmon.budget import MAX_SEED
 from aotattn.perfmon.entries import Entry
@@ -525,7 +526,7 @@ def faults(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: 
         (patch.parent if as_file else patch).mkdir(parents=True, exist_ok=True)
         for table, text in texts.items():
             target = patch if as_file else patch / f"{table}.perfmon-faults.dbpatch"
-            target.write_text(text)
+            write_atomically(target, text)
             console.print(f"wrote {target} (rename to <table>.<NNNN>-<what>.dbpatch in tuning/<vendor>/<arch>/ "
                           "to apply it)")
     if fail and found:

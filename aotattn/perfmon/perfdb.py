@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aotattn.files import write_atomically
 from aotattn.perfmon.entries import Entry
 
 FORMAT_VERSION = 1
@@ -190,10 +191,7 @@ class Perfdb:
         """Write atomically (a temporary file, then a rename)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(self.to_text())
-        tmp.replace(path)
-        return path
+        return write_atomically(path, self.to_text())
 
 
 def _row(cells) -> str:

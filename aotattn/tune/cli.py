@@ -97,6 +97,7 @@ def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE,
          limit: int = LIMIT, tokens: int = TOKENS, tuning_db: Path = TUNING_DB,
          out: Path = typer.Option(None, "--out", help="write the tasks as JSON lines (a batch for `tune run`)")) -> None:
     """Show what a selection holds (tasks, kernels to compile, GPU time); optionally write it as a batch."""
+    from aotattn.files import write_atomically
     from aotattn.tune.tasks import write_batch
 
     chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
@@ -104,7 +105,7 @@ def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE,
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         settings = _settings_by_table(chosen, limit, tokens)
-        out.write_text(write_batch(chosen, {table: s.to_json() for table, s in settings.items()}))
+        write_atomically(out, write_batch(chosen, {table: s.to_json() for table, s in settings.items()}))
         console.print(f"wrote {out}")
 
 
@@ -277,10 +278,10 @@ def _load_results(paths: list[Path]) -> list[dict[str, Any]]:
 
     found: list[dict[str, Any]] = []
     for path in paths:
-        # in a folder, *.json and *.jsonl only: `tune run` leaves <id>.json.tmp when cut short mid-write
+        # in a folder, *.json and *.jsonl only: `tune run` may leave a .<id>.json.<...>.tmp when killed mid-write
         files = sorted(f for f in path.rglob("*.json*") if f.suffix in (".json", ".jsonl")) if path.is_dir() else [path]
         for file in files:
-            text = file.read_text()
+            text = file.read_text(encoding="utf-8")
             if file.suffix == ".jsonl":
                 if '"format":"pgdef-results/' not in text[:200].replace(" ", ""):
                     continue  # a journal

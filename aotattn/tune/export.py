@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aotattn.files import write_atomically
 from aotattn.spec import Config, Functional
 from aotattn.tune.candidates import config_name
 from aotattn.tune.runner import RESULT_FORMAT, TUNER_VERSION
@@ -218,9 +219,7 @@ def export(results: Iterable[Mapping[str, Any]], db: Database, *, dry_run: bool 
                              empty=[Task.from_json(r["task"]).describe() for r in group if r.get("winner") is None])
         _check(db, arch, table, path, text)
         if not dry_run:
-            tmp = path.with_suffix(".dbpatch.tmp")
-            tmp.write_text(text)
-            tmp.replace(path)
+            write_atomically(path, text)
         done.append(report)
     return done
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from aotattn.files import write_atomically
 from aotattn.tune.runner import EXIT_DEVICE_LOST, DeviceLost, Settings, journal_dir, run_task
 from aotattn.tune.tasks import read_batch_settings
 
@@ -62,9 +63,7 @@ def run_batch(batch: Path, results: Path, *, shard: str = "0/1", device: str | N
         log(f"{task.describe()}")
         result = run_task(task, Settings.of_line(task.table, line_settings), device=device, db=db,
                           journal=journal_dir(), log=log)
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
-        tmp.replace(out)
+        write_atomically(out, json.dumps(result, indent=1, allow_nan=False) + "\n")
         ran += 1
     return ran
 

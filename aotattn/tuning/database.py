@@ -17,6 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from aotattn.files import write_atomically
 from aotattn.paths import installed_tuning_db
 from aotattn.spec import Config, Functional
 from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, block_for, bucket_index,
@@ -293,7 +294,7 @@ class Database:
                 except TuningError:
                     continue
                 if not errors and canonical != text and not _lost_comments(text, canonical):
-                    _write_atomically(path, canonical)
+                    write_atomically(path, canonical)
                     fixed.append(path)
         self._effective.clear()
         self._lookups.clear()
@@ -313,7 +314,7 @@ class Database:
         used = {name for grid in out.blocks.values() for row in grid for name in row}
         out.configs = {n: c for n, c in out.configs.items() if n in used or n in own.configs}
         path = self.table_path(arch, table)
-        _write_atomically(path, write_table(spec, out))
+        write_atomically(path, write_table(spec, out))
         patches = self.patch_paths(arch, table)
         for patch in patches:
             patch.unlink()
@@ -339,7 +340,7 @@ class Database:
                 others = Config.of({k: v for k, v in config.as_dict().items() if k not in knobs})
                 configs[name] = parse_config(spec, f"{format_config(others, spec)} {setting}", f"{path}: {name}")
             parsed.configs = configs
-            _write_atomically(path, write_patch(spec, parsed) if is_patch else write_table(spec, parsed))
+            write_atomically(path, write_patch(spec, parsed) if is_patch else write_table(spec, parsed))
             written.append(path)
         self._effective.clear()
         self._lookups.clear()
@@ -414,19 +415,6 @@ def read_text(path: Path) -> str:
         column = exc.start - data.rfind(b"\n", 0, exc.start)
         raise TuningError(f"not valid UTF-8 (byte 0x{data[exc.start]:02x} at column {column}): save the file as "
                           "UTF-8", f"{path}:{line}") from None
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """``text`` as UTF-8, what :func:`read_text` reads (``write_text`` would use the locale's
-    encoding: under an ASCII locale, a comment's ``é`` failed and left an empty ``.tmp``
-    behind), through a temporary file renamed into place; nothing is left on failure."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        tmp.write_bytes(text.encode("utf-8"))
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 @lru_cache(maxsize=8)

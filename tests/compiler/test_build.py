@@ -368,19 +368,25 @@ def test_a_timeout_that_abandons_no_compile_or_every_one_is_refused(tmp_path, ti
     assert not (tmp_path / "cache").exists() and not (tmp_path / "images").exists()
 
 
-@pytest.mark.parametrize("damage", [{"shared": -1}, {"num_warps": "4"}, {"key": "|BLOCK_M=1|generic"}])
+@pytest.mark.parametrize("damage", [{"shared": -1}, {"num_warps": "4"}, {"key": "|BLOCK_M=1|generic"},
+                                    {"shared": 1}, {"num_warps": 8}, {"symbol": "dropout_mask_kernel_"}])
 def test_a_cache_entry_whose_launch_fields_are_damaged_is_compiled_again(tmp_path, damage):
     """Only the cached binary's checksum was checked: an entry out of the archive schema was
-    taken as cached, and this build and every later one failed writing the archive."""
+    taken as cached, and this build and every later one failed writing the archive. One
+    still in the schema (another shared size, warp count or symbol) was packed as it was and
+    launched wrong: the entry has a checksum too."""
     cache = tmp_path / "cache"
     build(["sm_90"], ["flash.dropout_mask"], None, tmp_path / "images", cache, workers=1, timeout=300, db=Database())
     meta, = (cache / "sm_90" / "flash.dropout_mask").glob("*.json")
     record = json.loads(meta.read_text())
+    true = dict(record["entry"])
     record["entry"].update(damage)
     meta.write_text(json.dumps(record))
     again = build(["sm_90"], ["flash.dropout_mask"], None, tmp_path / "images", cache, workers=1, timeout=300,
                   db=Database())
     assert [o.status for o in again.outcomes] == ["compiled"]
     archive = Archive(again.archives[0])
-    assert not archive.verify() and archive.header.entries[0].shared >= 0
-    assert json.loads(meta.read_text())["entry"]["num_warps"] == 4
+    entry = archive.header.entries[0]
+    assert not archive.verify() and (entry.shared, entry.num_warps, entry.symbol) == (
+        true["shared"], true["num_warps"], true["symbol"])
+    assert json.loads(meta.read_text())["entry"] == true
