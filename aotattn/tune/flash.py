@@ -80,6 +80,10 @@ def _ws_bwd_registers(values: Mapping[str, Any]) -> str | None:
         return "NARROW splits the padded heads of the column split (head dims up to 192 in the d256 bucket)"
     if values.get("TMA_STORE", 0) and columns:
         return "TMA_STORE stages the key split's dK and dV (BLOCK_N=128)"
+    if values.get("KV_SLOTS", 1) == 2 and not values.get("PERSISTENT", 0):
+        return "KV_SLOTS=2 loads the next tile's K and V ahead: one tile per program has none (PERSISTENT=1)"
+    if values["STAGES"] == 1 and (values.get("KV_SLOTS", 1) == 1 or values["BLOCK_D"] != 128):
+        return "STAGES=1 makes room for KV_SLOTS=2 at d128 (d64 has room for both, d256 for neither)"
     held = (2 * 64 * values["BLOCK_D"] + 2 * 64 * values["BLOCK_M"]) // (2 if columns else 1) // 128
     budget = consumer_regs(2) - 32
     if held > budget:
@@ -94,6 +98,11 @@ def _ws_columns(values: Mapping[str, Any]) -> bool:
 
 def _ws_keys(values: Mapping[str, Any]) -> bool:
     return not _ws_columns(values)
+
+
+def _two_kv_slots(values: Mapping[str, Any]) -> bool:
+    """attn_bwd_ws with KV_SLOTS=2: a second K and V slot (and its two mbarriers)."""
+    return values.get("KV_SLOTS", 1) == 2
 
 
 def _backend_runs(values: Mapping[str, Any]) -> str | None:
@@ -118,13 +127,16 @@ FOOTPRINTS: dict[str, Footprint] = {
     "attn_fwd_ws": Footprint(resident=(_Q, Tile("BLOCK_M", "BLOCK_D", when=lambda v: v.get("Q_SLOTS", 1) == 2),
                                        Tile("BLOCK_M", "BLOCK_DV", when="TMA_STORE")),
                              pipelined=(_K, _V), stages="STAGES", budget=_ws_registers, pads=_PADS),
-    # attn_bwd_ws: the program's K and V resident, q and its rows' stats in a ring STAGES
-    # deep, dO in one too (the key split) or in one slot (the column split), dS^T tiles
-    # double-buffered (and P^T's, in the column split) and the consumers' fp32 dQ columns
-    # staged for the bulk reduce (D/2 each, or 64 of them at a time in the column split);
-    # its mbarriers count at its largest tiles (4: K/V's ready and empty, dS^T's two; and 4
-    # per stage)
-    "attn_bwd_ws": Footprint(resident=(_K, _V, Tile("BLOCK_N", "BLOCK_M"), Tile("BLOCK_N", "BLOCK_M"),
+    # attn_bwd_ws: the program's K and V resident (in two slots with KV_SLOTS=2), q and its
+    # rows' stats in a ring STAGES deep, dO in one too (the key split) or in one slot (the
+    # column split), dS^T tiles double-buffered (and P^T's, in the column split) and the
+    # consumers' fp32 dQ columns staged for the bulk reduce (D/2 each, or 64 of them at a
+    # time in the column split); its mbarriers count at its largest tiles (4: K/V's ready and
+    # empty, dS^T's two; 2 more with a second K/V slot; and 4 per stage)
+    "attn_bwd_ws": Footprint(resident=(_K, _V, Tile("BLOCK_N", "BLOCK_D", when=_two_kv_slots),
+                                       Tile("BLOCK_N", "BLOCK_DV", when=_two_kv_slots),
+                                       Tile(1, 2, "int64", when=_two_kv_slots),
+                                       Tile("BLOCK_N", "BLOCK_M"), Tile("BLOCK_N", "BLOCK_M"),
                                        Tile("BLOCK_N", "BLOCK_M", when=_ws_columns),
                                        Tile("BLOCK_N", "BLOCK_M", when=_ws_columns),
                                        Tile("BLOCK_M", "BLOCK_D", "fp32", when=_ws_keys),

@@ -17,6 +17,8 @@ from triton.compiler import ASTSource
 from aotattn import families
 from aotattn.compiler.jobs import Job, _triton_inputs, compile_job
 from aotattn.spec import Config, Functional
+from aotattn.tune import candidates
+from aotattn.tune import flash as tune_flash
 from aotattn.tuning.format import parse_config
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -122,6 +124,9 @@ def resources(cubin: bytes) -> dict[str, int]:
     (256, 0, "BLOCK_M=64 BLOCK_N=64 STAGES=2 NARROW=1 PERSISTENT=1"),
     (128, 0, "BLOCK_M=64 BLOCK_N=128 STAGES=2 PERSISTENT=1 TMA_STORE=1"),  # dK/dV by bulk stores
     (64, 2, "BLOCK_M=64 BLOCK_N=128 STAGES=3 TMA_STORE=1"),
+    (128, 0, "BLOCK_M=64 BLOCK_N=128 STAGES=1 PERSISTENT=1 KV_SLOTS=2"),  # K/V by a warp of their own, 2 slots
+    (128, 2, "BLOCK_M=64 BLOCK_N=128 STAGES=1 PERSISTENT=2 KV_SLOTS=2 TMA_STORE=1"),
+    (64, 2, "BLOCK_M=64 BLOCK_N=128 STAGES=3 PERSISTENT=1 KV_SLOTS=2"),
 ])
 def test_the_ws_backward_keeps_its_registers(head_dim, mask, tiles):
     """The ws backward's consumers spill nothing (no stack): with the wgmma descriptors of
@@ -132,9 +137,13 @@ def test_the_ws_backward_keeps_its_registers(head_dim, mask, tiles):
     axes = dict(dtype="bf16", BLOCK_D=head_dim, BLOCK_DV=head_dim, PAD_HEAD="NARROW" in tiles, MASK=mask,
                 VARLEN=False, DROPOUT=False, BIAS=0)
     config = parse_config(spec, f"{tiles} num_warps=4 num_stages=1", "tiles")
-    _, cubin = compile_job(Job("sm_90", "flash.attn_bwd_ws", Functional.of(axes), config))
+    entry, cubin = compile_job(Job("sm_90", "flash.attn_bwd_ws", Functional.of(axes), config))
     used = resources(cubin)
     assert used["STACK"] == 0, used
+    # the tuner's estimate of its shared memory is the compiler's within 1 KB (the pruning rests on it)
+    estimate = candidates.shared_bytes(tune_flash.footprint("flash.attn_bwd_ws"), Functional.of(axes), config,
+                                       candidates.target("sm_90"))
+    assert abs(estimate - entry.shared) <= 1024, (estimate, entry.shared)
     stores = re.findall(r"\b(STG\S*|UTMASTG\S*)", sass(cubin))
     if "TMA_STORE=1" in tiles:  # dK and dV by two bulk copies a consumer, nothing from registers
         assert stores and all(s.startswith("UTMASTG") for s in stores), stores

@@ -72,6 +72,15 @@ def test_the_ws_backwards_two_splits_by_hand():
     assert cand.shared_bytes(fp, f, c, SM90) == columns == 230496  # compiled: 231008, 231024 with PERSISTENT
     assert cand.why_pruned(fp, f, c, SM90) is None
     assert cand.why_pruned(fp, *ws(256, 64, 64, 3), SM90).startswith("shared memory")
+    # KV_SLOTS=2: a second K and V slot and its two mbarriers; at d128 beside one q/dO slot
+    f, c = ws(128, 64, 128, 1)
+    two = Config.of({**c.as_dict(), "PERSISTENT": 1, "KV_SLOTS": 2})
+    single = 4 * 128 * 128 * 2 + 2 * 128 * 64 * 2 + 64 * 128 * 4 + 6 * 8 + (2 * 64 * 128 * 2 + 64 * rows + 4 * 8)
+    assert cand.shared_bytes(fp, f, two, SM90) == single  # compiled: 230448
+    assert cand.why_pruned(fp, f, two, SM90) is None
+    assert cand.why_pruned(fp, f, Config.of({**two.as_dict(), "STAGES": 2}), SM90).startswith("shared memory")
+    assert "PERSISTENT" in cand.why_pruned(fp, f, Config.of({**two.as_dict(), "PERSISTENT": 0}), SM90)
+    assert "KV_SLOTS=2" in cand.why_pruned(fp, f, c, SM90)  # one q/dO slot only to make room for it
     # each split keeps to its head dims (the budget)
     assert "column split" in cand.why_pruned(fp, *ws(256, 64, 128, 2), SM90)
     assert "column split" in cand.why_pruned(fp, *ws(128, 64, 64, 2), SM90)

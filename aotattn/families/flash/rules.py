@@ -377,14 +377,15 @@ _WS_BWD_AXES = _BWD_AXES + (("GROUPED", (False, True)),)
 _WS_BWD_TUNING = (
     ("BLOCK_M", (64, 128)),
     ("BLOCK_N", (64, 128)),  # 128: the consumers split the keys (d64, d128); 64: the columns (d256)
-    ("STAGES", (2, 3)),
+    ("STAGES", (1, 2, 3)),  # 1: only with KV_SLOTS=2 (the second K/V slot fits beside one q/dO slot at d128)
     ("PERSISTENT", (0, 1, 2)),
     ("NARROW", (0, 1)),  # 1: padded heads up to 192 split 128 + 64 (kernels/backward_ws.NARROW_D)
     ("TMA_STORE", (0, 1)),  # 1: the key split's dK and dV leave by bulk stores from a staging tile
+    ("KV_SLOTS", (1, 2)),  # 2: the next tile's K and V load into a second slot during this one (PERSISTENT)
     ("num_warps", (4,)),
     ("num_stages", (1,)),
 )
-_WS_BWD_KNOB_DEFAULTS = (("PERSISTENT", 0), ("NARROW", 0), ("TMA_STORE", 0))
+_WS_BWD_KNOB_DEFAULTS = (("PERSISTENT", 0), ("NARROW", 0), ("TMA_STORE", 0), ("KV_SLOTS", 1))
 
 ATTN_BWD_WS = _ws_kernel(
     "attn_bwd_ws", BACKWARD_WS_MODULE,

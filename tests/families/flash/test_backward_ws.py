@@ -187,7 +187,17 @@ def test_the_tables_ws_choice_falls_back_where_the_kernel_does_not_serve(monkeyp
 
 
 def test_the_tuner_times_it_where_it_serves_within_its_budgets():
-    assert {c["STAGES"] for c in fitting(128)} == {2, 3} and {c["BLOCK_M"] for c in fitting(128)} == {64}
+    assert {c["STAGES"] for c in fitting(128)} == {1, 2, 3} and {c["BLOCK_M"] for c in fitting(128)} == {64}
+    # a second K/V slot (KV_SLOTS=2): persistent programs only; at d128 beside one q/dO slot
+    # alone (STAGES=1 exists for it), at d64 beside every ring, at d256 nowhere
+    for d, mask in ((64, rules.MASK_NONE), (64, rules.MASK_BOTTOM_RIGHT), (128, rules.MASK_NONE),
+                    (128, rules.MASK_BOTTOM_RIGHT)):
+        two = [c.as_dict() for c in fitting(d, mask) if c.as_dict().get("KV_SLOTS", 1) == 2]
+        assert two and all(c["PERSISTENT"] for c in two)
+        assert {c["PERSISTENT"] for c in two} == ({1, 2} if mask else {1})
+        assert {c["STAGES"] for c in two} == ({1} if d == 128 else {2, 3})
+        assert all(c.as_dict().get("KV_SLOTS", 1) == 2 for c in fitting(d, mask) if c["STAGES"] == 1)
+    assert not any(c.as_dict().get("KV_SLOTS", 1) == 2 for pad in (False, True) for c in fitting(256, pad=pad))
     # 128 rows in 3 stages would need 232448 bytes of tiles, and the mbarriers beside them
     assert {(c["BLOCK_M"], c["STAGES"]) for c in fitting(64)} == {(64, 2), (64, 3), (128, 2)}
     assert {c["BLOCK_N"] for d in (64, 128) for c in fitting(d)} == {128}  # the key split
@@ -210,6 +220,8 @@ def test_the_tuner_times_it_where_it_serves_within_its_budgets():
         for mask, walks in ((rules.MASK_BOTTOM_RIGHT, {0, 1, 2}), (rules.MASK_NONE, {0, 1})):
             by_tile = {}
             for c in fitting(d, mask):
+                if c.as_dict().get("KV_SLOTS", 1) == 2:
+                    continue  # above
                 tile = (c["BLOCK_M"], c["BLOCK_N"], c["STAGES"])
                 by_tile.setdefault(tile, set()).add(c.as_dict().get("PERSISTENT", 0))
             assert set(map(frozenset, by_tile.values())) == {frozenset(walks)}, (d, mask)

@@ -39,6 +39,13 @@ asynchronously: its read of the tile is waited for only before the next write to
 ``TMA_STORE`` (the key split): a tile's dK and dV leave the same way, through that staging
 tile's bytes reinterpreted as 64 keys x D 16-bit and bulk tensor stores, instead of 4-byte
 stores from the accumulators' registers (64 a thread at d128).
+
+``KV_SLOTS=2`` (persistent programs): K and V in two slots, brought by a second loader warp
+(:func:`_kv_loader`) as soon as the tile two before is done, so the next tile's K and V
+load during this tile's steps instead of after its last dQ product. Where a tile has few
+steps (q128-k16384: two) that load was exposed once a tile. It costs a K and a V tile of
+shared memory: at d64 beside every ring, at d128 beside one q/dO slot (``STAGES=1``, whose
+slot is addressed anew each step as K and V are), at d256 nowhere.
 """
 
 from triton.experimental import gluon
@@ -143,11 +150,11 @@ def _key_tile(r, sizes, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
 
 @gluon.jit
 def _loader(loads, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            DO_STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+            DO_STAGES: gl.constexpr, PERSISTENT: gl.constexpr, KV_SLOTS: gl.constexpr):
     """The loader warp: per tile, Q (with its rows' delta and lse) and dO of every step into
-    the rings (their positions run on across tiles), and the tile's K and V once the
-    consumers are done with the last tile's (after the first step's Q: it does not wait
-    on them)."""
+    the rings (their positions run on across tiles), and with one K/V slot the tile's K and
+    V once the consumers are done with the last tile's (after the first step's Q: it does
+    not wait on them; with two, :func:`_kv_loader` brings them)."""
     (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem, v_smem, do_smem, stats_smem, kv_bar, kv_empty,
      q_ready, do_ready, q_empty, do_empty, sizes) = loads
     n_n, batch, heads_k, group, seqlen_q, seqlen_k, diag, window_left, window_right, by_l2 = sizes
@@ -167,17 +174,43 @@ def _loader(loads, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.conste
             tma.async_copy_global_to_shared(q_desc, [z, off_h, start_m, 0], q_ready.index(slot), q_smem.index(slot))
             tma.async_copy_global_to_shared(stats_desc, [z, 0, off_h, start_m], q_ready.index(slot),
                                             stats_smem.index(slot))
-            if i == 0:
-                mbarrier.wait(kv_empty, (kv & 1) ^ 1)
-                mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [z, hk, start_n, 0], kv_bar, k_smem)
-                tma.async_copy_global_to_shared(v_desc, [z, hk, start_n, 0], kv_bar, v_smem)
+            if KV_SLOTS == 1:
+                if i == 0:
+                    _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, kv_empty, z, hk, start_n, kv, 1)
             mbarrier.wait(do_empty.index(do_slot), do_free)
             mbarrier.expect(do_ready.index(do_slot), do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [z, off_h, start_m, 0], do_ready.index(do_slot),
                                             do_smem.index(do_slot))
         g += n_steps
         kv += (n_steps > 0).to(gl.int32)
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, kv_empty, z, hk, start_n, kv, KV_SLOTS: gl.constexpr):
+    """K and V of the program's kv-th tile with a step into slot ``kv % KV_SLOTS``, once the
+    consumers are done with the tile that slot held (``kv_empty``)."""
+    slot = kv % KV_SLOTS
+    mbarrier.wait(kv_empty.index(slot), ((kv // KV_SLOTS) & 1) ^ 1)  # a fresh barrier passes on parity 1
+    ready = kv_bar.index(slot)
+    mbarrier.expect(ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [z, hk, start_n, 0], ready, k_smem.index(slot))
+    tma.async_copy_global_to_shared(v_desc, [z, hk, start_n, 0], ready, v_smem.index(slot))
+
+
+@gluon.jit
+def _kv_loader(kv_loads, MASK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               PERSISTENT: gl.constexpr, KV_SLOTS: gl.constexpr):
+    """KV_SLOTS=2: a second loader warp bringing each tile's K and V into alternate slots, as
+    soon as the consumers are done with the tile two before: the next tile's K and V load
+    during this one's steps, where one slot waited for this tile's last dQ product."""
+    k_desc, v_desc, k_smem, v_smem, kv_bar, kv_empty, sizes = kv_loads
+    n_n, batch, heads_k, group, seqlen_q, seqlen_k, diag, window_left, window_right, by_l2 = sizes
+    kv = 0  # tiles before with a step (the slots' uses)
+    for r in range(0, program_tiles(n_n * heads_k * batch, PERSISTENT)):
+        z, hk, head0, start_n, a, b, last_m, n_steps, tail = _key_tile(r, sizes, MASK, BLOCK_M, BLOCK_N, PERSISTENT)
+        if n_steps > 0:
+            _load_kv(k_desc, v_desc, k_smem, v_smem, kv_bar, kv_empty, z, hk, start_n, kv, KV_SLOTS)
+            kv += 1
 
 
 @gluon.jit
@@ -253,7 +286,7 @@ def _copy_key_grads(dk, dv, c: gl.constexpr, key_grads, z, hk, first_key, sm_sca
 @gluon.jit
 def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr, PAD_HEAD: gl.constexpr,
-                   PERSISTENT: gl.constexpr, TMA_STORE: gl.constexpr):
+                   PERSISTENT: gl.constexpr, TMA_STORE: gl.constexpr, KV_SLOTS: gl.constexpr):
     """Consumer warpgroup c of 128-key tiles: keys start_n + 64 c .. start_n + 64 c + 63 of
     every tile of the program."""
     (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, kv_empty, q_ready, do_ready,
@@ -277,28 +310,31 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
     no_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
     offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
     g = 0  # steps of the tiles before (the rings' position)
-    kv = 0  # tiles before with a step (kv_bar's phase)
+    kv = 0  # tiles before with a step (the K/V slot and its kv_bar's phase)
     for r in range(0, program_tiles(n_n * heads_k * batch, PERSISTENT)):
         z, hk, head0, start_n, a, b, last_m, n_steps, tail = _key_tile(r, sizes, MASK, BLOCK_M, BLOCK_N, PERSISTENT)
         first_key = start_n + c * WARPGROUP_ROWS
         keys = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
         dv = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
+        kv_slot = kv % KV_SLOTS
         if n_steps > 0:
-            mbarrier.wait(kv_bar, kv & 1)
+            mbarrier.wait(kv_bar.index(kv_slot), (kv // KV_SLOTS) & 1)
         for i in range(n_steps):
             s = g + i
             slot = s % STAGES
+            if STAGES == 1:  # one q/dO slot: addressed anew each step, as K and V (see _step_zero)
+                slot = _step_zero(i)
             phase = (s // STAGES) & 1
             buf = s % 2
             off_h, start_m = _step(i, last_m, group, head0, BLOCK_M)
             rows = start_m + offs_m
             q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
             do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
-            zero = _step_zero(i)  # K and V addressed anew each step
-            k_step = k_smem.index(zero).reshape([BLOCK_N, HEAD_D])
+            kv_step = kv_slot + _step_zero(i)  # K and V addressed anew each step
+            k_step = k_smem.index(kv_step).reshape([BLOCK_N, HEAD_D])
             k_mine = k_step.slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
-            v_mine = v_smem.index(zero).reshape([BLOCK_N, HEAD_D]).slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
+            v_mine = v_smem.index(kv_step).reshape([BLOCK_N, HEAD_D]).slice(c * WARPGROUP_ROWS, WARPGROUP_ROWS, dim=0)
             mbarrier.wait(q_ready.index(slot), phase)
             s_t = warpgroup_mma(k_mine, q_tile.permute((1, 0)), no_scores, use_acc=False, is_async=True)
             delta = stats_rows.index(2 * slot).load(row_layout)
@@ -338,7 +374,7 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
             fence_async_shared()
             _reduce_add(dq_desc, [z, off_h, start_m, c * DQ_COLS], dq_tile)
         if n_steps > 0:  # done with K and V (the last dQ product read K): the loader may bring the next
-            mbarrier.arrive(kv_empty, count=1)
+            mbarrier.arrive(kv_empty.index(kv_slot), count=1)
         g += n_steps
         kv += (n_steps > 0).to(gl.int32)
         if TMA_STORE:
@@ -377,7 +413,7 @@ def _over_head(a, b, acc, use_acc: gl.constexpr, USED_D: gl.constexpr):
 def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr, PAD_HEAD: gl.constexpr,
                       PERSISTENT: gl.constexpr, USED_D: gl.constexpr, col0: gl.constexpr, COLS: gl.constexpr,
-                      dq_col0: gl.constexpr, DQ_N: gl.constexpr):
+                      dq_col0: gl.constexpr, DQ_N: gl.constexpr, KV_SLOTS: gl.constexpr):
     """Consumer warpgroup c of 64-key tiles: columns col0 .. col0 + COLS - 1 of the keys' dK
     and dV, dq_col0 .. dq_col0 + DQ_N - 1 of every step's dQ, and half of the step's
     queries for S^T and dP^T, whose products run over the first USED_D columns of the
@@ -402,17 +438,20 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
     no_dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
     offs_m = c * HALF_M + gl.arange(0, HALF_M, layout=row_layout)
     g = 0  # steps of the tiles before (the rings' position)
-    kv = 0  # tiles before with a step (kv_bar's phase)
+    kv = 0  # tiles before with a step (the K/V slot and its kv_bar's phase)
     for r in range(0, program_tiles(n_n * heads_k * batch, PERSISTENT)):
         z, hk, head0, start_n, a, b, last_m, n_steps, tail = _key_tile(r, sizes, MASK, BLOCK_M, BLOCK_N, PERSISTENT)
         keys = start_n + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([WARPGROUP_ROWS, COLS], gl.float32, acc_layout)
         dv = gl.zeros([WARPGROUP_ROWS, COLS], gl.float32, acc_layout)
+        kv_slot = kv % KV_SLOTS
         if n_steps > 0:
-            mbarrier.wait(kv_bar, kv & 1)
+            mbarrier.wait(kv_bar.index(kv_slot), (kv // KV_SLOTS) & 1)
         for i in range(n_steps):
             s = g + i
             slot = s % STAGES
+            if STAGES == 1:  # one q/dO slot: addressed anew each step, as K and V (see _step_zero)
+                slot = _step_zero(i)
             phase = (s // STAGES) & 1
             buf = s % 2
             off_h, start_m = _step(i, last_m, group, head0, BLOCK_M)
@@ -421,8 +460,8 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
             # the tiles every step reads, addressed anew each step (see _step_zero)
             zero = _step_zero(i)
             do_tile = do_smem.index(zero).reshape([BLOCK_M, HEAD_D])  # dO: one slot (shared memory)
-            k_step = k_smem.index(zero).reshape([BLOCK_N, HEAD_D])
-            v_step = v_smem.index(zero).reshape([BLOCK_N, HEAD_D])
+            k_step = k_smem.index(kv_slot + zero).reshape([BLOCK_N, HEAD_D])
+            v_step = v_smem.index(kv_slot + zero).reshape([BLOCK_N, HEAD_D])
             mbarrier.wait(q_ready.index(slot), phase)
             s_t = _over_head(k_step, q_tile.slice(c * HALF_M, HALF_M, dim=0), no_scores, False, USED_D)
             delta = stats_rows.index(2 * slot).slice(c * HALF_M, HALF_M).load(row_layout)
@@ -462,7 +501,7 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
                 fence_async_shared()
                 _reduce_add(dq_desc, [z, off_h, start_m, dq_col0 + j * DQ_COLS], dq_tile)
         if n_steps > 0:  # done with K and V (the last dQ products read K): the loader may bring the next
-            mbarrier.arrive(kv_empty, count=1)
+            mbarrier.arrive(kv_empty.index(kv_slot), count=1)
         g += n_steps
         kv += (n_steps > 0).to(gl.int32)
         out_rows = start_n + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
@@ -475,40 +514,44 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
 @gluon.jit
 def _columns(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr, PAD_HEAD: gl.constexpr,
-             PERSISTENT: gl.constexpr, NARROW: gl.constexpr):
+             PERSISTENT: gl.constexpr, NARROW: gl.constexpr, KV_SLOTS: gl.constexpr):
     """Consumer c of the column split: the halves of HEAD_D, or with NARROW, for a call whose
     padded heads have at most NARROW_D columns (one branch for the whole grid), 128 + 64."""
     half: gl.constexpr = HEAD_D // 2
     if NARROW:  # (a branch on a constant condition crashes Triton 3.6's lowering: decided here)
         if (work[20] <= NARROW_D) & (work[21] <= NARROW_D):  # head_dim, head_dim_v
             _columns_consumer(c, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT,
-                              NARROW_D, c * 128, 128 - c * 64, c * 64, 64 + c * 64)
+                              NARROW_D, c * 128, 128 - c * 64, c * 64, 64 + c * 64, KV_SLOTS)
         else:
             _columns_consumer(c, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT,
-                              HEAD_D, c * half, half, c * half, half)
+                              HEAD_D, c * half, half, c * half, half, KV_SLOTS)
     else:
         _columns_consumer(c, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT,
-                          HEAD_D, c * half, half, c * half, half)
+                          HEAD_D, c * half, half, c * half, half, KV_SLOTS)
 
 
 @gluon.jit
 def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr,
-               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr, NARROW: gl.constexpr, TMA_STORE: gl.constexpr):
+               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr, NARROW: gl.constexpr, TMA_STORE: gl.constexpr,
+               KV_SLOTS: gl.constexpr):
     if COLUMNS:
-        _columns(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT, NARROW)
+        _columns(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT, NARROW, KV_SLOTS)
     else:
-        _keys_consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT, TMA_STORE)
+        _keys_consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT, TMA_STORE,
+                       KV_SLOTS)
 
 
 @gluon.jit
 def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, CONSUMERS: gl.constexpr, COLUMNS: gl.constexpr, DQ_COLS: gl.constexpr,
-               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr, NARROW: gl.constexpr, TMA_STORE: gl.constexpr):
+               PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr, NARROW: gl.constexpr, TMA_STORE: gl.constexpr,
+               KV_SLOTS: gl.constexpr):
     if COLUMNS:
-        _columns(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT, NARROW)
+        _columns(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT, NARROW, KV_SLOTS)
     else:
-        _keys_consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT, TMA_STORE)
+        _keys_consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT, TMA_STORE,
+                       KV_SLOTS)
 
 
 @gluon.jit
@@ -523,14 +566,15 @@ def attn_bwd_ws(
     head_dim, head_dim_v, MASK: gl.constexpr, BLOCK_D: gl.constexpr, BLOCK_DV: gl.constexpr, PAD_HEAD: gl.constexpr,
     VARLEN: gl.constexpr, DROPOUT: gl.constexpr, BIAS: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-    GROUPED: gl.constexpr, NARROW: gl.constexpr, TMA_STORE: gl.constexpr,
+    GROUPED: gl.constexpr, NARROW: gl.constexpr, TMA_STORE: gl.constexpr, KV_SLOTS: gl.constexpr,
 ):
     """Tiles of BLOCK_N keys of one key/value head: their dK, dV and their share of dQ. One
     tile per program on a grid (n blocks, Hk, B), or with PERSISTENT every programs-th tile
     on a grid (programs,): the descriptors and barriers are made once, and the next tile's
-    K and V load while this one's dK and dV are stored. Compiled with num_warps=4 (the first
-    consumer) and grows to 4 per consumer plus the loader's. DQ: fp32, zeroed, q's shape
-    (strides in elements)."""
+    K and V load while this one's dK and dV are stored (with KV_SLOTS=2, into a second
+    slot during this one's steps, by a warp of their own). Compiled with num_warps=4 (the
+    first consumer) and grows to 4 per consumer plus the loaders'. DQ: fp32, zeroed, q's
+    shape (strides in elements)."""
     gl.static_assert(BLOCK_DV == BLOCK_D and not VARLEN and not DROPOUT and BIAS == 0,
                      "attn_bwd_ws: one head-dim bucket, no varlen, dropout or bias")
     CONSUMERS: gl.constexpr = 2
@@ -543,6 +587,7 @@ def attn_bwd_ws(
     gl.static_assert(not NARROW or (COLUMNS and PAD_HEAD and BLOCK_D == 256),
                      "NARROW: the column split of padded heads in the d256 bucket")
     gl.static_assert(not TMA_STORE or not COLUMNS, "TMA_STORE: the key split")
+    gl.static_assert(KV_SLOTS == 1 or (KV_SLOTS == 2 and PERSISTENT > 0), "KV_SLOTS: 1, or 2 with PERSISTENT")
     seqlen_q = max_seqlen_q
     seqlen_k = max_seqlen_k
     if MASK == MASK_BOTTOM_RIGHT:
@@ -594,24 +639,25 @@ def attn_bwd_ws(
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, BLOCK_D], qdo_layout)
     do_smem = gl.allocate_shared_memory(dtype, [DO_STAGES, 1, 1, BLOCK_M, BLOCK_D], qdo_layout)
     stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, 2, 1, BLOCK_M], stats_layout)
-    # K and V: one slot each, indexed with _step_zero
-    k_smem = gl.allocate_shared_memory(dtype, [1, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [1, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
+    # K and V: KV_SLOTS slots each, indexed with _step_zero
+    k_smem = gl.allocate_shared_memory(dtype, [KV_SLOTS, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [KV_SLOTS, 1, 1, BLOCK_N, BLOCK_D], kv_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     if COLUMNS:
         pt_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     else:
         pt_smem = ds_smem  # P^T stays in registers
     dq_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 1, 1, BLOCK_M, DQ_COLS], dq_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [KV_SLOTS, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [KV_SLOTS, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    mbarrier.init(kv_empty, count=CONSUMERS)
+    for slot in gl.static_range(KV_SLOTS):
+        mbarrier.init(kv_bar.index(slot), count=1)
+        mbarrier.init(kv_empty.index(slot), count=CONSUMERS)
     for slot in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(slot), count=1)
         mbarrier.init(q_empty.index(slot), count=CONSUMERS)
@@ -639,12 +685,23 @@ def attn_bwd_ws(
     work = (q_smem, k_smem, v_smem, do_smem, stats_smem, pt_smem, ds_smem, dq_smem, kv_bar, kv_empty, q_ready,
             do_ready, q_empty, do_empty, ds_ready, dq_desc, key_grads, sizes, qk_scale, sm_scale, head_dim,
             head_dim_v)
-    loads = (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem.index(0), v_smem.index(0), do_smem,
+    loads = (q_desc, k_desc, v_desc, do_desc, stats_desc, q_smem, k_smem, v_smem, do_smem,
              stats_smem, kv_bar, kv_empty, q_ready, do_ready, q_empty, do_empty, sizes)
-    gl.warp_specialize([
-        (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD,
-                      PERSISTENT, NARROW, TMA_STORE)),
-        (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD,
-                      PERSISTENT, NARROW, TMA_STORE)),
-        (_loader, (loads, MASK, BLOCK_M, BLOCK_N, STAGES, DO_STAGES, PERSISTENT)),
-    ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])
+    if KV_SLOTS == 1:
+        gl.warp_specialize([
+            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD,
+                          PERSISTENT, NARROW, TMA_STORE, KV_SLOTS)),
+            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD,
+                          PERSISTENT, NARROW, TMA_STORE, KV_SLOTS)),
+            (_loader, (loads, MASK, BLOCK_M, BLOCK_N, STAGES, DO_STAGES, PERSISTENT, KV_SLOTS)),
+        ], [4, 1], [consumer_regs(CONSUMERS), LOADER_REGS])
+    else:  # the same partitions and a loader warp of K and V's own (constexprs cannot travel in a tuple)
+        kv_loads = (k_desc, v_desc, k_smem, v_smem, kv_bar, kv_empty, sizes)
+        gl.warp_specialize([
+            (_consumer0, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD,
+                          PERSISTENT, NARROW, TMA_STORE, KV_SLOTS)),
+            (_consumer1, (work, MASK, BLOCK_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, COLUMNS, DQ_COLS, PAD_HEAD,
+                          PERSISTENT, NARROW, TMA_STORE, KV_SLOTS)),
+            (_loader, (loads, MASK, BLOCK_M, BLOCK_N, STAGES, DO_STAGES, PERSISTENT, KV_SLOTS)),
+            (_kv_loader, (kv_loads, MASK, BLOCK_M, BLOCK_N, PERSISTENT, KV_SLOTS)),
+        ], [4, 1, 1], [consumer_regs(CONSUMERS), LOADER_REGS, LOADER_REGS])
