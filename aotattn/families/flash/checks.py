@@ -337,56 +337,6 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqle
                    window_right=right, dropout_p=dropout_p, varlen=True)
 
 
-def sdpa_as_4d(query: object, key: object, value: object, attn_mask: object
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object, tuple[int, ...]] | None:
-    """PyTorch's ``(N, ..., H, L, E)`` inputs of any rank >= 2 as the 4-D ``(B, H, L, E)``
-    the kernels take, or None when they already are 4-D (or are no tensors: check_sdpa
-    says what is wrong).
-
-    As in :func:`torch.nn.functional.scaled_dot_product_attention`: dimension -3 is the
-    heads (what ``enable_gqa`` groups; a 2-D input has one head), the dimensions before it
-    are batch dimensions, broadcast between query, key, value and ``attn_mask``, and
-    flattened into B (without a copy where the layout allows). Returns the 4-D query, key,
-    value and mask and the shape of the output (the broadcast batch dimensions, query's
-    heads and length, value's head dim; the rank of the highest-ranked input)."""
-    tensors = (query, key, value)
-    if not all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in tensors):
-        return None
-    if all(t.dim() == 4 for t in tensors):
-        return None
-    for name, t in zip(("query", "key", "value"), tensors):
-        if t.dim() < 2:
-            raise ValueError(f"{name}: expected a tensor (..., seqlen, head_dim) of 2 dimensions or more, "
-                             f"got shape {tuple(t.shape)}")
-    rank = max(t.dim() for t in tensors)
-    q, k, v = (t.reshape((1,) * (max(rank, 3) - t.dim()) + tuple(t.shape)) for t in tensors)  # views
-    try:
-        lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-    except RuntimeError:
-        raise ValueError(f"query, key, value: expected batch dimensions (those before heads, seqlen, head_dim) that "
-                         f"broadcast, got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
-                         ) from None
-    batch = math.prod(lead)
-
-    def flat(t: torch.Tensor) -> torch.Tensor:
-        return t.expand(lead + t.shape[-3:]).reshape((batch,) + t.shape[-3:])
-
-    mask = attn_mask
-    if isinstance(attn_mask, torch.Tensor):
-        full = lead + (q.shape[-3], q.shape[-2], k.shape[-2])
-        try:
-            fits = attn_mask.dim() <= len(full) and torch.broadcast_shapes(attn_mask.shape, full) == full
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise ValueError(f"attn_mask: expected a shape broadcastable to {tuple(full)} (batch dimensions, heads, "
-                             f"seqlen_q, seqlen_k), got {tuple(attn_mask.shape)}")
-        m = attn_mask.reshape((1,) * (len(full) - attn_mask.dim()) + tuple(attn_mask.shape))
-        mask = m.reshape((1,) + m.shape[-3:]) if math.prod(m.shape[:-3]) == 1 else flat(m)
-    out_shape = lead + (q.shape[-3], q.shape[-2], v.shape[-1])
-    return flat(q), flat(k), flat(v), mask, out_shape[len(out_shape) - rank:]
-
-
 def check_sdpa(query: object, key: object, value: object, *, dropout_p: object,
                is_causal: object, scale: object, enable_gqa: object) -> Problem:
     """Checks of :func:`aotattn.scaled_dot_product_attention` (``query (B, H, S, D)``)."""

@@ -16,7 +16,7 @@ import torch
 
 from aotattn.families.flash import planning, rules
 from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_dropout,
-                                           check_flash, check_grid, check_sdpa, sdpa_as_4d,
+                                           check_flash, check_grid, check_sdpa,
                                            check_varlen)
 from aotattn.families.flash.planning import (Call, backward_buffers, backward_dout, backward_plans, choose_backend,
                                              dropout_mask_plan, finish_dq, forward_plan, lse_shape, new_call,
@@ -517,11 +517,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
     Args:
         query: ``(B, Hq, Sq, D)``; key: ``(B, Hk, Sk, D)``; value: ``(B, Hk, Sk, Dv)``.
-            Hk must equal Hq unless ``enable_gqa``. As in PyTorch, any rank >= 2 is taken:
-            ``(N, ..., H, S, D)``, the dimensions before the heads broadcast batch
-            dimensions (flattened into B), a 2-D input one head.
-        attn_mask: bool or float, broadcastable to ``(B, Hq, Sq, Sk)`` (to the batch
-            dimensions, Hq, Sq, Sk).
+            Hk must equal Hq unless ``enable_gqa``.
+        attn_mask: bool or float, broadcastable to ``(B, Hq, Sq, Sk)``.
         dropout_p: as in :func:`flash_attn_func`.
         is_causal: top-left causal mask.
         scale: default ``1/sqrt(D)``.
@@ -529,16 +526,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
         deterministic, backend: as in :func:`flash_attn_func` (aotattn's additions).
 
     Returns:
-        ``(B, Hq, Sq, Dv)`` in query's dtype (``(N, ..., Hq, Sq, Dv)``: the batch dimensions
-        broadcast, the rank of the highest-ranked input).
+        ``(B, Hq, Sq, Dv)`` in query's dtype.
     """
-    if not (type(query) is type(key) is type(value) is torch.Tensor and query.dim() == key.dim() == value.dim() == 4):
-        as_4d = sdpa_as_4d(query, key, value, attn_mask)
-        if as_4d is not None:
-            q4, k4, v4, mask4, shape = as_4d
-            out = scaled_dot_product_attention(q4, k4, v4, mask4, dropout_p, is_causal, scale, enable_gqa,
-                                               deterministic=deterministic, backend=backend)
-            return out.reshape(shape)
     cache_key = None
     if _cacheable(query, key, value, dropout_p, attn_mask):
         cache_key = _PLANS.key(query, key, value, "sdpa", is_causal, scale, enable_gqa, deterministic, backend)

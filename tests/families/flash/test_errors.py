@@ -82,7 +82,7 @@ def _sdpa(**changes):
 
 SDPA_CASES = [
     ("gqa off", lambda: _sdpa(enable_gqa=False), ValueError, "key: expected 4 heads (those of query) unless enable_gqa"),
-    ("query 1-D", lambda: _sdpa(query=torch.randn(16)), ValueError, "query: expected a tensor (..., seqlen, head_dim)"),
+    ("query 5-D", lambda: _sdpa(query=torch.randn(1, 1, 4, 8, 16)), ValueError, "query: expected a 4-D"),
     ("scale nan", lambda: _sdpa(scale=float("nan")), ValueError, "scale: expected a finite"),
     ("is_causal", lambda: _sdpa(is_causal=None), TypeError, "is_causal: expected a bool"),
     ("value dtype", lambda: _sdpa(value=torch.randn(1, 2, 8, 16)), TypeError, "value: expected dtype torch.float16"),
