@@ -289,7 +289,7 @@ def config_name(config: Config) -> str:
     """A name spelling the values: ``m128_n64_w8_s3``, ``split`` (an operator choice)."""
     values = config.as_dict()
     short = {"BLOCK_M": "m", "BLOCK_N": "n", "num_warps": "w", "num_stages": "s", "BLOCK": "b", "OVERLAP": "o",
-             "TMA": "tma", "STAGES": "st", "PINGPONG": "pp", "Q_SLOTS": "qs"}
+             "TMA": "tma", "STAGES": "st", "PINGPONG": "pp", "Q_SLOTS": "qs", "KV_SLOTS": "kv"}
     if len(values) == 1 and isinstance(next(iter(values.values())), str):
         return str(next(iter(values.values())))
     return "_".join(f"{short.get(k, k.lower())}{v}" for k, v in _ordered(values))
