@@ -18,7 +18,9 @@ import threading
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import triton
+import triton.language as tl
 # Imported before any kernel is interpreted: Triton 3.6's interpreter first imports Gluon
 # from inside a launch (jit.mangle_type, while it has patched triton.language's builtins),
 # and Gluon's builtins then wrap the patched functions for good: every later Gluon compile
@@ -40,9 +42,45 @@ def compiled_module(module: str) -> ModuleType:
         return importlib.import_module(module)
 
 
+def _bfloat16_conversions_as_on_gpus() -> None:
+    """Make Triton 3.6's interpreter convert between float32 and bfloat16 as a GPU does.
+
+    Its generic converter (``triton.runtime.interpreter._convert_float``) truncates float32
+    to bfloat16 where the GPU rounds to nearest even, and turns subnormal float32 values
+    into unrelated ones (2e-39 became 4.2e-39, -6.4e-39 became -1.0e-39): a bf16 call with
+    softmax_scale 1e-38 had CPU gradients 2.6-4x off while the same kernels were right in
+    fp32 (found by the long fuzz profile, tests/test_fuzz.py). Both formats share float32's
+    exponent, so the conversion is a rounding of the top 16 bits; every other conversion
+    stays Triton's. Installed once, before the first kernel is interpreted."""
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+    if getattr(original, "aotattn_bfloat16", False):
+        return
+
+    def convert(data, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+            bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
+            if rounding_mode == interpreter._ir.ROUNDING_MODE.RTZ:
+                top = bits >> np.uint32(16)
+            else:  # to nearest, ties to even (what the GPU's cvt.rn does; None: the default cast)
+                top = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            nan = np.isnan(np.ascontiguousarray(data, dtype=np.float32))
+            top = np.where(nan, (bits >> np.uint32(16)) | np.uint32(0x40), top)  # stays a (quiet) NaN
+            return top.astype(np.uint16).reshape(np.shape(data))
+        if input_dtype == tl.bfloat16 and output_dtype == tl.float32:
+            return (np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << np.uint32(16)).reshape(
+                np.shape(data))
+        return original(data, input_dtype, output_dtype, rounding_mode)
+
+    convert.aotattn_bfloat16 = True
+    interpreter._convert_float = convert
+
+
 def interpreted_module(module: str) -> ModuleType:
     """The interpreted copy of ``module`` (loaded once per process)."""
     with _lock:
+        _bfloat16_conversions_as_on_gpus()
         copy = _modules.get(module)
         if copy is None:
             spec = importlib.util.find_spec(module)
