@@ -97,16 +97,18 @@ def test_one_key_rows_with_very_negative_lse(request, device, variant, window):
 
 @pytest.mark.parametrize("device, dtype", [
     ("cpu", torch.float16),
+    ("cpu", torch.bfloat16),
     pytest.param("cuda", torch.float16, marks=pytest.mark.gpu),
     pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu),
-], ids=["cpu-fp16", "cuda-fp16", "cuda-bf16"])
+], ids=["cpu-fp16", "cpu-bf16", "cuda-fp16", "cuda-bf16"])
 def test_rounding_is_unbiased(request, device, dtype):
     """P is rounded to nearest before P @ V, never truncated: truncation shrinks every
     weight by about a quarter of an ulp, a bias the floor's norm can hide (the output's
     own rounding is as large) but the mean signed error shows. V has a positive mean so
     the bias adds up; the softmax is soft so that most weights get rounded.
 
-    bf16 runs on the GPU only: Triton's interpreter converts fp32 to bf16 by truncation.
+    bf16 ran on the GPU only while Triton's interpreter converted fp32 to bf16 by
+    truncation; aotattn now gives it the GPU's rounding (aotattn/runtime/interpreter.py).
     """
     seed_from(request.node.name)
     batch, seqlen_q, seqlen_k, heads, head_dim = _gpu_or_cpu(device, (1, 48, 160, 2, 32), (2, 2048, 3001, 8, 128))
