@@ -116,3 +116,19 @@ db.write(sys.argv[1])
     db = Perfdb.read(target)
     assert db.header["gpu"] == "NVIDIA H200 × 1" and db.records[0].note == "3 µs of host time"
     assert [p.name for p in target.parent.iterdir()] == ["t.txt"]
+
+
+def test_lint_names_a_temporary_file_a_killed_writer_left(tmp_path):
+    """A writer killed between writing its temporary file and renaming it leaves the hidden
+    file beside the table, which is unharmed; lint says what it is and what to do."""
+    from aotattn.files import temporary_name
+    from aotattn.tuning import Database
+
+    project = Path(__file__).resolve().parents[1]
+    table = tmp_path / "nvidia/sm_90/flash.philox_words.txt"
+    table.parent.mkdir(parents=True)
+    table.write_bytes((project / "tuning/nvidia/sm_90/flash.philox_words.txt").read_bytes())
+    left = temporary_name(table)
+    left.write_text("half a tab")
+    (problem,) = Database(tmp_path).lint()
+    assert problem.where == str(left) and "killed mid-write" in str(problem) and "delete it" in str(problem)

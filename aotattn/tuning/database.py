@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from aotattn.files import write_atomically
+from aotattn.files import TEMPORARY_SUFFIX, write_atomically
 from aotattn.paths import installed_tuning_db
 from aotattn.spec import Config, Functional
 from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, block_for, bucket_index,
@@ -244,6 +244,9 @@ class Database:
                 return table, [TuningError(f"a patch of {table}, which has no table here", str(path))]
         elif name.endswith(".txt"):
             table = name[:-4]
+        elif name.startswith(".") and name.endswith(TEMPORARY_SUFFIX):
+            return None, [TuningError("a temporary file a writer killed mid-write left behind (the table it was "
+                                      "writing is as it was before): delete it", str(path))]
         else:
             return None, [TuningError("not a table (.txt) or a patch (.dbpatch)", str(path))]
         errors: list[TuningError] = []
