@@ -164,7 +164,17 @@ def floor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     exponent = (_rounding_variance(finite * LOG2E, fp32)
                 + ((finite.square() + score_sums.square()) * (LOG2E * u32) ** 2) / 3) * LN2**2
     p_var = (variance(p * z) + (p * z).square() * exponent) * keep_scale**2
-    noises = {"out": noise(torch.einsum("bhqk,bkhd->bqhd", p_var, vv.square()), out_unrounded)}
+
+    def accumulated(terms: torch.Tensor) -> torch.Tensor:
+        """The variance of a kernel's fp32 sum whose |terms| add up to ``terms``: about u32
+        times that sum (as for dP below). The floor sums in float64; where the terms cancel
+        (an fp32 dV of one key, its dO summing to 1e-3 of their magnitudes: 11x the floor
+        in the long fuzz, 2026-12-05) this is all of a correct kernel's error."""
+        return (terms * u32).square() / 3
+
+    noises = {"out": noise(torch.einsum("bhqk,bkhd->bqhd", p_var, vv.square())
+                           + accumulated(torch.einsum("bhqk,bkhd->bqhd", p * z, vv.abs()) * keep_scale),
+                           out_unrounded)}
     if dout is None:
         return Results(out, lse.squeeze(-1), noise=noises)
     do = dout.detach().to(torch.float64)
@@ -189,10 +199,13 @@ def floor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
            + (p * z * keep_scale).square() * dp_sum.square() / 3) * scale**2
     delta2 = ((do.square() * variance(out_unrounded)).sum(-1).transpose(1, 2)[..., None]
               + delta_sum.square() / 3) * scale**2
-    noises.update(dv=noise(torch.einsum("bhqk,bqhd->bkhd", p2, do.square()), dv),
+    noises.update(dv=noise(torch.einsum("bhqk,bqhd->bkhd", p2, do.square())
+                           + accumulated(torch.einsum("bhqk,bqhd->bkhd", p * z, do.abs()) * keep_scale), dv),
                   dq=noise(torch.einsum("bhqk,bkhd->bqhd", ds2, kk.square())
-                           + delta2.transpose(1, 2) * torch.einsum("bhqk,bkhd->bqhd", p, kk).square(), dq),
-                  dk=noise(torch.einsum("bhqk,bqhd->bkhd", ds2 + p.square() * delta2, q64.square()), dk))
+                           + delta2.transpose(1, 2) * torch.einsum("bhqk,bkhd->bqhd", p, kk).square()
+                           + accumulated(abs(scale) * torch.einsum("bhqk,bkhd->bqhd", ds.abs(), kk.abs())), dq),
+                  dk=noise(torch.einsum("bhqk,bqhd->bkhd", ds2 + p.square() * delta2, q64.square())
+                           + accumulated(abs(scale) * torch.einsum("bhqk,bqhd->bkhd", ds.abs(), q64.abs())), dk))
     return Results(out, lse.squeeze(-1), rounded(dq, dtype), rounded(dk, dtype), rounded(dv, dtype), noises)
 
 
