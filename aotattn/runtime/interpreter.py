@@ -60,13 +60,13 @@ def _bfloat16_conversions_as_on_gpus() -> None:
 
     def convert(data, input_dtype, output_dtype, rounding_mode):
         if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
-            bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
+            values = np.ascontiguousarray(data, dtype=np.float32)
+            bits = values.view(np.uint32)
             if rounding_mode == interpreter._ir.ROUNDING_MODE.RTZ:
                 top = bits >> np.uint32(16)
             else:  # to nearest, ties to even (what the GPU's cvt.rn does; None: the default cast)
                 top = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-            nan = np.isnan(np.ascontiguousarray(data, dtype=np.float32))
-            top = np.where(nan, (bits >> np.uint32(16)) | np.uint32(0x40), top)  # stays a (quiet) NaN
+            top = np.where(np.isnan(values), (bits >> np.uint32(16)) | np.uint32(0x40), top)  # stays a (quiet) NaN
             return top.astype(np.uint16).reshape(np.shape(data))
         if input_dtype == tl.bfloat16 and output_dtype == tl.float32:
             return (np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << np.uint32(16)).reshape(
