@@ -98,7 +98,10 @@ def bench(shape: str, args) -> None:
                 dq.zero_()
             for plan in plans:
                 launch(plan)
-        return run, (dq, dk, dv)
+
+        def grads():  # as the operators return them (an accumulated dQ scaled and converted)
+            return planning.finish_dq(dq, q, planning.accumulated_dq_scale(c, backend, False)), dk, dv
+        return run, grads
 
     variants = [("split", "split", None), ("fused", "fused", None)]
     bucket = rules.head_dim_bucket(d)
@@ -120,12 +123,13 @@ def bench(shape: str, args) -> None:
             variants += [(f"ws-N{w}", "ws", config(f"{WS[bucket]} PERSISTENT={w} NARROW=1")) for w in walks]
     ref = None
     for name, backend, cfg in variants:  # one variant's buffers at a time (and split's, the reference)
-        fn, grads = ours(backend, cfg)
+        fn, finished = ours(backend, cfg)
         ms = timed(fn, args.reps)
+        grads = finished()
         if ref is None:
             ref = grads
         results[name] = (ms, max(rel_diff(g, r) for g, r in zip(grads, ref)))
-        del fn, grads
+        del fn, finished, grads
     del ref
     qs, ks, vs = (t.transpose(1, 2).requires_grad_() for t in (q, k, v))
     gqa = {"enable_gqa": True} if group > 1 else {}

@@ -70,8 +70,9 @@ def main() -> None:
                     launch(plans[0])  # delta
                     plan = next(pl for pl in plans if pl.kernel.name == kernel)
                     others = [pl for pl in plans[1:] if pl is not plan]
+                    scale = planning.accumulated_dq_scale(call, backend, det)
                     check = lambda: [_rel(g, r) for g, r, name in  # noqa: E731
-                                     zip((dq, dk, dv), ref_grads, ("dq", "dk", "dv"))
+                                     zip((planning.finish_dq(dq, q, scale), dk, dv), ref_grads, ("dq", "dk", "dv"))
                                      if kernel != "attn_bwd_dq" or name == "dq"]
                 try:
                     launch(plan)

@@ -367,8 +367,11 @@ class Problem:
             return "ws", False
         return "split", False
 
+    def _dq_accumulates(self) -> bool:
+        return planning.dq_accumulates(*self._backward_choice())
+
     def _dq_dtype(self) -> torch.dtype:
-        return torch.float32 if planning.dq_accumulates(*self._backward_choice()) else self.q.dtype
+        return torch.float32 if self._dq_accumulates() else self.q.dtype
 
     def _check_functional(self) -> None:
         """The problem must select exactly the task's functional (else it times another kernel)."""
@@ -397,15 +400,15 @@ class Problem:
             launch(planning.forward_plan(self.call, self.q, self.k, self.v, self.out, self.lse))
             if self.kernel != "backward":
                 launch(self._plans(None)[0])  # the stats
-        if self._dq_dtype() == torch.float32 and self.q.dtype != torch.float32:
-            self.dq.zero_()  # the atomic fused backward accumulates into it
+        if self._dq_accumulates():
+            self.dq.zero_()  # the atomic fused backward and the ws one accumulate into it
 
     def reset(self) -> None:
         """Outputs poisoned with NaN (an element the run leaves unwritten fails the check),
         an atomically accumulated dQ zeroed; the inputs are kept."""
-        for t in self.outputs().values():
+        for t in self._written().values():
             t.fill_(math.nan)
-        if self._dq_dtype() == torch.float32 and self.q.dtype != torch.float32:
+        if self._dq_accumulates():
             self.dq.zero_()
 
     def _plans(self, config: Config | None) -> list:
@@ -437,7 +440,16 @@ class Problem:
         return lambda: launch(plan)
 
     def outputs(self) -> dict[str, torch.Tensor]:
-        """What the table's work writes (dQ accumulated in fp32 is read as is)."""
+        """What the table's work writes, as the operators return it (an accumulated dQ
+        scaled and converted: planning.finish_dq)."""
+        written = self._written()
+        if "dq" in written:
+            scale = planning.accumulated_dq_scale(self.call, *self._backward_choice())
+            written["dq"] = planning.finish_dq(written["dq"], self.q, scale)
+        return written
+
+    def _written(self) -> dict[str, torch.Tensor]:
+        """The buffers the table's work writes into."""
         if self.forward:
             return {"out": self.out}
         if self.kernel == "attn_bwd_dkdv":

@@ -91,9 +91,12 @@ def test_journal_resumes_and_marks_crashes(forward_results, tmp_path):
     assert again["winner"] != crashed
 
 
-def test_fused_atomic_backward_candidates_each_start_from_zero():
-    """dQ accumulates atomically: every candidate's accuracy run starts from a zeroed buffer."""
-    f = dict(dtype="fp16", BLOCK_D=16, BLOCK_DV=16, PAD_HEAD=False, MASK=0, VARLEN=False, DROPOUT=False, BIAS=0,
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_fused_atomic_backward_candidates_each_start_from_zero(dtype):
+    """dQ accumulates atomically: every candidate's accuracy run starts from a zeroed buffer
+    (fp32 too, where the buffer has q's dtype: it was left poisoned with NaN) and is checked
+    as the operator returns it (scaled after the sums, planning.finish_dq)."""
+    f = dict(dtype=dtype, BLOCK_D=16, BLOCK_DV=16, PAD_HEAD=False, MASK=0, VARLEN=False, DROPOUT=False, BIAS=0,
              ATOMIC_DQ=True)
     task = Task("sm_90", "flash.attn_bwd_fused", Functional.of(f), (16, 16))
     settings = dataclasses.replace(TINY, finalists=1, repeats=(1, 1))

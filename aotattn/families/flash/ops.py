@@ -18,10 +18,10 @@ from aotattn.families.flash import planning, rules
 from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_dropout,
                                            check_flash, check_grid, check_sdpa,
                                            check_varlen)
-from aotattn.families.flash.planning import (Call, backward_buffers, backward_dout, backward_plans, choose_backend,
-                                             dropout_mask_plan, finish_dq, forward_plan, lse_shape, new_call,
-                                             new_output, philox_state, run_backward, run_forward, trim_keys,
-                                             zeroed_rows)
+from aotattn.families.flash.planning import (Call, accumulated_dq_scale, backward_buffers, backward_dout,
+                                             backward_plans, choose_backend, dropout_mask_plan, finish_dq,
+                                             forward_plan, lse_shape, new_call, new_output, philox_state,
+                                             run_backward, run_forward, trim_keys, zeroed_rows)
 from aotattn.runtime import launch, prepare
 from aotattn.runtime.launcher import MODE_VAR
 from aotattn.tuning import ENV_VAR as TUNING_DB_VAR
@@ -294,15 +294,16 @@ class _Entry:
             plans = backward_plans(c, dout, q, k, v, out, lse, *buffers, None, chosen, deterministic)
             zeroed = zeroed_rows(c, chosen, deterministic)  # zeroed anew in every call's buffers
             layouts = tuple(_layout(t, zero, i > 0 and flip) for i, (t, zero) in enumerate(zip(buffers, zeroed)))
-            prepared = [_prepare(plan, _BACKWARD_ROLES) for plan in plans], layouts
+            scale = accumulated_dq_scale(c, chosen, deterministic)
+            prepared = [_prepare(plan, _BACKWARD_ROLES) for plan in plans], layouts, scale
             self.backwards[choice] = prepared  # a race stores an equal value twice
-        launches, layouts = prepared
+        launches, layouts, dq_scale = prepared
         device = q.device
         stats, dq, dk, dv = (_buffer(layout, device) for layout in layouts)
         tensors = (dout, q, k, v, out, lse, stats, dq, dk, dv)
         for launch_one in launches:
             launch_one(tensors)
-        return finish_dq(dq, q), dk, dv
+        return finish_dq(dq, q, dq_scale), dk, dv
 
 
 def _layout(t: torch.Tensor, zero_from: int | None, flip: bool) -> tuple:

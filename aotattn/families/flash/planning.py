@@ -328,7 +328,8 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     solve the call over the keys some query sees (:func:`trim_keys`).
 
     With ``backend="ws"``, or ``"fused"`` and not ``deterministic``, ``dq`` must be a zeroed
-    fp32 buffer that the kernel accumulates into (:func:`dq_accumulates`).
+    fp32 buffer that the kernel accumulates dS K into (:func:`dq_accumulates`; dQ is
+    ``finish_dq(dq, q, accumulated_dq_scale(c, backend, deterministic))``).
     """
     if check_backend(backend) is None:
         raise ValueError("backend: backward_plans needs a backend, got None")
@@ -451,8 +452,8 @@ def backward_buffers(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     :func:`row_stats`), for the whole call ``c``, with the dK and dV of keys no query sees
     zeroed (:func:`trim_keys`: the plans never write them).
 
-    The fused backend without ``deterministic`` accumulates dQ with atomics into a
-    zeroed fp32 buffer (:func:`finish_dq` converts it)."""
+    The fused backend without ``deterministic`` and the ws one accumulate dQ unscaled into
+    a zeroed fp32 buffer (:func:`finish_dq` scales and converts it)."""
     p, dev = c.p, q.device
     dk = torch.empty(tuple(k.shape), dtype=k.dtype, device=dev)
     dv = torch.empty(tuple(v.shape), dtype=v.dtype, device=dev)
@@ -498,9 +499,24 @@ def zero_rows(t: torch.Tensor, dim: int, first: int) -> None:
         t.zero_()
 
 
-def finish_dq(dq: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """dQ in q's dtype (the atomic path accumulated it in fp32)."""
-    return dq if dq.dtype == q.dtype else dq.to(q.dtype)
+def accumulated_dq_scale(c: Call, backend: str, deterministic: bool) -> float | None:
+    """What :func:`finish_dq` multiplies an accumulated dQ by (:func:`dq_accumulates`): the
+    softmax scale and dropout's 1 / (1 - p), which the kernels leave out of its sums. None
+    where the kernels write dQ whole."""
+    if not dq_accumulates(backend, deterministic):
+        return None
+    return c.p.softmax_scale / (1.0 - c.p.dropout_p)
+
+
+def finish_dq(dq: torch.Tensor, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """dQ in q's dtype and layout. ``scale`` (:func:`accumulated_dq_scale`): None, ``dq`` is
+    the kernels' as is; else it holds the fp32 sums of dS K and is multiplied by ``scale``
+    into a new tensor, in one pass with the conversion. The scale comes after the sums
+    because GPU float atomics and bulk reduce-adds flush subnormal values to zero: with it
+    inside, a softmax_scale of 1e-38 made every dQ of the fused backend 0."""
+    if scale is None:
+        return dq
+    return torch.mul(dq, scale, out=torch.empty_like(dq, dtype=q.dtype))
 
 
 def run_backward(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -513,7 +529,7 @@ def run_backward(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     for plan in backward_plans(c, dout, q, k, v, out, lse, stats, dq, dk, dv, dbias, backend, deterministic,
                                configs):
         launch(plan)
-    return finish_dq(dq, q), dk, dv, dbias
+    return finish_dq(dq, q, accumulated_dq_scale(c, backend, deterministic)), dk, dv, dbias
 
 
 def dropout_mask_plan(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, heads_q: int, dropout_p: float,

@@ -327,3 +327,28 @@ def test_keys_no_query_sees_launch_no_program_and_get_zero_gradient(request, mon
     planned = {dict(zip(p.kernel.argument_names, p.args)).get("max_seqlen_k") for p in seen
                if p.kernel.name.startswith("attn_bwd") and p.kernel.name != "attn_bwd_preprocess"}
     assert planned == {visible}, planned
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_accumulated_dq_is_scaled_after_its_sums(dtype):
+    """The backends that accumulate dQ (fused without deterministic, ws) leave the softmax
+    scale and dropout's 1 / (1 - p) out of the sums; finish_dq applies them in the
+    conversion, into a new tensor of q's dtype and the buffer's layout (the buffer is not
+    changed: the tuner reads it again)."""
+    from aotattn.families.flash import planning
+    from tests.families.flash.helpers import problem
+
+    q, k, v = make_qkv(2, 40, 50, 4, 2, 32, 32, dtype, "cpu")
+    c = planning.new_call(problem(q, k, v, dropout_p=0.25, softmax_scale=0.3), q, k, v)
+    assert planning.accumulated_dq_scale(c, "split", False) is None
+    assert planning.accumulated_dq_scale(c, "fused", True) is None
+    for backend in ("fused", "ws"):
+        assert planning.accumulated_dq_scale(c, backend, False) == pytest.approx(0.3 / 0.75, rel=1e-15)
+    sums = torch.randn(2, 4, 40, 32).transpose(1, 2)  # a buffer in SDPA's layout
+    kept = sums.clone()
+    dq = planning.finish_dq(sums, q, 0.4)
+    assert dq.dtype == dtype and dq.stride() == sums.stride() and dq.data_ptr() != sums.data_ptr()
+    assert torch.equal(sums, kept)
+    assert torch.equal(dq, (kept * 0.4).to(dtype))
+    written = torch.randn(2, 40, 4, 32).to(dtype)
+    assert planning.finish_dq(written, q, None) is written

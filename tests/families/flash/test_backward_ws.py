@@ -412,6 +412,26 @@ def test_it_matches_the_reference_with_every_knob_value(case, backend, request):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_tiny_softmax_scale_keeps_its_subnormal_dq(d, backend, request):
+    """softmax_scale -1.175e-38 (the smallest normal float32) makes dQ about 1e-39, which
+    bf16 holds as a subnormal. The bulk reduce-adds that sum dQ see it unscaled (dS K), the
+    scale coming after (planning.finish_dq): scaled inside, GPU float atomics flush such
+    sums to zero (the fused backend's dQ came out all 0 on the H100)."""
+    seed_from(request.node.name)
+    q, k, v = make_qkv(2, 300, 300, 4, 4, d, d, torch.bfloat16, "cuda", requires_grad=True)
+    dout = torch.randn_like(q)
+    kwargs = dict(causal=True, softmax_scale=-1.175494351e-38)
+    ref_grads = _reference_grads(q, k, v, dout, **kwargs)
+    assert 0 < ref_grads[0].abs().max() < 1.2e-38  # subnormal in float32 and bf16
+    for config in fitting(d):
+        backend(config)
+        grads = torch.autograd.grad(aotattn.flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
+        for name, g, r in zip("qkv", grads, ref_grads):
+            assert rel_err(g, r) < 0.03, f"{candidates.config_name(config)}: d{name} {rel_err(g, r):.2e}"
+
+
+@pytest.mark.gpu
 def test_sdpa_layout_cached_plans_and_deterministic_calls(backend):
     """SDPA's (B, H, S, D) views through the plan cache, twice with fresh inputs (dQ's fp32
     buffer zeroed for each call); a deterministic call runs split instead."""

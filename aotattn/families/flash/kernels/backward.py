@@ -90,8 +90,9 @@ def _dkdv_program(
 ):
     """dK, dV of BLOCK_N keys of one key/value head, summed over its query heads.
 
-    With ATOMIC_DQ it also adds each query block's share of dQ into a zeroed fp32 DQ
-    (and writes dBias). TMA=1: the q and dO tiles come through tensor descriptors over
+    With ATOMIC_DQ it also adds each query block's share of dQ, unscaled (dS K: the
+    softmax and dropout scales are applied by :func:`..planning.finish_dq`, as GPU float
+    atomics flush subnormal sums to zero), into a zeroed fp32 DQ (and writes dBias). TMA=1: the q and dO tiles come through tensor descriptors over
     the group's query heads (in padded heads spanning the real head dims)."""
     q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
                                                     VARLEN)
@@ -113,13 +114,12 @@ def _dkdv_program(
                   0, 0, n_in, dv_mask, True, PAD_HEAD)
     dk = tl.full((BLOCK_N, BLOCK_D), 0.0, tl.float32)
     dv = tl.full((BLOCK_N, BLOCK_DV), 0.0, tl.float32)
-    dq_scale = sm_scale
     if DROPOUT:
         # Dropout's 1 / (1 - p) leaves the loop: dV sums the kept p's, ds = p (z dp - delta)
-        # / (1 - p) is summed as p (z dp - delta (1 - p)), and dK, dV (and each dQ share)
-        # are scaled once at the end (two multiplies per element fewer in the loop).
+        # / (1 - p) is summed as p (z dp - delta (1 - p)), and dK and dV are scaled once at
+        # the end (two multiplies per element fewer in the loop; an atomic dQ after its
+        # sums, by planning.finish_dq).
         keep_fraction = 1.0 / dropout_scale
-        dq_scale = sm_scale * dropout_scale
 
     diag = diagonal(seqlen_q, seqlen_k, MASK)
     # the queries that see these keys: the window transposed
@@ -214,7 +214,7 @@ def _dkdv_program(
             if ATOMIC_DQ:
                 dq = mma(tl.trans(ds_t.to(k.dtype)), k, tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32), PRECISION)
                 dq_ptrs = DQ + off_z * stride_dq[0] + off_h * stride_dq[1] + rows0 * stride_dq[2] + offs_d[None, :]
-                tl.atomic_add(dq_ptrs + m_off * stride_dq[2], dq * dq_scale,
+                tl.atomic_add(dq_ptrs + m_off * stride_dq[2], dq,
                               mask=m_in[:, None] & d_mask[None, :], sem="relaxed")
                 if BIAS == BIAS_GRAD:
                     dbias_ptrs = (DBias + off_z * stride_db[0] + off_h * stride_db[1]
@@ -223,7 +223,7 @@ def _dkdv_program(
                         ds_t = ds_t * dropout_scale
                     tl.store(dbias_ptrs, ds_t, mask=n_in[:, None] & m_in[None, :])
     if DROPOUT:
-        dk = dk * dq_scale
+        dk = dk * (sm_scale * dropout_scale)
         dv = dv * dropout_scale
     else:
         dk = dk * sm_scale

@@ -5,8 +5,9 @@ Same math, masks and gradients as :mod:`.backward` (read its docstring first); a
 functional space (rules.ws_backward_serves: fp16/bf16, head-dim buckets 64, 128 and 256,
 padded heads included, no varlen, dropout or bias; dQ accumulated with atomics, so not
 deterministic). The stats (delta and lse in base 2, :func:`.backward.attn_bwd_preprocess`)
-are computed before it, and dQ is added into a zeroed fp32 buffer shaped like q
-(:func:`..planning.finish_dq` converts it).
+are computed before it, and dQ is added, unscaled (dS K), into a zeroed fp32 buffer shaped
+like q (:func:`..planning.finish_dq` scales and converts it: GPU float atomics flush the
+subnormal sums a tiny softmax scale makes to zero, docs/numerical-lessons.md lesson 19).
 
 A *tile* is ``BLOCK_N`` keys of one key/value head of one sequence; its program loops over
 the query blocks of ``BLOCK_M`` rows that see them, for every query head of the group
@@ -370,7 +371,7 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
             dq = warpgroup_mma(ds_tile.permute((1, 0)), k_cols, no_dq, use_acc=False)
             # the last step's reduce has read the staging tile by now (a whole step ago): rarely a wait
             tma.store_wait(0)
-            dq_tile.store(gl.reshape(dq * sm_scale, [1, 1, BLOCK_M, DQ_COLS]))
+            dq_tile.store(gl.reshape(dq, [1, 1, BLOCK_M, DQ_COLS]))
             fence_async_shared()
             _reduce_add(dq_desc, [z, off_h, start_m, c * DQ_COLS], dq_tile)
         if n_steps > 0:  # done with K and V (the last dQ product read K): the loader may bring the next
@@ -497,7 +498,7 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
                 dq = warpgroup_mma(ds_tile.permute((1, 0)), k_step.slice(dq_col0 + j * DQ_COLS, DQ_COLS, dim=1),
                                    no_dq, use_acc=False)
                 tma.store_wait(0)
-                dq_tile.store(gl.reshape(dq * sm_scale, [1, 1, BLOCK_M, DQ_COLS]))
+                dq_tile.store(gl.reshape(dq, [1, 1, BLOCK_M, DQ_COLS]))
                 fence_async_shared()
                 _reduce_add(dq_desc, [z, off_h, start_m, dq_col0 + j * DQ_COLS], dq_tile)
         if n_steps > 0:  # done with K and V (the last dQ products read K): the loader may bring the next
