@@ -4,9 +4,9 @@ cuDNN and flash backends, in one process (JIT).
 
     python benchmarks/bench_ws_backward.py [--shapes d64-q128-k16384-full,...] [--reps 20]
 
-Padded head dims of the d256 bucket (d160-d192) also run ``NARROW=1`` (ws-N0, ...); the
-key split (d64, d128 buckets) also ``TMA_STORE=1`` (ws-T0, ...) and the persistent kernel
-with a second K/V slot, ``KV_SLOTS=2`` (ws-K1, ws-K2; ws-KT1 with TMA_STORE too; at d128
+Every bucket also runs ``TMA_STORE=1`` (ws-T0, ...: dK and dV by bulk stores); padded head
+dims of the d256 bucket (d160-d192) also ``NARROW=1`` (ws-N0, ...); the key split (d64, d128
+buckets) also the persistent kernel with a second K/V slot, ``KV_SLOTS=2`` (ws-K1, ws-K2; ws-KT1 with TMA_STORE too; at d128
 with ``STAGES=1``, and ws-S1, one q/dO slot and one K/V slot, for what the ring alone costs).
 A shape ``d<D>[-g<G>]-q<Sq>-k<Sk>-<full|causal>`` runs at hidden size 2048 (H = 2048 / D
 query heads, H / G key heads) and 16k query tokens (B = 16384 / Sq; ``--batch``
@@ -109,9 +109,10 @@ def bench(shape: str, args) -> None:
         variants += [("ws-P0", "ws", config(WS[bucket])), ("ws-P1", "ws", config(WS[bucket] + " PERSISTENT=1"))]
         if causal:  # the wider masked sections
             variants.append(("ws-P2", "ws", config(WS[bucket] + " PERSISTENT=2")))
-        if bucket < 256:  # the key split: dK and dV by bulk stores (ws-T0, ...)
-            walks = (0, 1, 2) if causal else (0, 1)
-            variants += [(f"ws-T{w}", "ws", config(f"{WS[bucket]} PERSISTENT={w} TMA_STORE=1")) for w in walks]
+        walks = (0, 1, 2) if causal else (0, 1)
+        # dK and dV by bulk stores (ws-T0, ...; the column split's halves at d256)
+        variants += [(f"ws-T{w}", "ws", config(f"{WS[bucket]} PERSISTENT={w} TMA_STORE=1")) for w in walks]
+        if bucket < 256:  # the key split
             # a second K/V slot (persistent only); at d128 it fits beside one q/dO slot alone
             tiles = WS[bucket] if bucket == 64 else WS[bucket].replace("STAGES=2", "STAGES=1")
             variants += [(f"ws-K{w}", "ws", config(f"{tiles} PERSISTENT={w} KV_SLOTS=2")) for w in walks if w]
@@ -119,7 +120,6 @@ def bench(shape: str, args) -> None:
             if bucket == 128:
                 variants.append(("ws-S1", "ws", config(f"{tiles} PERSISTENT=1")))
         if bucket == 256 and d < bucket:  # padded heads: the 128 + 64 split (d160-d192)
-            walks = (0, 1, 2) if causal else (0, 1)
             variants += [(f"ws-N{w}", "ws", config(f"{WS[bucket]} PERSISTENT={w} NARROW=1")) for w in walks]
     ref = None
     for name, backend, cfg in variants:  # one variant's buffers at a time (and split's, the reference)

@@ -10,23 +10,12 @@
 #   bash benchmarks/s39_session.sh            # then land tuned.tgz (tuning lint first)
 #
 # The forward's short-tile tuning (patch 0003) is benchmarks/s38_session.sh's last stage.
-set -uo pipefail
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-start=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
+source "$(dirname "$0")/session_common.sh"
 stamp "GPU tests of flash.attn_bwd_ws (JIT)"
-AOTATTN_MODE=jit timeout -s INT -k 20 "${TEST_S:-240}" python -m pytest -m gpu -q -n 8 -p no:cacheprovider \
-  tests/families/flash/test_backward_ws.py > "$OUT/bwd-tests.log" 2>&1
-grep -E "^(FAILED|ERROR)" "$OUT/bwd-tests.log" | head -n 10; tail -n 1 "$OUT/bwd-tests.log"
-if grep -qE "^(FAILED|ERROR)" "$OUT/bwd-tests.log" && [ -z "${FORCE:-}" ]; then
-  stamp "a knob fails its test: no timing or tuning (FORCE=1 goes on)"; exit 1
-fi
+gpu_tests bwd-tests.log "${TEST_S:-240}" -n 8 tests/families/flash/test_backward_ws.py
 stamp "bench_ws_backward: TMA_STORE, KV_SLOTS"
-AOTATTN_MODE=jit timeout "${BENCH_S:-150}" python benchmarks/bench_ws_backward.py --reps 10 \
-  --shapes "${SHAPES:-d128-q128-k16384-full,d64-q128-k16384-full,d128-q512-k4096-full,d128-q4096-k4096-full,d128-q1024-k1024-causal}" \
-  > "$OUT/bench-bwd.log" 2>&1
-cat "$OUT/bench-bwd.log"
+bench_ws_backward "${BENCH_S:-150}" \
+  "${SHAPES:-d128-q128-k16384-full,d64-q128-k16384-full,d128-q512-k4096-full,d128-q4096-k4096-full,d128-q1024-k1024-causal}"
 stamp "tune the ws backward cells of few steps a tile"
 TUNE_S=${TUNE_S:-100} SELECT= bash benchmarks/tune_cells_session.sh -- -c flash,attn_bwd_ws --dtype bf16,fp16 \
   --head-dim 64,128 --where "MASK=0,2" --cells 128x16384,512x4096,1024x8192 --limit 24 \

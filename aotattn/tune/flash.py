@@ -78,8 +78,8 @@ def _ws_bwd_registers(values: Mapping[str, Any]) -> str | None:
         return "the column split (BLOCK_N=64) serves head dim 256, the key split (BLOCK_N=128) 64 and 128"
     if values.get("NARROW", 0) and not (columns and values["PAD_HEAD"]):
         return "NARROW splits the padded heads of the column split (head dims up to 192 in the d256 bucket)"
-    if values.get("TMA_STORE", 0) and columns:
-        return "TMA_STORE stages the key split's dK and dV (BLOCK_N=128)"
+    if values.get("TMA_STORE", 0) and values.get("NARROW", 0):
+        return "TMA_STORE stages dK and dV of the key split or of the column split's halves, not NARROW's 128 + 64"
     if values.get("KV_SLOTS", 1) == 2 and not values.get("PERSISTENT", 0):
         return "KV_SLOTS=2 loads the next tile's K and V ahead: one tile per program has none (PERSISTENT=1)"
     if values["STAGES"] == 1 and (values.get("KV_SLOTS", 1) == 1 or values["BLOCK_D"] != 128):

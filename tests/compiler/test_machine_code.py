@@ -127,6 +127,8 @@ def resources(cubin: bytes) -> dict[str, int]:
     (128, 0, "BLOCK_M=64 BLOCK_N=128 STAGES=1 PERSISTENT=1 KV_SLOTS=2"),  # K/V by a warp of their own, 2 slots
     (128, 2, "BLOCK_M=64 BLOCK_N=128 STAGES=1 PERSISTENT=2 KV_SLOTS=2 TMA_STORE=1"),
     (64, 2, "BLOCK_M=64 BLOCK_N=128 STAGES=3 PERSISTENT=1 KV_SLOTS=2"),
+    (256, 2, "BLOCK_M=64 BLOCK_N=64 STAGES=2 TMA_STORE=1"),  # the column split's halves by bulk stores
+    (256, 0, "BLOCK_M=64 BLOCK_N=64 STAGES=2 PERSISTENT=1 TMA_STORE=1"),
 ])
 def test_the_ws_backward_keeps_its_registers(head_dim, mask, tiles):
     """The ws backward's consumers spill nothing (no stack): with the wgmma descriptors of

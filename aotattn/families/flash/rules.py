@@ -380,7 +380,7 @@ _WS_BWD_TUNING = (
     ("STAGES", (1, 2, 3)),  # 1: only with KV_SLOTS=2 (the second K/V slot fits beside one q/dO slot at d128)
     ("PERSISTENT", (0, 1, 2)),
     ("NARROW", (0, 1)),  # 1: padded heads up to 192 split 128 + 64 (kernels/backward_ws.NARROW_D)
-    ("TMA_STORE", (0, 1)),  # 1: the key split's dK and dV leave by bulk stores from a staging tile
+    ("TMA_STORE", (0, 1)),  # 1: dK and dV leave by bulk stores from a staging tile (not with NARROW)
     ("KV_SLOTS", (1, 2)),  # 2: the next tile's K and V load into a second slot during this one (PERSISTENT)
     ("num_warps", (4,)),
     ("num_stages", (1,)),

@@ -202,18 +202,20 @@ def test_the_tuner_times_it_where_it_serves_within_its_budgets():
     assert {(c["BLOCK_M"], c["STAGES"]) for c in fitting(64)} == {(64, 2), (64, 3), (128, 2)}
     assert {c["BLOCK_N"] for d in (64, 128) for c in fitting(d)} == {128}  # the key split
     # d256: the column split, its one fitting tile (q in 2 slots, dO in 1, P^T and dS^T twice)
-    assert [(c["BLOCK_M"], c["BLOCK_N"], c["STAGES"]) for c in fitting(256)] == [(64, 64, 2)] * 3
-    # padded heads in the d256 bucket: also the 128 + 64 split (NARROW), nowhere else
-    assert sorted((c.as_dict().get("NARROW", 0), c.as_dict().get("PERSISTENT", 0)) for c in fitting(256, pad=True)) \
-        == [(n, p) for n in (0, 1) for p in (0, 1, 2)]
+    assert [(c["BLOCK_M"], c["BLOCK_N"], c["STAGES"]) for c in fitting(256)] == [(64, 64, 2)] * 6
+    # padded heads in the d256 bucket: also the 128 + 64 split (NARROW), nowhere else; the
+    # bulk dK/dV stores (TMA_STORE) of the halves, not of NARROW's split
+    knobs = lambda c: tuple(c.as_dict().get(k, 0) for k in ("NARROW", "TMA_STORE", "PERSISTENT"))  # noqa: E731
+    assert sorted(map(knobs, fitting(256, pad=True))) \
+        == sorted([(0, t, p) for t in (0, 1) for p in (0, 1, 2)] + [(1, 0, p) for p in (0, 1, 2)])
     assert not any(c.as_dict().get("NARROW", 0) for d in (64, 128) for pad in (False, True)
                    for c in fitting(d, pad=pad)) and not any(c.as_dict().get("NARROW", 0) for c in fitting(256))
-    # the key split's dK and dV by bulk stores from the dQ staging tiles' bytes (TMA_STORE), at
-    # every tile; the column split keeps its register stores
-    for d in (64, 128):
+    # dK and dV by bulk stores from the dQ staging tiles' bytes (TMA_STORE), at every tile of
+    # both splits; NARROW keeps its register stores
+    for d in (64, 128, 256):
         assert {c.as_dict().get("TMA_STORE", 0) for c in fitting(d)} == {0, 1}
         assert len([c for c in fitting(d) if c.as_dict().get("TMA_STORE", 0)]) * 2 == len(fitting(d))
-    assert not any(c.as_dict().get("TMA_STORE", 0) for pad in (False, True) for c in fitting(256, pad=pad))
+    assert not any(c.as_dict().get("TMA_STORE", 0) and c.as_dict().get("NARROW", 0) for c in fitting(256, pad=True))
     # one tile per program or one program per SM walking the tiles, at every tile size; the
     # wider masked sections (2) only under a mask, where they order anything
     for d in (64, 128, 256):
@@ -411,20 +413,31 @@ def test_it_matches_the_reference_with_every_knob_value(case, backend, request):
         _assert_grads(grads, ref_grads, case.dtype, candidates.config_name(config))
 
 
+def one_per_code_path(configs: list[Config]) -> list[Config]:
+    """The first configuration of each combination of the knobs that choose code paths
+    (PERSISTENT, TMA_STORE, KV_SLOTS, ...), whatever its tiles."""
+    tiles = {"BLOCK_M", "BLOCK_N", "STAGES", "num_warps", "num_stages"}
+    first: dict[tuple, Config] = {}
+    for config in configs:
+        first.setdefault(tuple(sorted((k, v) for k, v in config.as_dict().items() if k not in tiles)), config)
+    return list(first.values())
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_a_tiny_softmax_scale_keeps_its_subnormal_dq(d, backend, request):
     """softmax_scale -1.175e-38 (the smallest normal float32) makes dQ about 1e-39, which
     bf16 holds as a subnormal. The bulk reduce-adds that sum dQ see it unscaled (dS K), the
     scale coming after (planning.finish_dq): scaled inside, GPU float atomics flush such
-    sums to zero (the fused backend's dQ came out all 0 on the H100)."""
+    sums to zero (the fused backend's dQ came out all 0 on the H100). One configuration per
+    code path (both splits, every walk and store)."""
     seed_from(request.node.name)
     q, k, v = make_qkv(2, 300, 300, 4, 4, d, d, torch.bfloat16, "cuda", requires_grad=True)
     dout = torch.randn_like(q)
     kwargs = dict(causal=True, softmax_scale=-1.175494351e-38)
     ref_grads = _reference_grads(q, k, v, dout, **kwargs)
     assert 0 < ref_grads[0].abs().max() < 1.2e-38  # subnormal in float32 and bf16
-    for config in fitting(d):
+    for config in one_per_code_path(fitting(d)):
         backend(config)
         grads = torch.autograd.grad(aotattn.flash_attn_func(q, k, v, **kwargs), (q, k, v), dout)
         for name, g, r in zip("qkv", grads, ref_grads):

@@ -37,9 +37,11 @@ tiles. Two *consumer* warpgroups share the work in one of two ways:
 Either way dQ leaves through a staging tile per consumer and one bulk tensor reduce
 (``cp.reduce.async.bulk .add``: the L2 does the adds, no per-element atomics), issued
 asynchronously: its read of the tile is waited for only before the next write to it.
-``TMA_STORE`` (the key split): a tile's dK and dV leave the same way, through that staging
-tile's bytes reinterpreted as 64 keys x D 16-bit and bulk tensor stores, instead of 4-byte
-stores from the accumulators' registers (64 a thread at d128).
+``TMA_STORE``: a tile's dK and dV leave the same way, through that staging tile's bytes
+reinterpreted as 64 keys x D 16-bit (the key split) or 64 keys x D / 2 (the column split's
+halves; not NARROW's 128 + 64) and bulk tensor stores, instead of 4-byte stores from the
+accumulators' registers (64 a thread at d128; on the H100 1.46x at d128 q128-k16384, where a
+tile has two steps).
 
 ``KV_SLOTS=2`` (persistent programs): K and V in two slots, brought by a second loader warp
 (:func:`_kv_loader`) as soon as the tile two before is done, so the next tile's K and V
@@ -263,25 +265,26 @@ def _store_key_grads(dk, dv, out_rows, cols, key_grads, z, hk, sm_scale, seqlen_
 
 
 @gluon.jit
-def _copy_key_grads(dk, dv, c: gl.constexpr, key_grads, z, hk, first_key, sm_scale, dtype: gl.constexpr,
-                    HEAD_D: gl.constexpr, SLOTS: gl.constexpr):
-    """TMA_STORE: a key-split consumer's dK (scaled) and dV through shared staging tiles and
+def _copy_key_grads(dk, dv, c: gl.constexpr, key_grads, z, hk, first_key, col0, sm_scale, dtype: gl.constexpr,
+                    COLS: gl.constexpr, SLOTS: gl.constexpr):
+    """TMA_STORE: a consumer's dK (scaled) and dV, 64 keys x COLS columns from col0 (every
+    column in the key split, its half in the column split), through shared staging tiles and
     bulk tensor stores (keys past the sequence and columns past padded head dims dropped by
     the descriptors). The staging tiles are the consumer's dQ staging tile, reinterpreted:
-    ``SLOTS`` tiles of 64 keys (1 at BLOCK_M=64: dV waits for dK's copy to read it; 2 at 128).
-    The next write of dQ's staging tile waits for these copies as for a reduce."""
+    ``SLOTS`` tiles of 64 keys x COLS (1 at BLOCK_M=64: dV waits for dK's copy to read it; 2
+    at 128). The next write of dQ's staging tile waits for these copies as for a reduce."""
     _, _, _, _, _, _, _, _, dk_desc, dv_desc, kg_smem = key_grads
     tma.store_wait(0)  # the tile's last dQ reduce has read the staging tile
     dk_tile = kg_smem.index(c * SLOTS)
-    dk_tile.store(gl.reshape((dk * sm_scale).to(dtype), [1, 1, WARPGROUP_ROWS, HEAD_D]))
+    dk_tile.store(gl.reshape((dk * sm_scale).to(dtype), [1, 1, WARPGROUP_ROWS, COLS]))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [z, hk, first_key, 0], dk_tile)
+    tma.async_copy_shared_to_global(dk_desc, [z, hk, first_key, col0], dk_tile)
     if SLOTS == 1:
         tma.store_wait(0)
     dv_tile = kg_smem.index(c * SLOTS + SLOTS - 1)
-    dv_tile.store(gl.reshape(dv.to(dtype), [1, 1, WARPGROUP_ROWS, HEAD_D]))
+    dv_tile.store(gl.reshape(dv.to(dtype), [1, 1, WARPGROUP_ROWS, COLS]))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dv_desc, [z, hk, first_key, 0], dv_tile)
+    tma.async_copy_shared_to_global(dv_desc, [z, hk, first_key, col0], dv_tile)
 
 
 @gluon.jit
@@ -379,7 +382,8 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
         g += n_steps
         kv += (n_steps > 0).to(gl.int32)
         if TMA_STORE:
-            _copy_key_grads(dk, dv, c, key_grads, z, hk, first_key, sm_scale, dtype, HEAD_D, BLOCK_M // WARPGROUP_ROWS)
+            _copy_key_grads(dk, dv, c, key_grads, z, hk, first_key, 0, sm_scale, dtype, HEAD_D,
+                            BLOCK_M // WARPGROUP_ROWS)
         else:
             out_rows = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
             cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
@@ -414,7 +418,7 @@ def _over_head(a, b, acc, use_acc: gl.constexpr, USED_D: gl.constexpr):
 def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr, PAD_HEAD: gl.constexpr,
                       PERSISTENT: gl.constexpr, USED_D: gl.constexpr, col0: gl.constexpr, COLS: gl.constexpr,
-                      dq_col0: gl.constexpr, DQ_N: gl.constexpr, KV_SLOTS: gl.constexpr):
+                      dq_col0: gl.constexpr, DQ_N: gl.constexpr, TMA_STORE: gl.constexpr, KV_SLOTS: gl.constexpr):
     """Consumer warpgroup c of 64-key tiles: columns col0 .. col0 + COLS - 1 of the keys' dK
     and dV, dq_col0 .. dq_col0 + DQ_N - 1 of every step's dQ, and half of the step's
     queries for S^T and dP^T, whose products run over the first USED_D columns of the
@@ -505,30 +509,34 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
             mbarrier.arrive(kv_empty.index(kv_slot), count=1)
         g += n_steps
         kv += (n_steps > 0).to(gl.int32)
-        out_rows = start_n + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
-        cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
-        _store_key_grads(dk, dv, out_rows, cols, key_grads, z, hk, sm_scale, seqlen_k, head_dim, head_dim_v, dtype,
-                         PAD_HEAD)
+        if TMA_STORE:  # the halves (not NARROW's 128 + 64): one staging tile of 64 keys x COLS a BLOCK_M of 64
+            _copy_key_grads(dk, dv, c, key_grads, z, hk, start_n, col0, sm_scale, dtype, COLS,
+                            BLOCK_M // WARPGROUP_ROWS)
+        else:
+            out_rows = start_n + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, acc_layout))
+            cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
+            _store_key_grads(dk, dv, out_rows, cols, key_grads, z, hk, sm_scale, seqlen_k, head_dim, head_dim_v,
+                             dtype, PAD_HEAD)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _columns(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_COLS: gl.constexpr, PAD_HEAD: gl.constexpr,
-             PERSISTENT: gl.constexpr, NARROW: gl.constexpr, KV_SLOTS: gl.constexpr):
+             PERSISTENT: gl.constexpr, NARROW: gl.constexpr, TMA_STORE: gl.constexpr, KV_SLOTS: gl.constexpr):
     """Consumer c of the column split: the halves of HEAD_D, or with NARROW, for a call whose
     padded heads have at most NARROW_D columns (one branch for the whole grid), 128 + 64."""
     half: gl.constexpr = HEAD_D // 2
     if NARROW:  # (a branch on a constant condition crashes Triton 3.6's lowering: decided here)
         if (work[20] <= NARROW_D) & (work[21] <= NARROW_D):  # head_dim, head_dim_v
             _columns_consumer(c, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT,
-                              NARROW_D, c * 128, 128 - c * 64, c * 64, 64 + c * 64, KV_SLOTS)
+                              NARROW_D, c * 128, 128 - c * 64, c * 64, 64 + c * 64, False, KV_SLOTS)
         else:
             _columns_consumer(c, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT,
-                              HEAD_D, c * half, half, c * half, half, KV_SLOTS)
+                              HEAD_D, c * half, half, c * half, half, False, KV_SLOTS)
     else:
         _columns_consumer(c, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT,
-                          HEAD_D, c * half, half, c * half, half, KV_SLOTS)
+                          HEAD_D, c * half, half, c * half, half, TMA_STORE, KV_SLOTS)
 
 
 @gluon.jit
@@ -537,7 +545,8 @@ def _consumer0(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.const
                PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr, NARROW: gl.constexpr, TMA_STORE: gl.constexpr,
                KV_SLOTS: gl.constexpr):
     if COLUMNS:
-        _columns(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT, NARROW, KV_SLOTS)
+        _columns(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT, NARROW, TMA_STORE,
+                 KV_SLOTS)
     else:
         _keys_consumer(0, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT, TMA_STORE,
                        KV_SLOTS)
@@ -549,7 +558,8 @@ def _consumer1(work, MASK: gl.constexpr, HEAD_D: gl.constexpr, BLOCK_M: gl.const
                PAD_HEAD: gl.constexpr, PERSISTENT: gl.constexpr, NARROW: gl.constexpr, TMA_STORE: gl.constexpr,
                KV_SLOTS: gl.constexpr):
     if COLUMNS:
-        _columns(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT, NARROW, KV_SLOTS)
+        _columns(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, DQ_COLS, PAD_HEAD, PERSISTENT, NARROW, TMA_STORE,
+                 KV_SLOTS)
     else:
         _keys_consumer(1, work, MASK, HEAD_D, BLOCK_M, BLOCK_N, STAGES, CONSUMERS, PAD_HEAD, PERSISTENT, TMA_STORE,
                        KV_SLOTS)
@@ -587,7 +597,7 @@ def attn_bwd_ws(
     DQ_COLS: gl.constexpr = 64 if BLOCK_D > 128 else BLOCK_D // CONSUMERS  # one bulk reduce's columns
     gl.static_assert(not NARROW or (COLUMNS and PAD_HEAD and BLOCK_D == 256),
                      "NARROW: the column split of padded heads in the d256 bucket")
-    gl.static_assert(not TMA_STORE or not COLUMNS, "TMA_STORE: the key split")
+    gl.static_assert(not TMA_STORE or not NARROW, "TMA_STORE: the key split, or the column split's halves")
     gl.static_assert(KV_SLOTS == 1 or (KV_SLOTS == 2 and PERSISTENT > 0), "KV_SLOTS: 1, or 2 with PERSISTENT")
     seqlen_q = max_seqlen_q
     seqlen_k = max_seqlen_k
@@ -669,14 +679,17 @@ def attn_bwd_ws(
         mbarrier.init(ds_ready.index(buf), count=CONSUMERS)
     fence_async_shared()
 
-    if TMA_STORE:  # dK and dV staged in the dQ staging tiles' bytes (64 keys x D 16-bit: 64 x D / 2 fp32)
-        kg_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, WARPGROUP_ROWS, BLOCK_D], dtype)
-        kg_smem = dq_smem._reinterpret(dtype, [CONSUMERS * (BLOCK_M // WARPGROUP_ROWS), 1, 1, WARPGROUP_ROWS, BLOCK_D],
+    if TMA_STORE:
+        # dK and dV staged in the dQ staging tiles' bytes: 64 keys x D 16-bit (the key split,
+        # whose tiles hold BLOCK_M x D / 2 fp32) or x D / 2 (the column split: BLOCK_M x 64)
+        KG_COLS: gl.constexpr = BLOCK_D // 2 if COLUMNS else BLOCK_D
+        kg_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, WARPGROUP_ROWS, KG_COLS], dtype)
+        kg_smem = dq_smem._reinterpret(dtype, [CONSUMERS * (BLOCK_M // WARPGROUP_ROWS), 1, 1, WARPGROUP_ROWS, KG_COLS],
                                        kg_layout)
         dk_desc = heads_descriptor(DK, batch, num_heads_k, keys, cols_qk, stride_dkz, stride_dkh, stride_dkn,
-                                   WARPGROUP_ROWS, BLOCK_D, kg_layout)
+                                   WARPGROUP_ROWS, KG_COLS, kg_layout)
         dv_desc = heads_descriptor(DV, batch, num_heads_k, keys, cols_v, stride_dvz, stride_dvh, stride_dvn,
-                                   WARPGROUP_ROWS, BLOCK_D, kg_layout)
+                                   WARPGROUP_ROWS, KG_COLS, kg_layout)
     else:
         kg_smem = dq_smem
         dk_desc = DK

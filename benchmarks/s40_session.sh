@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The next GPU calls for issue 17 (written in the thirty-ninth session), one step a call:
+#
+#   bash benchmarks/s40_session.sh verify   # < 8 min: the subnormal-dQ tests (fused, every ws
+#                                           # code path) and the d256 ws tests (the column
+#                                           # split's TMA_STORE, new and never run), then
+#                                           # bench_ws_backward on this card (d256 shapes too)
+#   bash benchmarks/s40_session.sh tune     # < 10 min: every diagonal attn_bwd_ws cell of d64, d128,
+#                                           # d256 (bf16, fp16, full and causal) with every knob
+#                                           # (TMA_STORE, KV_SLOTS; 132 tasks, ~4 GPU-minutes and 273
+#                                           # kernels); tuned.tgz under $OUT (`tuning lint`, then land)
+#   bash benchmarks/s40_session.sh tune-backend   # < 10 min: then the backward's backend choice
+#                                           # (ws, split or fused) on the same cells
+#   bash benchmarks/s40_session.sh tune-top-left   # < 8 min: the same for the top-left causal
+#                                           # (MASK=1) cells q128-k16384, q512-k4096, q1024-k8192
+#                                           # (0.68/0.80x cuDNN at q512-k4096 on the H200)
+#
+# Land each tuned.tgz before the next tune step runs (the step starts from tuning/ as it is).
+#
+# The thirty-ninth session timed TMA_STORE on an H100 only (1.09-1.56x where a tile has few
+# steps; +3-7% on square cells): the tune step puts it where it wins on the card at hand.
+source "$(dirname "$0")/session_common.sh"
+case ${1:-verify} in
+  verify)
+    stamp "the subnormal-dQ tests and the d256 ws backward's (TMA_STORE of the column split) (JIT)"
+    gpu_tests subnormal-tests.log "${TEST_S:-240}" -n 6 tests/runtime/test_interpreter_bfloat16.py \
+      tests/families/flash/test_backward_ws.py -k "subnormal or tiny_softmax or d2 or d192 or d160 or stride_0 or rows_of_16"
+    stamp "bench_ws_backward"
+    bench_ws_backward "${BENCH_S:-200}" "${SHAPES:-d128-q128-k16384-full,d64-q128-k16384-full,d128-q512-k4096-full,\
+d128-q4096-k4096-full,d128-q1024-k1024-causal,d256-q4096-k4096-causal,d256-q8192-k8192-causal,d256-q2048-k2048-full}" ;;
+  tune)
+    stamp "tune every diagonal ws backward cell of d64, d128 and d256"
+    TUNE_S=${TUNE_S:-500} SELECT= bash benchmarks/tune_cells_session.sh -- -c flash,attn_bwd_ws --dtype bf16,fp16 \
+      --head-dim 64,128,256 --where "MASK=0,2" --limit 16 ;;
+  tune-backend)
+    stamp "the backward's backend choice on the diagonal cells of d64, d128 and d256"
+    TUNE_S=${TUNE_S:-500} SELECT= bash benchmarks/tune_cells_session.sh -- -c flash,backward --dtype bf16,fp16 \
+      --head-dim 64,128,256 --where "MASK=0,2 DETERMINISTIC=False" ;;
+  tune-top-left)
+    stamp "tune the top-left causal ws backward cells of few steps a tile"
+    TUNE_S=${TUNE_S:-200} SELECT= bash benchmarks/tune_cells_session.sh -- -c flash,attn_bwd_ws --dtype bf16,fp16 \
+      --head-dim 64,128 --where "MASK=1" --cells 128x16384,512x4096,1024x8192 --limit 24 \
+      --then -c flash,backward --dtype bf16,fp16 --head-dim 64,128 --where "MASK=1 DETERMINISTIC=False" \
+      --cells 128x16384,512x4096,1024x8192 ;;
+  *) echo "usage: s40_session.sh verify|tune|tune-backend|tune-top-left" >&2; exit 2 ;;
+esac
+stamp "done"
