@@ -23,8 +23,8 @@ source "$(dirname "$0")/session_common.sh"
 case ${1:-verify} in
   verify)
     stamp "the subnormal-dQ tests and the d256 ws backward's (TMA_STORE of the column split) (JIT)"
-    gpu_tests subnormal-tests.log "${TEST_S:-240}" -n 6 tests/runtime/test_interpreter_bfloat16.py \
-      tests/families/flash/test_backward_ws.py -k "subnormal or tiny_softmax or d2 or d192 or d160 or stride_0 or rows_of_16"
+    gpu_tests subnormal-tests.log "${TEST_S:-240}" -n 6 tests/runtime/test_interpreter_bfloat16.py tests/families/flash/test_backward.py \
+      tests/families/flash/test_backward_ws.py -k "subnormal or tiny_softmax or finishing or d2 or d192 or d160 or stride_0 or rows_of_16"
     stamp "bench_ws_backward"
     bench_ws_backward "${BENCH_S:-200}" "${SHAPES:-d128-q128-k16384-full,d64-q128-k16384-full,d128-q512-k4096-full,\
 d128-q4096-k4096-full,d128-q1024-k1024-causal,d256-q4096-k4096-causal,d256-q8192-k8192-causal,d256-q2048-k2048-full}" ;;

@@ -352,3 +352,22 @@ def test_an_accumulated_dq_is_scaled_after_its_sums(dtype):
     assert torch.equal(dq, (kept * 0.4).to(dtype))
     written = torch.randn(2, 40, 4, 32).to(dtype)
     assert planning.finish_dq(written, q, None) is written
+
+
+@pytest.mark.gpu
+def test_finishing_an_accumulated_dq_is_one_kernel():
+    """The scale and the conversion of an accumulated dQ are one elementwise pass on the GPU
+    (torch.mul into a bf16 output casts in the kernel; on CPU PyTorch stages a temporary), as
+    the plain conversion was: the scale after the sums costs no extra pass over dQ."""
+    from aotattn.families.flash import planning
+
+    sums = torch.randn(2, 1000, 4, 128, device="cuda")
+    q = torch.empty(1, dtype=torch.bfloat16, device="cuda")
+    planning.finish_dq(sums, q, 0.125)  # warm-up
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        dq = planning.finish_dq(sums, q, 0.125)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
+    assert torch.equal(dq, (sums * 0.125).to(torch.bfloat16))
