@@ -6,8 +6,9 @@ cuDNN and flash backends, in one process (JIT).
 
 Every bucket also runs ``TMA_STORE=1`` (ws-T0, ...: dK and dV by bulk stores); padded head
 dims of the d256 bucket (d160-d192) also ``NARROW=1`` (ws-N0, ...); the key split (d64, d128
-buckets) also the persistent kernel with a second K/V slot, ``KV_SLOTS=2`` (ws-K1, ws-K2; ws-KT1 with TMA_STORE too; at d128
-with ``STAGES=1``, and ws-S1, one q/dO slot and one K/V slot, for what the ring alone costs).
+buckets) also the persistent kernel with a second K/V slot, ``KV_SLOTS=2`` (ws-K1, ws-K2;
+ws-KT1 with TMA_STORE too; at d128 with ``STAGES=1``, and ws-S1, one q/dO slot and one K/V
+slot, for what the ring alone costs).
 A shape ``d<D>[-g<G>]-q<Sq>-k<Sk>-<full|causal>`` runs at hidden size 2048 (H = 2048 / D
 query heads, H / G key heads) and 16k query tokens (B = 16384 / Sq; ``--batch``
 overrides), bf16, flash-attn's layout. Each variant's backward (the stats, the kernel and,

@@ -92,8 +92,9 @@ def _dkdv_program(
 
     With ATOMIC_DQ it also adds each query block's share of dQ, unscaled (dS K: the
     softmax and dropout scales are applied by :func:`..planning.finish_dq`, as GPU float
-    atomics flush subnormal sums to zero), into a zeroed fp32 DQ (and writes dBias). TMA=1: the q and dO tiles come through tensor descriptors over
-    the group's query heads (in padded heads spanning the real head dims)."""
+    atomics flush subnormal sums to zero), into a zeroed fp32 DQ (and writes dBias).
+    TMA=1: the q and dO tiles come through tensor descriptors over the group's query heads
+    (in padded heads spanning the real head dims)."""
     q_start, seqlen_q, k_start, seqlen_k = sequence(CuSeqlensQ, CuSeqlensK, off_z, max_seqlen_q, max_seqlen_k,
                                                     VARLEN)
     start_n = pid_n * BLOCK_N
