@@ -11,9 +11,10 @@
 #                                           # kernels); tuned.tgz under $OUT (`tuning lint`, then land)
 #   bash benchmarks/s40_session.sh tune-backend   # < 10 min: then the backward's backend choice
 #                                           # (ws, split or fused) on the same cells
-#   bash benchmarks/s40_session.sh tune-top-left   # < 8 min: the same for the top-left causal
-#                                           # (MASK=1) cells q128-k16384, q512-k4096, q1024-k8192
-#                                           # (0.68/0.80x cuDNN at q512-k4096 on the H200)
+#
+# (No top-left step: a top-left causal call of Sq < Sk is solved as the causal Sq x Sq call,
+# planning.trim_keys, whose cell is a diagonal one; what it adds is the dK/dV zeros of the
+# keys no query sees.)
 #
 # Land each tuned.tgz before the next tune step runs (the step starts from tuning/ as it is).
 #
@@ -36,12 +37,6 @@ d128-q4096-k4096-full,d128-q1024-k1024-causal,d256-q4096-k4096-causal,d256-q8192
     stamp "the backward's backend choice on the diagonal cells of d64, d128 and d256"
     TUNE_S=${TUNE_S:-500} SELECT= bash benchmarks/tune_cells_session.sh -- -c flash,backward --dtype bf16,fp16 \
       --head-dim 64,128,256 --where "MASK=0,2 DETERMINISTIC=False" ;;
-  tune-top-left)
-    stamp "tune the top-left causal ws backward cells of few steps a tile"
-    TUNE_S=${TUNE_S:-200} SELECT= bash benchmarks/tune_cells_session.sh -- -c flash,attn_bwd_ws --dtype bf16,fp16 \
-      --head-dim 64,128 --where "MASK=1" --cells 128x16384,512x4096,1024x8192 --limit 24 \
-      --then -c flash,backward --dtype bf16,fp16 --head-dim 64,128 --where "MASK=1 DETERMINISTIC=False" \
-      --cells 128x16384,512x4096,1024x8192 ;;
-  *) echo "usage: s40_session.sh verify|tune|tune-backend|tune-top-left" >&2; exit 2 ;;
+  *) echo "usage: s40_session.sh verify|tune|tune-backend" >&2; exit 2 ;;
 esac
 stamp "done"
