@@ -231,6 +231,48 @@ def _step_zero(i):
 
 
 @gluon.jit
+def _ring(s, i, STAGES: gl.constexpr):
+    """(slot, phase, dS^T buffer) of the rings' step s, which is the tile's step i: the q/dO
+    slot (with one slot, addressed anew each step, as K and V: see _step_zero), its
+    mbarriers' phase, and the double-buffered dS^T (and P^T) tile."""
+    slot = s % STAGES
+    if STAGES == 1:
+        slot = _step_zero(i)
+    return slot, (s // STAGES) & 1, s % 2
+
+
+@gluon.jit
+def _tile_kv(kv_bar, kv, n_steps, KV_SLOTS: gl.constexpr):
+    """The K/V slot of a tile that follows ``kv`` tiles with a step, waited for when the
+    tile has a step (the loader brings K and V for those alone)."""
+    kv_slot = kv % KV_SLOTS
+    if n_steps > 0:
+        mbarrier.wait(kv_bar.index(kv_slot), (kv // KV_SLOTS) & 1)
+    return kv_slot
+
+
+@gluon.jit
+def _tile_done(kv_empty, kv_slot, g, kv, n_steps):
+    """After a tile's last step (its last dQ product read K): its K/V slot is released to the
+    loader, and the rings' step count and the count of tiles with a step move on."""
+    if n_steps > 0:
+        mbarrier.arrive(kv_empty.index(kv_slot), count=1)
+    return g + n_steps, kv + (n_steps > 0).to(gl.int32)
+
+
+@gluon.jit
+def _step_probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, masked,
+                        MASK: gl.constexpr):
+    """:func:`_probabilities` with the mask applied where the step needs it (``masked``: the
+    tile's key tail, or queries outside the rows every key of the tile sees)."""
+    if masked:
+        p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, True, MASK)
+    else:
+        p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, False, MASK)
+    return p_t
+
+
+@gluon.jit
 def _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right,
                    MASKED: gl.constexpr, MASK: gl.constexpr):
     """P^T of one step from the raw scores (keys down, queries across); MASKED: keys past
@@ -321,16 +363,10 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
         keys = first_key + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
         dv = gl.zeros([WARPGROUP_ROWS, HEAD_D], gl.float32, acc_layout)
-        kv_slot = kv % KV_SLOTS
-        if n_steps > 0:
-            mbarrier.wait(kv_bar.index(kv_slot), (kv // KV_SLOTS) & 1)
+        kv_slot = _tile_kv(kv_bar, kv, n_steps, KV_SLOTS)
         for i in range(n_steps):
             s = g + i
-            slot = s % STAGES
-            if STAGES == 1:  # one q/dO slot: addressed anew each step, as K and V (see _step_zero)
-                slot = _step_zero(i)
-            phase = (s // STAGES) & 1
-            buf = s % 2
+            slot, phase, buf = _ring(s, i, STAGES)
             off_h, start_m = _step(i, last_m, group, head0, BLOCK_M)
             rows = start_m + offs_m
             q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
@@ -347,12 +383,8 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
             dp_t = warpgroup_mma(v_mine, do_tile.permute((1, 0)), no_scores - delta[None, :], is_async=True)
             lse2 = stats_rows.index(2 * slot + 1).load(row_layout)
             s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-            if tail or start_m < a or start_m >= b:
-                p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, True,
-                                     MASK)
-            else:
-                p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, False,
-                                     MASK)
+            p_t = _step_probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right,
+                                      tail or start_m < a or start_m >= b, MASK)
             p_op = gl.convert_layout(p_t.to(dtype), op_layout)
             dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
             dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
@@ -377,10 +409,7 @@ def _keys_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.constex
             dq_tile.store(gl.reshape(dq, [1, 1, BLOCK_M, DQ_COLS]))
             fence_async_shared()
             _reduce_add(dq_desc, [z, off_h, start_m, c * DQ_COLS], dq_tile)
-        if n_steps > 0:  # done with K and V (the last dQ product read K): the loader may bring the next
-            mbarrier.arrive(kv_empty.index(kv_slot), count=1)
-        g += n_steps
-        kv += (n_steps > 0).to(gl.int32)
+        g, kv = _tile_done(kv_empty, kv_slot, g, kv, n_steps)
         if TMA_STORE:
             _copy_key_grads(dk, dv, c, key_grads, z, hk, first_key, 0, sm_scale, dtype, HEAD_D,
                             BLOCK_M // WARPGROUP_ROWS)
@@ -449,16 +478,10 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
         keys = start_n + gl.arange(0, WARPGROUP_ROWS, layout=gl.SliceLayout(1, s_layout))
         dk = gl.zeros([WARPGROUP_ROWS, COLS], gl.float32, acc_layout)
         dv = gl.zeros([WARPGROUP_ROWS, COLS], gl.float32, acc_layout)
-        kv_slot = kv % KV_SLOTS
-        if n_steps > 0:
-            mbarrier.wait(kv_bar.index(kv_slot), (kv // KV_SLOTS) & 1)
+        kv_slot = _tile_kv(kv_bar, kv, n_steps, KV_SLOTS)
         for i in range(n_steps):
             s = g + i
-            slot = s % STAGES
-            if STAGES == 1:  # one q/dO slot: addressed anew each step, as K and V (see _step_zero)
-                slot = _step_zero(i)
-            phase = (s // STAGES) & 1
-            buf = s % 2
+            slot, phase, buf = _ring(s, i, STAGES)
             off_h, start_m = _step(i, last_m, group, head0, BLOCK_M)
             rows = start_m + offs_m
             q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
@@ -475,12 +498,8 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
                               USED_D)
             lse2 = stats_rows.index(2 * slot + 1).slice(c * HALF_M, HALF_M).load(row_layout)
             s_t = warpgroup_mma_wait(HEAD_PRODUCTS, deps=(s_t, ))  # dP^T's may stay in flight
-            if tail or start_m < a or start_m >= b:
-                p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, True,
-                                     MASK)
-            else:
-                p_t = _probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right, False,
-                                     MASK)
+            p_t = _step_probabilities(s_t, lse2, keys, rows, qk_scale, seqlen_k, diag, window_left, window_right,
+                                      tail or start_m < a or start_m >= b, MASK)
             # P^T and dS^T of this consumer's queries into the shared tiles (double-buffered, as
             # in the key split: the tiles two steps back were read before either consumer arrived
             # on the last ones); dV and dK need every query of the step
@@ -505,10 +524,7 @@ def _columns_consumer(c: gl.constexpr, work, MASK: gl.constexpr, HEAD_D: gl.cons
                 dq_tile.store(gl.reshape(dq, [1, 1, BLOCK_M, DQ_COLS]))
                 fence_async_shared()
                 _reduce_add(dq_desc, [z, off_h, start_m, dq_col0 + j * DQ_COLS], dq_tile)
-        if n_steps > 0:  # done with K and V (the last dQ products read K): the loader may bring the next
-            mbarrier.arrive(kv_empty.index(kv_slot), count=1)
-        g += n_steps
-        kv += (n_steps > 0).to(gl.int32)
+        g, kv = _tile_done(kv_empty, kv_slot, g, kv, n_steps)
         if TMA_STORE:  # the halves (not NARROW's 128 + 64): one staging tile of 64 keys x COLS a BLOCK_M of 64
             _copy_key_grads(dk, dv, c, key_grads, z, hk, start_n, col0, sm_scale, dtype, COLS,
                             BLOCK_M // WARPGROUP_ROWS)
