@@ -1,6 +1,6 @@
 """aotattn's host time per call with the kernels taken out (no GPU needed).
 
-    python benchmarks/bench_host.py [--calls 2000] [--profile] [--device cuda]
+    python benchmarks/bench_host.py [--calls 2000] [--profile] [--device cuda] [--backend split]
 
 CPU tensors go through the same operators, checks, plan cache, autograd Function and
 prepared launches as CUDA ones; only the launch differs (the interpreter instead of the
@@ -42,6 +42,10 @@ def main() -> None:
     ap.add_argument("--api", default="flash", choices=("flash", "sdpa"),
                     help="flash: flash_attn_func, causal (default); sdpa: scaled_dot_product_attention on "
                          "(B, H, S, D), not causal, as bench_latency.py calls it")
+    ap.add_argument("--backend", default=None, choices=("split", "fused", "ws"),
+                    help="the backward backend of the flash API's calls (default: the tuning database's; "
+                         "the causal tiny cell chooses fused, timed at 2^19 tokens, where split launches fewer "
+                         "kernels: no dQ zeroing and conversion)")
     args = ap.parse_args()
     if args.device == "cpu":
         interpreter.interpreted_function = lambda module, function: _NoKernel()
@@ -53,7 +57,7 @@ def main() -> None:
     causal = args.api == "flash"
     if args.api == "flash":
         def attend():
-            return aotattn.flash_attn_func(q, k, v, causal=True)
+            return aotattn.flash_attn_func(q, k, v, causal=True, backend=args.backend)
     else:
         def attend():
             return aotattn.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
