@@ -11,6 +11,10 @@
 #                                           # kernels); tuned.tgz under $OUT (`tuning lint`, then land)
 #   bash benchmarks/s40_session.sh tune-backend   # < 10 min: then the backward's backend choice
 #                                           # (ws, split or fused) on the same cells
+#   bash benchmarks/s40_session.sh tune-forward   # < 9 min: the ws forward's short-tile cells with
+#                                           # Q_SLOTS/TMA_STORE, then the forward's engine choice,
+#                                           # on a copy without hand patch 0003-short-tiles:
+#                                           # `git rm` that patch when landing tuned.tgz
 #
 # (No top-left step: a top-left causal call of Sq < Sk is solved as the causal Sq x Sq call,
 # planning.trim_keys, whose cell is a diagonal one; what it adds is the dK/dV zeros of the
@@ -37,6 +41,13 @@ d128-q4096-k4096-full,d128-q1024-k1024-causal,d256-q4096-k4096-causal,d256-q8192
     stamp "the backward's backend choice on the diagonal cells of d64, d128 and d256"
     TUNE_S=${TUNE_S:-500} SELECT= bash benchmarks/tune_cells_session.sh -- -c flash,backward --dtype bf16,fp16 \
       --head-dim 64,128,256 --where "MASK=0,2 DETERMINISTIC=False" ;;
-  *) echo "usage: s40_session.sh verify|tune|tune-backend" >&2; exit 2 ;;
+  tune-forward)
+    stamp "tune the ws forward cells of short tiles (Q_SLOTS, TMA_STORE), without hand patch 0003"
+    DROP=flash.attn_fwd_ws.0003-short-tiles.dbpatch TUNE_S=${TUNE_S:-220} SELECT= bash benchmarks/tune_cells_session.sh \
+      -- -c flash,attn_fwd_ws --dtype bf16 --head-dim 64,128 --where "MASK=0,2" \
+      --cells 4096x128,4096x512,512x512,1024x1024 --limit 24 \
+      --then -c flash,forward --dtype bf16 --head-dim 64,128 --where "MASK=0,2" \
+      --cells 4096x128,4096x512,512x512,1024x1024 ;;
+  *) echo "usage: s40_session.sh verify|tune|tune-backend|tune-forward" >&2; exit 2 ;;
 esac
 stamp "done"
