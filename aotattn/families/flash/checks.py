@@ -110,25 +110,35 @@ def check_tensors(names: tuple[str, str, str], q: object, k: object, v: object, 
 MAX_SCALE = 2.35e38
 
 
+def _real(name: str, value: numbers.Real, expected: str) -> float:
+    """``value`` as a float; an int or fraction too large for one is refused as out of range."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name}: expected {expected}, got a number beyond the float range") from None
+
+
 def check_scale(name: str, scale: object, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{name}: expected a real number or None, got {type(scale).__name__}")
-    if not math.isfinite(float(scale)):
+    value = _real(name, scale, f"a magnitude up to {MAX_SCALE:.3g}")
+    if not math.isfinite(value):
         raise ValueError(f"{name}: expected a finite number, got {scale}")
-    if abs(float(scale)) > MAX_SCALE:
+    if abs(value) > MAX_SCALE:
         raise ValueError(f"{name}: expected a magnitude up to {MAX_SCALE:.3g} (the kernels scale by scale * log2(e) "
                          f"in float32), got {scale}")
-    return float(scale)
+    return value
 
 
 def check_dropout(name: str, dropout_p: object) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{name}: expected a float in [0, 1), got {type(dropout_p).__name__}")
-    if not 0.0 <= float(dropout_p) < 1.0:
+    value = _real(name, dropout_p, "a float in [0, 1)")
+    if not 0.0 <= value < 1.0:
         raise ValueError(f"{name}: expected a float in [0, 1), got {dropout_p}")
-    return float(dropout_p)
+    return value
 
 
 def check_bias(name: str, bias: object, p: Problem, like: torch.Tensor, sdpa_mask: bool = False) -> torch.Tensor | None:

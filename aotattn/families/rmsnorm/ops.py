@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
 
 import torch
 
@@ -49,8 +50,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         weight = weight.contiguous()
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps: expected a real number, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and 0 <= eps <= MAX_EPS):
-        raise ValueError(f"eps: expected a non-negative number up to {MAX_EPS:.3g} (float32's largest), got {eps!r}")
+    if not (0 <= eps <= MAX_EPS and math.isfinite(eps)):  # a huge int fails the bound before float(eps) overflows
+        raise ValueError(f"eps: expected a non-negative number up to {MAX_EPS:.3g} (float32's largest), got {reprlib.repr(eps)}")
     if x.numel() and x.stride(-1) != 1:
         raise ValueError(f"x: expected a unit stride in the last dimension, got strides {x.stride()}")
     if torch.compiler.is_compiling():

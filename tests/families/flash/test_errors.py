@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fractions
+
 import pytest
 import torch
 
@@ -59,6 +61,11 @@ FLASH_CASES = [
     ("scale overflows fp32", lambda: _call(softmax_scale=1e300), ValueError, "softmax_scale: expected a magnitude"),
     ("negative scale overflows fp32", lambda: _call(softmax_scale=-3e38), ValueError,
      "softmax_scale: expected a magnitude"),
+    ("int scale beyond floats", lambda: _call(softmax_scale=10**400), ValueError,
+     "softmax_scale: expected a magnitude up to 2.35e+38, got a number beyond the float range"),
+    ("negative fraction scale beyond floats", lambda: _call(softmax_scale=fractions.Fraction(-10**400, 3)), ValueError,
+     "softmax_scale: expected a magnitude"),
+    ("int dropout beyond floats", lambda: _call(dropout_p=10**400), ValueError, "dropout_p: expected a float in [0, 1)"),
     ("dropout bool", lambda: _call(dropout_p=False), TypeError, "dropout_p: expected a float"),
     ("dropout tensor", lambda: _call(dropout_p=torch.tensor([0.1, 0.2])), TypeError, "dropout_p: expected a float"),
     ("sparse q", lambda: _call(q=_qkv()[0].to_sparse()), ValueError, "q: expected a dense"),
@@ -84,6 +91,7 @@ SDPA_CASES = [
     ("gqa off", lambda: _sdpa(enable_gqa=False), ValueError, "key: expected 4 heads (those of query) unless enable_gqa"),
     ("query 5-D", lambda: _sdpa(query=torch.randn(1, 1, 4, 8, 16)), ValueError, "query: expected a 4-D"),
     ("scale nan", lambda: _sdpa(scale=float("nan")), ValueError, "scale: expected a finite"),
+    ("int scale beyond floats", lambda: _sdpa(scale=-10**400), ValueError, "scale: expected a magnitude"),
     ("is_causal", lambda: _sdpa(is_causal=None), TypeError, "is_causal: expected a bool"),
     ("value dtype", lambda: _sdpa(value=torch.randn(1, 2, 8, 16)), TypeError, "value: expected dtype torch.float16"),
 ]
@@ -121,6 +129,7 @@ DROPOUT_MASK_CASES = [
     ("p zero", dict(dropout_p=0.0), ValueError, "dropout_p: expected a float in (0, 1)"),
     ("p one", dict(dropout_p=1.0), ValueError, "dropout_p"),
     ("p str", dict(dropout_p="0.5"), TypeError, "dropout_p: expected a float"),
+    ("p int beyond floats", dict(dropout_p=-10**400), ValueError, "dropout_p: expected a float in [0, 1)"),
 ]
 
 

@@ -37,6 +37,8 @@ def test_strided_rows():
     ((torch.randn(4, 8), torch.randn(8, dtype=torch.float16)), TypeError, "weight: expected dtype torch.float32"),
     ((torch.randn(4, 8), None, float("nan")), ValueError, "eps: expected a non-negative number"),
     ((torch.randn(4, 8), None, -1e-6), ValueError, "eps: expected a non-negative number"),
+    ((torch.randn(4, 8), None, 10**400), ValueError, "eps: expected a non-negative number up to 3.4e+38"),
+    ((torch.randn(4, 8), None, -10**400), ValueError, "eps: expected a non-negative number"),
     ((torch.randn(4, 8), None, 1e39), ValueError, "up to 3.4e+38"),
     ((torch.randn(4, 8), None, "1e-6"), TypeError, "eps: expected a real number, got str"),
     ((torch.randn(4, 8), None, True), TypeError, "eps: expected a real number, got bool"),
