@@ -11,6 +11,7 @@ import numbers
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import forward_ad
 
 from aotattn.families.flash.rules import (BACKENDS, DTYPES, MASK_BOTTOM_RIGHT, MASK_NONE, MASK_TOP_LEFT,
                                           MAX_HEAD_DIM)
@@ -72,15 +73,29 @@ def _tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
+def forward_ad_active() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` is open (one module global read)."""
+    return forward_ad._current_level >= 0
+
+
 def check_untransformed(name: str, t: torch.Tensor) -> None:
     """Refuse a tensor of a ``torch.func`` transform (vmap's batched tensors, grad's and
     jacrev's wrappers): it has no storage, and the kernels read data pointers (without
     this, torch raised "Cannot access data pointer of Tensor that doesn't have storage").
-    Not while Dynamo traces (it cannot trace the test; its graphs hold no such tensors)."""
-    if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(t):
+    Not while Dynamo traces (it cannot trace the test; its graphs hold no such tensors).
+
+    Refuse a dual tensor of forward-mode AD too: the operators have no JVP rule, and
+    without this its tangent was silently dropped (the output had none)."""
+    if torch.compiler.is_compiling():
+        return
+    if torch._C._functorch.is_functorch_wrapped_tensor(t):
         raise ValueError(f"{name}: expected a plain tensor, got one wrapped by a torch.func transform (vmap, grad, "
                          "jacrev, ...), which aotattn's operators do not support; loop over the batch instead of "
                          "vmap, use torch.autograd.grad instead of torch.func.grad")
+    if forward_ad_active() and forward_ad.unpack_dual(t).tangent is not None:
+        raise ValueError(f"{name}: expected a plain tensor, got a dual tensor of forward-mode AD (make_dual), which "
+                         "aotattn's operators do not support (no JVP rule); use reverse mode: backward() or "
+                         "torch.autograd.grad")
 
 
 def check_tensors(names: tuple[str, str, str], q: object, k: object, v: object, layout: str) -> None:

@@ -97,6 +97,7 @@ def _flash_bwd_fake(dout, q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k, m
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *scalars, _, backend, deterministic = inputs
     out, lse, rng = output
+    ctx.mark_non_differentiable(lse, rng)  # as in eager calls (ops.py): no gradient flows through lse
     ctx.save_for_backward(q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k, rng)
     ctx.max_seqlens = max_seqlen_q, max_seqlen_k
     ctx.scalars = scalars  # softmax_scale, mask, window_left, window_right, dropout_p

@@ -16,8 +16,8 @@ import torch
 
 from aotattn.families.flash import planning, rules
 from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_dropout,
-                                           check_flash, check_grid, check_sdpa,
-                                           check_varlen)
+                                           check_flash, check_grid, check_sdpa, check_varlen,
+                                           forward_ad_active)
 from aotattn.families.flash.planning import (Call, accumulated_dq_scale, backward_buffers, backward_dout,
                                              backward_plans, choose_backend, dropout_mask_plan, finish_dq,
                                              forward_plan, lse_shape, new_call, new_output, philox_state,
@@ -214,7 +214,7 @@ def _cacheable(q: object, k: object, v: object, dropout_p: object, extra: object
     """Calls without dropout or bias, with or without autograd, that are not padded by
     copy (:func:`_bucketed`): those the plan cache serves."""
     tensor, strided = torch.Tensor, torch.strided
-    if (torch.compiler.is_compiling()
+    if (torch.compiler.is_compiling() or forward_ad_active()  # a dual input must meet check_untransformed
             or not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)
                     and q.dim() and k.dim() and v.dim()
                     and q.layout is strided and k.layout is strided and v.layout is strided)

@@ -7,6 +7,7 @@ import numbers
 import reprlib
 
 import torch
+from torch.autograd import forward_ad
 
 from aotattn.families.rmsnorm import rules
 from aotattn.runtime import launch
@@ -108,3 +109,6 @@ def _check_dense(name: str, t: torch.Tensor) -> None:
     if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(t):  # Dynamo cannot trace it
         raise ValueError(f"{name}: expected a plain tensor, got one wrapped by a torch.func transform (vmap, grad, "
                          "...), which aotattn.rms_norm does not support")
+    if forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None:  # its tangent was dropped
+        raise ValueError(f"{name}: expected a plain tensor, got a dual tensor of forward-mode AD (make_dual), which "
+                         "aotattn.rms_norm does not support (no JVP rule)")

@@ -55,6 +55,31 @@ def test_flash_attn_func_compiles_whole_and_matches(request, device, dtype, back
     torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=2e-4)
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_a_compiled_lse_is_not_differentiable_as_an_eager_one(request, varlen):
+    """Eager calls mark lse non-differentiable; compiled ones returned it requiring grad and
+    dropped its gradient in the backward, so d(lse)/dq came back silently 0. Now neither
+    requires grad, and a loss over out and lse backpropagates through out alone, alike."""
+    seed_from(request.node.name)
+    q, k, v = make_qkv(1, 24, 24, 2, 2, 16, 16, torch.float32, "cpu", requires_grad=True)
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32)
+
+    def attention(q, k, v):
+        if varlen:
+            return aotattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 14, 14, causal=True, return_lse=True)
+        return aotattn.flash_attn_func(q, k, v, causal=True, return_lse=True)
+
+    grads = []
+    for fn in (attention, compiled(attention)):
+        out, lse = fn(q, k, v)
+        assert out.requires_grad and not lse.requires_grad
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            torch.autograd.grad(lse.sum(), q)
+        grads.append(torch.autograd.grad(out.sum() + lse.sum(), (q, k, v)))
+    for eager, traced in zip(*grads):
+        torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_sdpa_with_a_float_mask_compiles_and_its_gradient_flows(request, device):
     seed_from(request.node.name)

@@ -179,6 +179,36 @@ def test_torch_func_transforms_are_refused_clearly(api, name, warm):
             torch.randn(3, 8, 8))
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+@pytest.mark.parametrize("api, name", [("flash", "q"), ("sdpa", "query"), ("varlen", "q")])
+def test_dual_tensors_of_forward_mode_ad_are_refused_clearly(api, name, warm):
+    """The operators have no JVP rule: a dual tensor (forward_ad.make_dual) was accepted and
+    its tangent silently dropped, the output carrying none. Refused, naming the argument,
+    with or without requires_grad, after a plain call of the same shapes (a plan-cache
+    hit must not skip the check); plain tensors inside a dual level still run."""
+    from torch.autograd import forward_ad
+
+    q, k, v = _qkv(torch.float32, b=1, sq=8, sk=8, hq=2, hk=2)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    calls = {
+        "flash": lambda q: aotattn.flash_attn_func(q, k, v, causal=True),
+        "sdpa": lambda q: aotattn.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                              v.transpose(1, 2)).transpose(1, 2),
+        "varlen": lambda q: aotattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 8, 8).unsqueeze(0),
+    }
+    if warm:
+        calls[api](q)
+    for requires_grad in (False, True):
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(q.clone().requires_grad_(requires_grad), torch.randn_like(q))
+            with pytest.raises(ValueError, match=f"^{name}: expected a plain tensor, got a dual tensor of forward-mode"):
+                calls[api](dual)
+            plain = calls[api](q)
+            assert forward_ad.unpack_dual(plain).tangent is None
+    ref, _ = reference.attention(q.double(), k.double(), v.double(), causal=api == "flash")
+    assert rel_err(plain, ref) < 1e-5
+
+
 def test_sequences_or_heads_past_cudas_grid_limit_are_refused_on_cuda_only():
     """The kernels' grids are (blocks, heads, sequences): past 65535 in y or z the launch
     failed with the driver's CUDA_ERROR_INVALID_VALUE; the interpreter has no such limit."""

@@ -63,6 +63,21 @@ def test_vmap_is_refused_clearly():
         torch.vmap(lambda w: aotattn.rms_norm(x[0], w))(w)
 
 
+def test_dual_tensors_of_forward_mode_ad_are_refused_clearly():
+    """No JVP rule: a dual x or weight (forward_ad.make_dual) had its tangent dropped."""
+    from torch.autograd import forward_ad
+
+    x, w = torch.randn(4, 8), torch.randn(8)
+    with forward_ad.dual_level():
+        with pytest.raises(ValueError, match="^x: expected a plain tensor, got a dual tensor of forward-mode AD"):
+            aotattn.rms_norm(forward_ad.make_dual(x, torch.randn_like(x)), w)
+        with pytest.raises(ValueError, match="^weight: expected a plain tensor, got a dual tensor"):
+            aotattn.rms_norm(x, forward_ad.make_dual(w, torch.randn_like(w)))
+        y = aotattn.rms_norm(x, w)
+    ref = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)) * w.double()
+    assert (y.double() - ref).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("needs_grad", ["x", "weight"])
 def test_no_gradient_is_silently_dropped(request, needs_grad):
     """rms_norm has no backward. Its result used to be detached from its inputs, so
