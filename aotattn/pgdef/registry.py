@@ -142,7 +142,9 @@ def run_attempt(kind: TaskKind, task: Task, ctx: TaskContext) -> Outcome:
         output = kind.handler(task.payload, ctx)
     except PayloadError as exc:
         return failed(exc, permanent=True)
-    except Exception as exc:  # the handler's bug or a transient failure: recorded, retried
+    except (Exception, SystemExit) as exc:  # the handler's bug or a transient failure: recorded, retried
+        # (a handler's sys.exit() is its failure, not the worker's: it exited the worker
+        # silently, leaving the task running until its lease expired)
         return failed(exc, permanent=False)
     try:
         storable_json(output)

@@ -35,6 +35,9 @@ def flaky(payload: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
 
 @app.task("boom")
 def boom(payload: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
+    """Raises ValueError, or with ``exit`` SystemExit (a handler calling sys.exit)."""
+    if "exit" in payload:
+        raise SystemExit(payload["exit"])
     raise ValueError(f"boom: {payload['msg']}")
 
 

@@ -30,13 +30,17 @@ def test_squares_match_float64(client, dsn):
     assert set(count_results(dsn).values()) == {1}
 
 
-def test_handler_exception_fails_after_max_attempts_and_the_worker_goes_on(client, dsn):
-    client.dispatch("testapp,boom", "cpu", [{"msg": "kaput"}], max_attempts=3)
+@pytest.mark.parametrize("payload, error", [({"msg": "kaput"}, "ValueError: boom: kaput"),
+                                            ({"msg": "", "exit": 3}, "SystemExit: 3")], ids=["raises", "sys_exit"])
+def test_handler_exception_fails_after_max_attempts_and_the_worker_goes_on(client, dsn, payload, error):
+    """A handler's exception, SystemExit included (it used to end the worker silently, the
+    task left running until its lease expired), is a failed attempt; the worker goes on."""
+    client.dispatch("testapp,boom", "cpu", [payload], max_attempts=3)
     client.dispatch("testapp,square", "cpu", [{"x": i} for i in range(20)])
     (worker,) = run_workers(dsn)
     (task,) = client.tasks("testapp,boom")
     assert task.state == "failed" and task.attempts == 3
-    assert "ValueError: boom: kaput" in task.error and "apps.py" in task.error  # message and where
+    assert error in task.error and "apps.py" in task.error  # message and where
     errors = [e for e in client.events([task.id]) if e["event"] == "error"]
     assert [e["attempt"] for e in errors] == [1, 2, 3]
     assert len(client.results("testapp,square")) == 20
