@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -263,19 +264,52 @@ def read_results(path: Path) -> tuple[str, list[Outcome]]:
         raise BatchError(f"{path}:1: expected a {RESULTS_FORMAT} header (a file from `aotattn pgdef run-offline`)")
     outcomes = []
     for number, text in enumerate(lines[1:], start=2):
+        parsed = False
         try:
-            obj = json.loads(text)
-            outcomes.append(_storable(Outcome(
-                task_id=int(obj["task_id"]), attempt=int(obj["attempt"]), ok=bool(obj["ok"]), output=obj.get("output"),
-                error=None if obj.get("error") is None else str(obj["error"]),
-                permanent=bool(obj.get("permanent", False)), elapsed_s=float(obj.get("elapsed_s", 0.0)),
-                worker_id=None if obj.get("worker_id") is None else str(obj["worker_id"]))))
+            obj, parsed = json.loads(text), True
+            outcomes.append(_storable(_outcome_of(obj)))
         except (ValueError, KeyError, TypeError) as exc:
-            if number == len(lines) and (unterminated or not text.endswith("}")):
+            if number == len(lines) and (unterminated or not (parsed or text.endswith("}"))):
                 log.warning("%s:%d: ignoring a line cut short", path, number)
                 break
             raise BatchError(f"{path}:{number}: malformed result line ({type(exc).__name__}: {exc})") from exc
     return str(header["batch_id"]), outcomes
+
+
+_REQUIRED = object()
+
+
+def _typed(obj: dict, key: str, kind: str, default: object = _REQUIRED) -> object:
+    """``obj[key]`` if it has the JSON type ``kind`` ("int", "bool", "number", "text or
+    null"), else TypeError: a checked-in line is recorded as it reads, so nothing is coerced
+    (``bool("no")`` made a failed line a result, ``int(3.9)`` another task's)."""
+    if key not in obj and default is not _REQUIRED:
+        return default
+    value = obj[key]
+    fits = {"int": isinstance(value, int) and not isinstance(value, bool),
+            "bool": isinstance(value, bool),
+            "number": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= 0,
+            "text or null": value is None or isinstance(value, str)}[kind]
+    if not fits:
+        raise TypeError(f"{key}: expected {'a non-negative number' if kind == 'number' else kind}, got {value!r}")
+    return value
+
+
+def _outcome_of(obj: object) -> Outcome:
+    """One result line's outcome, every field of the type ``run_offline`` writes."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"expected a JSON object, got {type(obj).__name__}")
+    ok, error = _typed(obj, "ok", "bool"), _typed(obj, "error", "text or null", None)
+    if ok == (error is not None):
+        raise ValueError(f"expected an error exactly when ok is false, got ok {ok} and error {error!r}")
+    attempt = _typed(obj, "attempt", "int")
+    if attempt < 1:
+        raise ValueError(f"attempt: expected 1 or more, got {attempt}")
+    return Outcome(task_id=_typed(obj, "task_id", "int"), attempt=attempt, ok=ok, output=obj.get("output"),
+                   error=error, permanent=_typed(obj, "permanent", "bool", False),
+                   elapsed_s=float(_typed(obj, "elapsed_s", "number", 0.0)),
+                   worker_id=_typed(obj, "worker_id", "text or null", None))
 
 
 def _storable(outcome: Outcome) -> Outcome:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -151,6 +152,35 @@ def test_bad_files_are_refused(client, tmp_path):
     with pytest.raises(ConfigError, match="no handler for categories testapp,square"):
         run_offline(tmp_path / "b.json", tmp_path / "y.jsonl", ["aotattn.pgdef.toy"])
     assert client.checkin([tmp_path / "r.jsonl"]).accepted == 3  # the good file still checks in
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"ok": "no", "output": None}, "ok: expected bool, got 'no'"),  # bool("no") made it a result
+    ({"task_id": "1"}, "task_id: expected int"),
+    ({"task_id": 1.9}, "task_id: expected int"),  # int(1.9) named another task
+    ({"attempt": True}, "attempt: expected int"),
+    ({"attempt": 0}, "attempt: expected 1 or more"),
+    ({"elapsed_s": -1.0}, "elapsed_s: expected a non-negative number"),
+    ({"permanent": 1}, "permanent: expected bool"),
+    ({"worker_id": 7}, "worker_id: expected text or null"),
+    ({"ok": False}, "expected an error exactly when ok is false"),
+    ({"error": "RuntimeError: x"}, "expected an error exactly when ok is false"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_a_result_line_of_the_wrong_types_is_refused_not_coerced(client, tmp_path, change, message):
+    """Every field is read as run_offline writes it; a tampered or hand-edited line is an
+    error naming path:line, and the batch checks in once fixed."""
+    _dispatch(client, 2)
+    client.checkout("sm_90", ["testapp,square"], tmp_path / "b.json")
+    run_offline(tmp_path / "b.json", tmp_path / "r.jsonl", APPS)
+    header, first, second = tmp_path.joinpath("r.jsonl").read_text().splitlines()
+    bad = change if isinstance(change, str) else json.dumps({**json.loads(second), **change})
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text("\n".join([header, first, bad]) + "\n")
+    with pytest.raises(BatchError, match=re.escape(f"edited.jsonl:3: malformed result line") + ".*" + re.escape(message)):
+        client.checkin([edited])
+    assert client.checkin([tmp_path / "r.jsonl"]).accepted == 2
+    assert all(t.state == "done" for t in client.tasks("testapp,square"))
 
 
 @pytest.mark.parametrize("cut_at", [15, -1])  # mid-line; a whole line whose newline was not written
