@@ -177,7 +177,7 @@ def test_a_result_line_of_the_wrong_types_is_refused_not_coerced(client, tmp_pat
     bad = change if isinstance(change, str) else json.dumps({**json.loads(second), **change})
     edited = tmp_path / "edited.jsonl"
     edited.write_text("\n".join([header, first, bad]) + "\n")
-    with pytest.raises(BatchError, match=re.escape(f"edited.jsonl:3: malformed result line") + ".*" + re.escape(message)):
+    with pytest.raises(BatchError, match=re.escape("edited.jsonl:3: malformed result line") + ".*" + re.escape(message)):
         client.checkin([edited])
     assert client.checkin([tmp_path / "r.jsonl"]).accepted == 2
     assert all(t.state == "done" for t in client.tasks("testapp,square"))
