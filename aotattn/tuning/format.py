@@ -108,6 +108,7 @@ class Patch:
     configs: dict[str, Config] = field(default_factory=dict)
     edits: list[Edit] = field(default_factory=list)
     comments: list[str] = field(default_factory=list)
+    config_lines: dict[str, str] = field(default_factory=dict, compare=False)  # name -> "path:line" of its definition
 
 
 # ----------------------------------------------------------------------------- values
@@ -334,8 +335,10 @@ def _sections(rest, spec: Any, path: str, report: _Report):
         yield current
 
 
-def _parse_configs(spec: Any, body, configs: dict[str, Config], report: _Report, broken: set[str]) -> None:
-    """``broken``: names whose definition is in error (so their uses are not errors too)."""
+def _parse_configs(spec: Any, body, configs: dict[str, Config], report: _Report, broken: set[str],
+                   lines: dict[str, str] | None = None) -> None:
+    """``broken``: names whose definition is in error (so their uses are not errors too);
+    ``lines``: filled with each name's ``path:line``."""
     for _, line, where in body:
         name, eq, values = line.partition("=")
         name = name.strip()
@@ -347,6 +350,8 @@ def _parse_configs(spec: Any, body, configs: dict[str, Config], report: _Report,
             broken.add(name)
             configs[name] = parse_config(spec, values, where)
             broken.discard(name)
+            if lines is not None:
+                lines[name] = where
         except TuningError as exc:
             report(exc)
 
@@ -472,7 +477,7 @@ def parse_patch(spec: Any, text: str, path: str = "<patch>", errors: list[Tuning
     broken: set[str] = set()
     for header, where, body in _sections(rest, spec, path, report):
         if header == "configs":
-            _parse_configs(spec, body, patch.configs, report, broken)
+            _parse_configs(spec, body, patch.configs, report, broken, patch.config_lines)
             continue
         try:
             functional = parse_functional(spec, header, where)
@@ -576,7 +581,13 @@ def apply_patch(table: Table, patch: Patch, path: str = "<patch>",
     """
     report = _Report(errors)
     out = table.copy()
-    out.configs.update(patch.configs)
+    for name, config in patch.configs.items():
+        if out.configs.get(name, config) != config:  # the earlier one stays (an error, when collected)
+            report(TuningError(f"configuration {name!r} is already defined with other knobs: a patch adds "
+                               "configurations and cannot change one (every cell naming it would move); give "
+                               "this one a new name", patch.config_lines.get(name, path)))
+            continue
+        out.configs[name] = config
     index = [{b: i for i, b in enumerate(buckets)} for _, buckets in table.keys]
     for edit in patch.edits:
         where = f"{path}:{edit.line}"

@@ -314,3 +314,25 @@ def test_a_byte_order_mark_is_named_not_read_as_a_missing_header(tmp_path):
 def test_a_tab_after_a_directive_separates_it_from_its_value():
     text = TABLE.replace("#! table toy.k", "#! table\ttoy.k").replace("#! arch sm_90", "#!\tarch \t sm_90")
     assert parse_table(TOY, text, "t.txt").blocks == parse_table(TOY, TABLE, "t.txt").blocks
+
+
+def test_a_patch_cannot_redefine_a_configuration_the_table_names(tmp_path, monkeypatch):
+    """A patch adds configurations and sets cells: one redefining ``big`` (knobs other than
+    the table's) silently moved every cell naming it, and lint passed. Now an error at the
+    definition's line; the same knobs under the same name stay allowed (a tuner's patch
+    names a configuration by its knobs)."""
+    monkeypatch.setattr(families, "tables", lambda: SPECS)
+    same = "#! aotattn-patch 1\n#! table toy.k\n\n[configs]\nbig = BLOCK=64 num_warps=8\n\n[dtype=fp16 PAD=False]\n" \
+           "seqlen_q=16 seqlen_k=16: big\n"
+    other = same.replace("big = BLOCK=64 num_warps=8", "big = BLOCK=16 num_warps=4")
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE, "nvidia/sm_90/toy.k.0001-same.dbpatch": same})
+    assert db.lint() == []
+    assert dict(db.lookup("sm_90", TOY, f(), {"seqlen_q": 16, "seqlen_k": 16}).items) == {"BLOCK": 64, "num_warps": 8}
+    patch = tmp_path / "nvidia/sm_90/toy.k.0002-other.dbpatch"
+    patch.write_text(other)
+    db = Database(tmp_path, SPECS)
+    (problem,) = db.lint()
+    assert problem.where == f"{patch}:5" and "configuration 'big' is already defined with other knobs" in str(problem)
+    with pytest.raises(TuningError, match="'big' is already defined"):
+        db.lookup("sm_90", TOY, f(), {"seqlen_q": 64, "seqlen_k": 64})
+    assert lint_cli(tmp_path).exit_code == 1
