@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -399,10 +400,17 @@ def _declared_base(path: Path) -> str | None:
 
 
 def _lost_comments(text: str, rewritten: str) -> list[str]:
-    """Line numbers of the comments in ``text`` that ``rewritten`` no longer has."""
-    kept = set(text_lines(rewritten))
-    return [str(n) for n, line in enumerate(text_lines(text), start=1)
-            if line.lstrip().startswith("#") and not line.startswith("#!") and line.rstrip() not in kept]
+    """Line numbers of the comments in ``text`` that ``rewritten`` no longer has, each
+    occurrence counted (a body comment repeating a header one is a comment of its own)."""
+    kept = Counter(line.rstrip() for line in text_lines(rewritten))
+    lost = []
+    for n, line in enumerate(text_lines(text), start=1):
+        if line.lstrip().startswith("#") and not line.startswith("#!"):
+            if kept[line.rstrip()] > 0:
+                kept[line.rstrip()] -= 1
+            else:
+                lost.append(str(n))
+    return lost
 
 
 def read_text(path: Path) -> str:

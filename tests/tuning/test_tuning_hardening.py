@@ -130,6 +130,20 @@ def test_lint_fix_never_deletes_what_it_does_not_understand(tmp_path, monkeypatc
     assert "# why bf16 differs" in after[sm80] and "drop the comment" in result.output, result.output
 
 
+def test_lint_fix_keeps_a_body_comment_that_repeats_a_header_one(tmp_path, monkeypatch):
+    """The lost-comment check compared texts as sets: a body comment with the text of a
+    header comment looked kept, and --fix dropped it. Each occurrence counts now."""
+    monkeypatch.setattr(families, "tables", lambda: SPECS)
+    header_comment = TABLE.splitlines()[0]
+    repeated = TABLE.replace("[dtype=bf16 PAD=False]", f"{header_comment}\n[dtype=bf16 PAD=False]")
+    make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": repeated})
+    path = tmp_path / "nvidia/sm_90/toy.k.txt"
+    line = repeated.splitlines().index("[dtype=bf16 PAD=False]")  # the comment's line number (1-based)
+    result = CliRunner().invoke(app, ["tuning", "lint", "--fix", "--tuning-db", str(tmp_path)])
+    assert result.exit_code == 1 and f"drop the comment on line(s) {line}:" in result.output, result.output
+    assert path.read_text() == repeated
+
+
 # --------------------------------------------------------------------------- item 11: base depth
 
 
