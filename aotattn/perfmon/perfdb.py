@@ -42,11 +42,17 @@ from aotattn.perfmon.entries import Entry
 FORMAT_VERSION = 1
 ENV_VAR = "AOTATTN_PERFDB"
 PROJECT_ROOT = Path(__file__).resolve().parents[2] / "perfdb"
+ARCH_FOLDER = re.compile(r"sm_\d+|gfx[0-9a-f]+|cpu")  # the store's folders: perfdb/<arch>/<tag>.txt
 HEADER_KEYS = ("tag", "arch", "aotattn", "tuning", "triton", "torch", "gpu", "date", "mode", "timing", "command")
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _COLUMNS = ("entry", "pass", "provider", "ms", "spread%", "TFLOP/s", "aot/x", "note")
 _WIDTHS = (44, 7, 16, 10, 8, 9, 7)
 MISSING = "-"
+
+
+def _line_of(text: str, prefix: str) -> int:
+    """The number of the first line starting with ``prefix`` (1 if none)."""
+    return next((n for n, line in enumerate(text.splitlines(), start=1) if line.startswith(prefix)), 1)
 
 
 class PerfdbError(ValueError):
@@ -140,6 +146,11 @@ class Perfdb:
                 if section is not None:
                     raise PerfdbError("header directives come before [entries]", where)
                 key, _, value = line[2:].strip().partition(" ")
+                if key not in HEADER_KEYS:
+                    raise PerfdbError(f"unknown directive {'#! ' + key if key else '#!'!r} (a perfdb header has "
+                                      f"{', '.join(HEADER_KEYS)})", where)
+                if key in db.header:
+                    raise PerfdbError(f"directive '#! {key}' given twice", where)
                 db.header[key] = value.strip()
                 continue
             if not line.strip():
@@ -149,6 +160,8 @@ class Perfdb:
                     db.comments.append(line[2:] if line.startswith("# ") else line[1:])
                 continue
             if line in ("[entries]", "[results]"):
+                if line[1:-1] == section or (section == "results" and line == "[entries]"):
+                    raise PerfdbError(f"{line} again: a perfdb file has one [entries] then one [results]", where)
                 section = line[1:-1]
                 continue
             if section == "entries":
@@ -173,6 +186,9 @@ class Perfdb:
                 db.records.append(record)
             else:
                 raise PerfdbError(f"expected [entries] or [results] before {line[:40]!r}", where)
+        if section != "results":
+            raise PerfdbError("no [results] section: the file is cut short (measure it again, or restore it from "
+                              "git)", f"{path}:{number}")
         return db
 
     @classmethod
@@ -185,7 +201,12 @@ class Perfdb:
         except UnicodeDecodeError as exc:
             raise PerfdbError(f"not UTF-8 text (byte {exc.start}): a perfdb file is text written by "
                               "`aotattn perfmon run`; restore it from git or measure it again", str(path)) from exc
-        return cls.from_text(text, str(path))
+        db = cls.from_text(text, str(path))
+        folder, arch = path.parent.name, db.header.get("arch")
+        if arch is not None and ARCH_FOLDER.fullmatch(folder) and folder != arch:
+            raise PerfdbError(f"'#! arch {arch}' in folder {folder}/: a run is stored under its own architecture "
+                              f"(move it to {arch}/)", f"{path}:{_line_of(text, '#! arch ')}")
+        return db
 
     def write(self, path: Path | str) -> Path:
         """Write atomically (a temporary file, then a rename)."""
@@ -206,10 +227,15 @@ def _num(value: float | None, spec: str) -> str:
     return format(value, spec)
 
 
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|nan)", re.ASCII | re.IGNORECASE)
+
+
 def _parse_float(token: str, what: str, where: str, positive: bool = False) -> float | None:
     if token == MISSING:
         return None
     try:
+        if not _NUMBER.fullmatch(token):  # float() also reads "0_3633" (3633) and other scripts' digits
+            raise ValueError(token)
         value = float(token)
     except ValueError as exc:
         raise PerfdbError(f"{what}: expected a number or '-', got {token!r}", where) from exc
@@ -227,6 +253,8 @@ def _parse_record(line: str, where: str) -> Record:
     note = parts[7] if len(parts) > 7 else ""
     ms_v = _parse_float(ms, "ms", where, positive=True)
     spread_v = _parse_float(spread, "spread%", where)
+    if ms_v is None and spread_v is not None:
+        raise PerfdbError(f"spread%: expected '-' where ms is '-', got {spread!r}", where)
     return Record(entry, pass_, provider, ms_v, None if ms_v is None or spread_v is None else ms_v * spread_v / 100,
                   _parse_float(tflops, "TFLOP/s", where), _parse_float(ratio, "aot/x", where), note)
 

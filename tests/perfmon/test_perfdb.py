@@ -80,6 +80,18 @@ def test_one_line_per_entry_pass_and_provider():
     (lambda t: t.replace("[entries]", "[stuff]"), "expected \\[entries\\]", None),
     (lambda t: t.replace("[results]\n", "[results]\n" + t.split("[entries]\n")[1].split()[0] + " fwdd aotattn 1 1 1 1\n"),
      "pass 'fwdd': entry .* declares passes", None),
+    # the header: a typo, a bare "#!" and a repeated directive (the later date won: `standing` orders runs by it)
+    (lambda t: t.replace("#! tag ", "#! tga ", 1), "unknown directive '#! tga'", 2),
+    (lambda t: t.replace("#! arch", "#!\n#! arch", 1), "unknown directive '#!'", 3),
+    (lambda t: t.replace("#! arch", "#! date 1999-01-01T00:00:00+00:00\n#! arch", 1), "'#! date' given twice", None),
+    # sections: one [entries] then one [results], which a file cut short lacks
+    (lambda t: t.split("\n[results]")[0] + "\n", "no \\[results\\] section: the file is cut short", None),
+    (lambda t: t.replace("[results]\n", "[results]\n[entries]\n"), "\\[entries\\] again", None),
+    # numbers: float() reads "1_5" as 15; a spread without a time
+    (lambda t: t.replace("[results]\n", "[results]\n" + t.split("[entries]\n")[1].split()[0] + " fwd odd 1_5 1 1 1\n"),
+     "ms: expected a number or '-', got '1_5'", None),
+    (lambda t: t.replace("[results]\n", "[results]\n" + t.split("[entries]\n")[1].split()[0] + " fwd odd - 3 - -\n"),
+     "spread%: expected '-' where ms is '-'", None),
 ])
 def test_malformed_files_are_refused_with_their_line(mutate, message, line):
     text = random_run(5, n=3).to_text()
@@ -88,6 +100,22 @@ def test_malformed_files_are_refused_with_their_line(mutate, message, line):
     assert info.value.where.startswith("runs/x.txt:")
     if line is not None:
         assert info.value.where == f"runs/x.txt:{line}"
+
+
+def test_a_run_stored_under_another_architecture_is_refused(tmp_path):
+    """perfdb/<arch>/<tag>.txt: a file whose '#! arch' names another folder's architecture
+    would be counted as that folder's run; a file outside the store's folders is read as is."""
+    text = random_run(2, n=2).to_text()
+    misplaced = tmp_path / "sm_80" / "t2.txt"
+    misplaced.parent.mkdir()
+    misplaced.write_text(text)
+    with pytest.raises(PerfdbError, match="'#! arch sm_90' in folder sm_80/.*move it to sm_90/") as info:
+        Perfdb.read(misplaced)
+    assert info.value.where == f"{misplaced}:3"
+    elsewhere = tmp_path / "out" / "t2.txt"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(text)
+    assert Perfdb.read(elsewhere).to_text() == text
 
 
 def test_tags_and_where_files_live(tmp_path):
