@@ -142,6 +142,12 @@ def worker(
                                  param_hint="--gpus") from None
     if any(g < 0 for g in gpu_list):
         raise typer.BadParameter(f"expected GPU indices >= 0, got {gpus!r}", param_hint="--gpus")
+    if len(set(gpu_list)) != len(gpu_list):
+        raise typer.BadParameter(f"expected each GPU once (one worker process per GPU), got {gpus!r}",
+                                 param_hint="--gpus")
+    if processes is not None and processes < (0 if gpu_list else 1):
+        raise typer.BadParameter(f"expected {'0 or more' if gpu_list else '1 or more'} CPU worker processes, "
+                                 f"got {processes}", param_hint="--processes")
     processes = processes if processes is not None else (0 if gpu_list else 1)
     # checked here, before any process starts (each would refuse it on its own)
     config = WorkerConfig(pool=pool, gpu=gpu, lease_s=lease, heartbeat_s=heartbeat, poll_s=poll,
@@ -365,6 +371,18 @@ def server_status(home: Path = HOME) -> None:
     console.print(f"running: {server.dsn}" if server.running() else f"not running (work folder {server.home})")
 
 
+def _counts(text: str, option: str) -> list[int]:
+    """Comma-separated positive integers, e.g. ``1,2,4,8``."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise typer.BadParameter(f"expected positive integers separated by commas, e.g. 1,2,4; got {text!r}",
+                                 param_hint=option)
+    return counts
+
+
 @app.command()
 @_errors
 def bench(
@@ -377,7 +395,7 @@ def bench(
     """Measure claim throughput: no-op tasks claimed, run and completed per second."""
     from aotattn.pgdef.bench import run_bench
 
-    rows = run_bench(dsn, tasks, [int(w) for w in workers.split(",")], [int(b) for b in claim_batch.split(",")])
+    rows = run_bench(dsn, tasks, _counts(workers, "--workers"), _counts(claim_batch, "--claim-batch"))
     table = Table(title=f"claim throughput, {tasks} no-op tasks per run")
     for column in ("workers", "claim batch", "seconds", "tasks/s"):
         table.add_column(column, justify="right")

@@ -108,6 +108,12 @@ def test_cli_errors_are_one_line(dsn, tmp_path):
     (["worker", "--app", "aotattn.pgdef.toy", "--reconnect-timeout", "-1"], "reconnect_timeout_s"),
     (["worker", "--app", "aotattn.pgdef.toy", "--gpus", "a"], "--gpus"),
     (["worker", "--app", "aotattn.pgdef.toy", "--gpus", "0,-1"], "--gpus"),
+    (["worker", "--app", "aotattn.pgdef.toy", "--gpus", "1,0,1"], "each GPU once"),  # two workers on GPU 1
+    (["worker", "--app", "aotattn.pgdef.toy", "--processes", "-1"], "--processes"),  # ran one worker
+    (["worker", "--app", "aotattn.pgdef.toy", "--processes", "0"], "1 or more CPU worker processes"),
+    (["worker", "--app", "aotattn.pgdef.toy", "--gpus", "0", "--processes", "-2"], "0 or more CPU worker"),
+    (["bench", "--workers", "x"], "--workers"),  # was "invalid literal for int()"
+    (["bench", "--claim-batch", "4,0"], "--claim-batch"),
     (["status", "--window", "nan"], "window_s"),
     (["retry", "--id", str(2**64)], "task ids"),
     (["cancel", "--id", "0"], "task ids"),
