@@ -23,7 +23,7 @@ from aotattn.paths import installed_tuning_db
 from aotattn.spec import Config, Functional
 from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, block_for, bucket_index,
                                    fallback_chain, follow_fallbacks, format_config, parse_config, parse_patch,
-                                   parse_table, text_lines, write_patch, write_table)
+                                   parse_table, split_directive, text_lines, write_patch, write_table)
 
 ENV_VAR = "AOTATTN_TUNING_DB"
 MAX_BASE_DEPTH = 16  # `#! base` hops from a table to its root (the project's longest is 1)
@@ -379,9 +379,17 @@ def diff(spec: Any, a: Table, b: Table) -> list[str]:
     return lines
 
 
+def _directive(line: str) -> tuple[str, str] | None:
+    """A ``#!`` line's (key, value) as the parser reads it; None for other lines."""
+    if not line.startswith("#!"):
+        return None
+    key, value = split_directive(line)
+    return key, value.strip()
+
+
 def _directive_line(path: Path, directive: str) -> int:
     for number, line in enumerate(text_lines(read_text(path)), start=1):
-        if line.startswith(f"#! {directive}"):
+        if (_directive(line) or ("",))[0] == directive:
             return number
     return 1
 
@@ -390,8 +398,9 @@ def _declared_base(path: Path) -> str | None:
     """The ``#! base`` a table file names, read leniently (for lint, whatever else is wrong)."""
     try:
         for line in text_lines(path.read_bytes().decode("utf-8", "replace")):
-            if line.startswith("#! base "):
-                return line.split()[2] if len(line.split()) > 2 else None
+            key, value = _directive(line) or ("", "")
+            if key == "base":
+                return value.split()[0] if value else None
             if line.startswith("["):
                 break
     except OSError:

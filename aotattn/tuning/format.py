@@ -258,6 +258,12 @@ def _selection(spec: Any, text: str, where: str, allow_ranges: bool) -> tuple[tu
     return tuple(selection)
 
 
+def split_directive(line: str) -> tuple[str, str]:
+    """A ``#!`` line's key and value (a tab separates them as a space does)."""
+    key, _, value = line[2:].strip().replace("\t", " ").partition(" ")
+    return key, value
+
+
 def _header(spec: Any, text: str, path: str, kind: str,
             report: _Report) -> tuple[dict[str, str], dict[str, str], list[str], list]:
     """Directives (``#! key value``), where each was given (``path:line``), leading
@@ -276,7 +282,7 @@ def _header(spec: Any, text: str, path: str, kind: str,
     allowed = DIRECTIVES[kind]
     for number, line, where in _lines(text, path):
         if in_header and line.startswith("#!"):
-            key, _, value = line[2:].strip().replace("\t", " ").partition(" ")  # a tab separates as a space does
+            key, value = split_directive(line)
             if key not in allowed:
                 near = difflib.get_close_matches(key, allowed, n=1)
                 other = [k for k, names in DIRECTIVES.items() if key in names]

@@ -350,3 +350,22 @@ def test_a_patch_cannot_redefine_a_configuration_the_table_names(tmp_path, monke
     with pytest.raises(TuningError, match="'big' is already defined"):
         db.lookup("sm_90", TOY, f(), {"seqlen_q": 64, "seqlen_k": 64})
     assert lint_cli(tmp_path).exit_code == 1
+
+
+@pytest.mark.parametrize("separator", [" ", "\t", " \t "])
+def test_lint_reads_a_base_separated_by_a_tab_as_the_parser_does(tmp_path, separator):
+    """The parser splits '#! base<TAB>sm_90' like '#! base sm_90'; lint's helpers matched
+    only one space, so the archs a problem affects and the base line were wrong."""
+    derived = HEADER.format(arch="sm_80", base=f"#! base{separator}sm_90\n")
+    uncanonical = TABLE.replace("small*2 big", "small small big")  # a problem of the file, not of a lookup
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": uncanonical, "nvidia/sm_80/toy.k.txt": derived})
+    problems = db.lint()
+    (problem,) = [p for p in problems if p.where == str(tmp_path / "nvidia/sm_90/toy.k.txt")]
+    assert "not in canonical form" in str(problem) and problem.archs == ("sm_80", "sm_90")
+    assert len(problems) == 1 + (separator != " ")  # --fix writes the tab as a space
+    cyclic_text = TABLE.replace("#! keys", f"#! base{separator}sm_80\n#! keys")
+    cyclic = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": cyclic_text})
+    with pytest.raises(TuningError, match="#! base cycle") as info:
+        cyclic.lookup("sm_80", TOY, f(), {"seqlen_q": 16, "seqlen_k": 16})
+    base_line = 1 + next(n for n, line in enumerate(cyclic_text.splitlines()) if line.startswith("#! base"))
+    assert info.value.where.endswith(f":{base_line}")
