@@ -122,7 +122,8 @@ def lint(tuning_db: Path = TUNING_DB,
             console.print(f"rewrote {path}", markup=False)
     problems = db.lint()
     for problem in problems:
-        console.print(escape(f"{problem}  (affects {', '.join(problem.archs)})"), style="red", highlight=False)
+        affects = f"  (affects {', '.join(problem.archs)})" if problem.archs else "  (affects no architecture)"
+        console.print(escape(f"{problem}{affects}"), style="red", highlight=False)
     console.print(f"{len(problems)} problem(s) in {db.root}")
     if problems:
         raise typer.Exit(1)

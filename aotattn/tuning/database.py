@@ -212,6 +212,9 @@ class Database:
             kept = found.setdefault(str(problem), problem)
             kept.archs = tuple(sorted(set(kept.archs) | set(affected)))
 
+        for stray in self._strays():
+            add(TuningError("a table or patch outside an architecture folder is never read: move it into "
+                            "<vendor>/<arch>/", str(stray)), ())
         for arch in archs:
             directory = self.arch_dir(arch)
             for path in sorted(directory.iterdir()):
@@ -229,6 +232,12 @@ class Database:
                     for exc in edits:
                         add(exc, (arch,))
         return list(found.values())
+
+    def _strays(self) -> list[Path]:
+        """Tables and patches at the root or in a vendor folder, where no lookup reads them."""
+        folders = [self.root] + sorted(p for p in self.root.iterdir() if p.is_dir())
+        return [path for folder in folders for path in sorted(folder.iterdir())
+                if path.is_file() and path.suffix in (".txt", ".dbpatch")]
 
     def _lint_file(self, arch: str, path: Path) -> tuple[str | None, list[TuningError]]:
         """The table a file belongs to (None if none) and every error inside the file."""

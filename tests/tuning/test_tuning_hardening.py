@@ -369,3 +369,14 @@ def test_lint_reads_a_base_separated_by_a_tab_as_the_parser_does(tmp_path, separ
         cyclic.lookup("sm_80", TOY, f(), {"seqlen_q": 16, "seqlen_k": 16})
     base_line = 1 + next(n for n, line in enumerate(cyclic_text.splitlines()) if line.startswith("#! base"))
     assert info.value.where.endswith(f":{base_line}")
+
+
+def test_lint_reports_a_table_outside_an_architecture_folder(tmp_path):
+    """tuning/nvidia/toy.k.txt (an architecture folder forgotten) was never read and lint
+    said nothing; other files (a README) stay allowed."""
+    make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE, "nvidia/toy.k.txt": TABLE, "toy.k.0001-x.dbpatch": PATCH,
+                       "nvidia/README.md": "notes\n"})
+    problems = Database(tmp_path, SPECS).lint()
+    assert sorted(p.where for p in problems) == [str(tmp_path / "nvidia/toy.k.txt"), str(tmp_path / "toy.k.0001-x.dbpatch")]
+    assert all("outside an architecture folder is never read" in str(p) for p in problems)
+    assert lint_cli(tmp_path).exit_code == 1
