@@ -369,5 +369,11 @@ def test_finishing_an_accumulated_dq_is_one_kernel():
         dq = planning.finish_dq(sums, q, 0.125)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(kernels) == 1, kernels
+    # The H100 suite of 2026-12-05 saw a bf16 fill before the multiply in one xdist worker:
+    # torch.empty's NaN fill under deterministic algorithms would be one; any other is a failure.
+    deterministic = torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
+    fills = [k for k in kernels if "FillFunctor" in k]
+    passes = [k for k in kernels if "FillFunctor" not in k]
+    assert len(passes) == 1 and "MulFunctor" in passes[0], kernels
+    assert not fills or deterministic, (torch.are_deterministic_algorithms_enabled(), kernels)
     assert torch.equal(dq, (sums * 0.125).to(torch.bfloat16))
