@@ -138,6 +138,12 @@ def collect(outputs: Iterable[Mapping[str, Any]], tag: str) -> Perfdb:
     for output in chosen:
         if output["entry"] in db.entries:
             raise ValueError(f"two results for entry {output['entry']} of tag {tag}")
-        db.add(Entry.parse(output["entry"], output["describe"]),
-               [record_from_json(r) for r in output["records"]])
+        try:
+            records = output["records"]
+            if not isinstance(records, list):
+                raise TypeError(f"records: expected a list, got {type(records).__name__}")
+            db.add(Entry.parse(output["entry"], output["describe"]), [record_from_json(r) for r in records])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"a malformed perfmon result for entry {output.get('entry')!r} of tag {tag} "
+                             f"({type(exc).__name__}: {exc}): measure it again") from None
     return db

@@ -179,6 +179,7 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
     options = Options(plan, peers=not no_peers, flex=flex, seed=seed)
     header = {"tag": tag, **environment(dev, plan)}
     path = out or store.path_for(tag, header["arch"], root)
+    store.check_folder(path, header["arch"])  # before measuring: write() would refuse it after the first entry
     db = store.Perfdb(header=header)
     if path.exists() and not force:
         if resume:

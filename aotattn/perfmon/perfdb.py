@@ -202,17 +202,24 @@ class Perfdb:
             raise PerfdbError(f"not UTF-8 text (byte {exc.start}): a perfdb file is text written by "
                               "`aotattn perfmon run`; restore it from git or measure it again", str(path)) from exc
         db = cls.from_text(text, str(path))
-        folder, arch = path.parent.name, db.header.get("arch")
-        if arch is not None and ARCH_FOLDER.fullmatch(folder) and folder != arch:
-            raise PerfdbError(f"'#! arch {arch}' in folder {folder}/: a run is stored under its own architecture "
-                              f"(move it to {arch}/)", f"{path}:{_line_of(text, '#! arch ')}")
+        db._check_folder(path, text)
         return db
 
+    def _check_folder(self, path: Path, text: str) -> None:
+        check_folder(path, self.header.get("arch"), f"{path}:{_line_of(text, '#! arch ')}")
+
     def write(self, path: Path | str) -> Path:
-        """Write atomically (a temporary file, then a rename)."""
+        """Write atomically (a temporary file, then a rename) what :meth:`read` reads back
+        (a name with a space or a note with a newline, say, from another host's results, is
+        refused before anything is written)."""
         path = Path(path)
+        text = self.to_text()
+        try:
+            Perfdb.from_text(text, "<the text to write>")._check_folder(path, text)
+        except PerfdbError as exc:
+            raise PerfdbError(f"not written, it would not read back: {exc}", str(path)) from None
         path.parent.mkdir(parents=True, exist_ok=True)
-        return write_atomically(path, self.to_text())
+        return write_atomically(path, text)
 
 
 def _row(cells) -> str:
@@ -284,7 +291,17 @@ def check_tag(tag: str) -> str:
     return tag
 
 
+def check_folder(path: Path, arch: str | None, where: str | None = None) -> None:
+    """A file in a store folder named like an architecture is that architecture's run."""
+    folder = Path(path).parent.name
+    if arch is not None and ARCH_FOLDER.fullmatch(folder) and folder != arch:
+        raise PerfdbError(f"'#! arch {arch}' in folder {folder}/: a run is stored under its own architecture "
+                          f"(move it to {arch}/)", where)
+
+
 def path_for(tag: str, arch: str, base: Path | None = None) -> Path:
+    if not isinstance(arch, str) or not ARCH_FOLDER.fullmatch(arch):  # a folder under the root, never a path
+        raise PerfdbError(f"arch: expected an architecture like sm_90, gfx942 or cpu, got {arch!r}")
     return (base or root()) / arch / f"{check_tag(tag)}.txt"
 
 

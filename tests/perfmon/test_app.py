@@ -4,7 +4,10 @@ ending in a perfdb file (tasks run in the interpreter: AOTATTN_PERFMON_DEVICE=cp
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -166,3 +169,55 @@ def test_flex_jobs_spread_the_compile_in_the_estimate():
     assert estimate("--flex-jobs", "7") < estimate() - 7 * 15
     bad = CliRunner().invoke(cli, ["perfmon", "list", "--flex-jobs", "-1"])
     assert bad.exit_code != 0
+
+
+def _output(tag: str, **changes) -> dict:
+    """A task output as the handler returns it, for an interpreter run of ENTRIES[0]."""
+    from aotattn.perfmon.perfdb import Record
+
+    env = {"arch": "cpu", "aotattn": "0.1.0", "tuning": "none", "triton": "3.6.0", "torch": "2.13.0", "gpu": "none",
+           "date": "2026-12-05T00:00:00+00:00", "mode": "interpreter", "timing": "wall clock", "command": "test"}
+    record = Record(ENTRIES[0].name, "fwd", "aotattn", 1.5, 0.01, 0.2, 1.0, "note")
+    out = {"format": perfmon_app.RESULT_FORMAT, "tag": tag, "entry": ENTRIES[0].name,
+           "describe": ENTRIES[0].describe(), "environment": env, "records": [perfmon_app.record_to_json(record)]}
+    for key, value in changes.items():
+        target, _, field = key.partition("__")
+        if field:
+            out[target] = {**out[target], field: value} if isinstance(out[target], dict) else out[target]
+        else:
+            out[key] = value
+    return out
+
+
+def test_export_trusts_nothing_in_a_result():
+    """Results come from other hosts' files: an arch that is a path (it chose where the file
+    was written: ../../tmp), an entry or note that makes an unreadable file, and records that
+    are not a list are refused before anything is written."""
+    from aotattn.perfmon import perfdb as store
+
+    good = perfmon_app.collect([_output("ok")], "ok")
+    assert Perfdb.from_text(good.to_text()).to_text() == good.to_text()
+    evil = perfmon_app.collect([_output("ok", environment__arch="../../../tmp/escape")], "ok")
+    with pytest.raises(store.PerfdbError, match="arch: expected an architecture like sm_90"):
+        store.path_for("ok", evil.header["arch"])
+    newline = _output("ok")
+    newline["records"][0]["note"] = "line1\nline2"
+    spaced = _output("ok", entry="bad name")
+    for output, words in ((newline, "a result line has 7 columns"), (spaced, "entry bad")):
+        db = perfmon_app.collect([output], "ok")
+        with pytest.raises(store.PerfdbError, match=f"not written, it would not read back: .*{words}"):
+            db.write(Path(tempfile.mkdtemp()) / "cpu" / "ok.txt")
+    with pytest.raises(ValueError, match="malformed perfmon result .*records: expected a list"):
+        perfmon_app.collect([_output("ok", records="notalist")], "ok")
+
+
+def test_export_from_the_cli_refuses_an_arch_that_is_a_path(tmp_path):
+    results = tmp_path / "results.jsonl"
+    line = {"task_id": 1, "attempt": 1, "ok": True, "output": _output("t", environment__arch="../escape"),
+            "error": None, "permanent": False, "elapsed_s": 0.1, "worker_id": "w"}
+    results.write_text(json.dumps({"format": "pgdef-results/1", "batch_id": "b" * 32, "host": "h"}) + "\n"
+                       + json.dumps(line) + "\n")
+    exported = CliRunner().invoke(cli, ["perfmon", "export", "--tag", "t", str(results), "--perfdb",
+                                        str(tmp_path / "perfdb")])
+    assert exported.exit_code == 1 and "arch: expected an architecture" in exported.output, exported.output
+    assert not (tmp_path / "escape").exists() and not list(tmp_path.rglob("t.txt"))

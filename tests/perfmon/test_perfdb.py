@@ -127,7 +127,9 @@ def test_tags_and_where_files_live(tmp_path):
     assert store.resolve("h200", base=tmp_path) == tmp_path / "sm_90" / "h200.txt"
     with pytest.raises(PerfdbError, match="no perfdb tag"):
         store.resolve("other", base=tmp_path)
-    random_run(1, 2).write(tmp_path / "sm_80" / "h200.txt")
+    other = random_run(1, 2)
+    other.header["arch"] = "sm_80"  # a run is stored under its own architecture
+    other.write(tmp_path / "sm_80" / "h200.txt")
     with pytest.raises(PerfdbError, match="--arch"):
         store.resolve("h200", base=tmp_path)
     assert store.resolve("h200", "sm_80", tmp_path) == tmp_path / "sm_80" / "h200.txt"
@@ -179,3 +181,21 @@ def test_a_file_that_is_not_text_names_itself_and_the_fix(tmp_path):
     with pytest.raises(PerfdbError, match="not UTF-8 text .*restore it from git") as info:
         Perfdb.read(path)
     assert str(path) in str(info.value)
+
+
+def test_a_run_is_not_written_into_another_architectures_folder(tmp_path):
+    """`perfmon run --out .../sm_90/x.txt` of a CPU run wrote a file every perfdb command
+    refused (the folder rule); now refused before any entry is measured."""
+    from typer.testing import CliRunner
+
+    from aotattn.cli import app
+
+    out = tmp_path / "sm_90" / "z.txt"
+    result = CliRunner().invoke(app, ["perfmon", "run", "--tag", "z", "-m", "train-tiny-sdpa", "--device", "cpu",
+                                      "--out", str(out)])
+    assert result.exit_code == 1 and "'#! arch cpu' in folder sm_90/" in result.output, result.output
+    assert not out.exists()
+    db = random_run(3, n=1)
+    with pytest.raises(PerfdbError, match="not written, it would not read back: .*in folder sm_80/"):
+        db.write(tmp_path / "sm_80" / "t3.txt")
+    assert db.write(tmp_path / "sm_90" / "t3.txt").exists()
