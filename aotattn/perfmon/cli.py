@@ -31,6 +31,17 @@ ROOT = typer.Option(None, "--perfdb", help=f"perfdb root (default: ${store.ENV_V
 ARCH = typer.Option(None, "--arch", help="architecture folder (default: the one holding the tag)")
 
 
+def _provider_names(names: list[str], option: str, also: str = "") -> tuple[str, ...]:
+    """Provider names as perfdb files spell them: a misspelt one matched nothing, and
+    `compare --fail-on-regression` passed on "0 compared"."""
+    from aotattn.perfmon import providers as P
+
+    unknown = [name for name in names if name not in P.ALL]
+    if unknown:
+        raise _fail(f"{option} {unknown[0]!r}: expected one of {also}{', '.join(P.ALL)}")
+    return tuple(names)
+
+
 def _fail(message: str) -> typer.Exit:
     """One line on stderr, exit status 1 (aotattn/cli.py's promise)."""
     typer.echo(f"aotattn: error: {' '.join(message.split())}", err=True)
@@ -442,7 +453,7 @@ def compare(a: str = typer.Argument(..., help="the baseline: a tag or a perfdb f
     _finite(threshold, "--threshold")
     da, pa = _read(a, arch, root)
     dbb, pb = _read(b, arch, root)
-    chosen = () if provider and "all" in provider else tuple(provider or ("aotattn",))
+    chosen = () if provider and "all" in provider else _provider_names(provider or ["aotattn"], "--provider", "'all', ")
     result = compare_runs(da, dbb, chosen, threshold)
     console.print(escape(f"A = {pa} ({da.header.get('date', '?')}, tuning {da.header.get('tuning', '?')})"))
     console.print(escape(f"B = {pb} ({dbb.header.get('date', '?')}, tuning {dbb.header.get('tuning', '?')})"))
@@ -581,6 +592,7 @@ def costs(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: s
     plain twin's (the same call without the feature) in the same run, per pass and provider."""
     from aotattn.perfmon.analysis import feature_costs
 
+    provider = list(_provider_names(provider, "--provider"))
     db, path = _read(tag, arch, root)
     found = [c for c in feature_costs(db) if c.provider in provider]
     if not found:

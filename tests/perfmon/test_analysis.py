@@ -241,6 +241,9 @@ def test_cli_faults_compare_summary_and_plot(tuning_copy, tmp_path):
     assert report.exit_code == 0  # without the flag a regression is reported, not an error
     everyone = invoke("perfdb", "compare", "before", "after", "--provider", "all", "--all")
     assert "sdpa-cudnn" in everyone.output
+    for command in (("compare", "before", "after", "--fail-on-regression"), ("costs", "after")):
+        misspelt = invoke("perfdb", *command, "--provider", "sdpa_flash")  # matched nothing: "0 compared", exit 0
+        assert misspelt.exit_code == 1 and "--provider 'sdpa_flash': expected one of" in misspelt.output
     missing = invoke("perfdb", "compare", "before", "nowhere")
     assert missing.exit_code != 0 and "no perfdb tag" in missing.output
 
