@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from aotattn.spec import parse_where
 from aotattn.tune.candidates import config_name
 from aotattn.tuning import Database
 from aotattn.tuning.format import Edit, Patch, format_config, parse_config, write_patch
@@ -24,6 +25,7 @@ def bad_patch(root: Path, arch: str, tables: list[str], where: str, config: str,
     ``where`` (``"dtype=bf16 BLOCK_D=128"``) to ``config`` (``"BLOCK_M=32 BLOCK_N=32
     num_warps=4 num_stages=1"``, parsed against each table's tuning space); returns the files."""
     db = Database(root)
+    parse_where(where, [db.spec(table) for table in tables])  # a typo's unknown axis matched every block
     written = []
     for table in tables:
         spec = db.spec(table)

@@ -60,8 +60,15 @@ def test_jobs_are_the_database_configurations_of_every_kernel_a_call_runs():
 def test_a_bad_patch_changes_the_jobs_and_only_where_it_says(tmp_path):
     root = tmp_path / "tuning"
     shutil.copytree(PROJECT_TUNING, root)
-    with pytest.raises(ValueError, match="no block matches"):
+    with pytest.raises(ValueError, match="dtype"):
         bad_patch(root, "sm_90", ["flash.attn_bwd_dq"], "dtype=bf17", "BLOCK_M=32 BLOCK_N=32 num_warps=4 num_stages=1")
+    for typo in ("dtpye=bf16 BLOCK_D=128", "garbage"):  # an unknown axis matched every block: all were damaged
+        with pytest.raises(ValueError, match="--where"):
+            bad_patch(root, "sm_90", ["flash.attn_bwd_dq"], typo, "BLOCK_M=32 BLOCK_N=32 num_warps=4 num_stages=1")
+    assert not list(root.rglob("*-bad.dbpatch"))
+    with pytest.raises(ValueError, match="no block matches"):
+        bad_patch(root, "sm_90", ["flash.attn_bwd_dq"], "dtype=fp32 BLOCK_D=16 BIAS=2 DROPOUT=True VARLEN=True",
+                  "BLOCK_M=32 BLOCK_N=32 num_warps=4 num_stages=1")
     with pytest.raises(ValueError, match="tuning knob"):
         bad_patch(root, "sm_90", ["flash.attn_bwd_dq"], "dtype=bf16", "BLOCK_Q=32")
     written = bad_patch(root, "sm_90", ["flash.attn_bwd_dkdv", "flash.attn_bwd_dq"], "dtype=bf16 BLOCK_D=128",
