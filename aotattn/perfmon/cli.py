@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from aotattn.cli_checks import finite
 from aotattn.files import write_atomically
 from aotattn.perfmon import perfdb as store
 from aotattn.perfmon.budget import MAX_SEED
@@ -46,12 +48,6 @@ def _fail(message: str) -> typer.Exit:
     """One line on stderr, exit status 1 (aotattn/cli.py's promise)."""
     typer.echo(f"aotattn: error: {' '.join(message.split())}", err=True)
     return typer.Exit(1)
-
-
-def _finite(value: float | None, option: str, least: float = 0.0) -> None:
-    """Refuse NaN, infinities and values below ``least`` (click's ranges let NaN through)."""
-    if value is not None and not (math.isfinite(value) and value >= least):
-        raise typer.BadParameter(f"expected a finite number >= {least:g}, got {value}", param_hint=option)
 
 
 def _entries(match: list[str] | None, group: list[str] | None) -> list[Entry]:
@@ -126,6 +122,7 @@ def list_entries(match: list[str] = MATCH, group: list[str] = GROUP,
 
     entries = _entries(match, group)
     flex = _flex(no_flex, flex_all)
+    finite(budget, "--budget")  # as run checks it (NaN sized 20 reps)
     plan, seconds = _plan(entries, rounds, reps, 2, budget, not no_peers, flex, hide_host_ms, flex_jobs)
     table = Table("entry" if verbose else "group", "entries" if not verbose else "shape", "GFLOP (fwd)",
                   "est. s", title=f"{len(entries)} entries; {plan.rounds} rounds x {plan.reps} reps: "
@@ -170,8 +167,8 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
     from aotattn.perfmon.measure import Options, environment, measure_entry
 
     store.check_tag(tag)
-    _finite(deadline, "--deadline")
-    _finite(budget, "--budget")
+    finite(deadline, "--deadline")
+    finite(budget, "--budget")
     if device is None and not torch.cuda.is_available():
         # the declared entries are GPU-sized: the interpreter would take hours on the first one
         raise _fail("this torch sees no CUDA GPU: perfmon times the operators on a GPU; run on a GPU machine "
@@ -375,15 +372,17 @@ def worker(arch: str = typer.Option("sm_90", "--arch", help="the pool to take ta
            exit_when_idle: bool = typer.Option(False, "--exit-when-idle"),
            dsn: str = DSN, home: Path = HOME) -> None:
     """Run GPU workers that take perfmon tasks from pgdef (offline hosts: `aotattn pgdef run-offline`)."""
+    from aotattn.pgdef.cli import parse_gpus
     from aotattn.pgdef.worker import spawn_workers
 
+    gpu_list = parse_gpus(gpus)
     env = dict(os.environ)
     if images_dir:
         env["AOTATTN_IMAGES"] = str(images_dir.resolve())
     args = ["--app=aotattn.perfmon.app", "--pool", arch] + (["--exit-when-idle"] if exit_when_idle else [])
     args += ["--dsn", dsn] if dsn else []
     args += ["--home", str(home)] if home else []
-    procs = spawn_workers(args, gpus=[int(g) for g in gpus.split(",") if g.strip()], env=env)
+    procs = spawn_workers(args, gpus=gpu_list, env=env)
     codes = [p.wait() for p in procs]
     console.print(f"{len(procs)} workers finished, exit codes {codes}")
     raise typer.Exit(max(codes, default=0))
@@ -450,7 +449,7 @@ def compare(a: str = typer.Argument(..., help="the baseline: a tag or a perfdb f
     """Per-entry ratios B against A, geometric means per group, regressions beyond the noise."""
     from aotattn.perfmon.analysis import compare as compare_runs
 
-    _finite(threshold, "--threshold")
+    finite(threshold, "--threshold")
     da, pa = _read(a, arch, root)
     dbb, pb = _read(b, arch, root)
     chosen = () if provider and "all" in provider else _provider_names(provider or ["aotattn"], "--provider", "'all', ")
@@ -513,7 +512,7 @@ def faults(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: 
     from aotattn.perfmon.provenance import parse_cell, suggest_patch
     from aotattn.spec import Config
 
-    _finite(margin, "--margin")
+    finite(margin, "--margin")
     db, path = _read(tag, arch, root)
     found = _print_faults(db, path.stem, margin)
     if patch is not None and found:
@@ -525,7 +524,10 @@ def faults(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: 
             console.print(escape(f"left out {cell}: {'; '.join(reasons)}"), style="yellow", highlight=False)
         changes = {parse_cell(cell): Config.of(backend=backend) for cell, backend in agreed.items()}
         if not changes:
-            console.print("no patch written: every faulty cell is contested")
+            cellless = sum(1 for f in found if not f.cell)
+            console.print("no patch written: " + ("every faulty cell is contested" if contested else
+                                                  f"the {cellless} fault(s) name no database cell (a run in the "
+                                                  "interpreter reads none)"))
             if fail:
                 raise typer.Exit(1)
             return
@@ -553,8 +555,13 @@ def plot(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: st
     """TFLOP/s against sequence length, per head dim and pass, aotattn beside its peers."""
     from aotattn.perfmon.plot import plot as draw
 
+    if dtype not in ("fp16", "bf16", "fp32"):
+        raise typer.BadParameter(f"expected fp16, bf16 or fp32, got {dtype!r}", param_hint="--dtype")
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", group):
+        raise typer.BadParameter(f"expected an entry group such as dense or gqa, got {group!r}", param_hint="--group")
     db, path = _read(tag, arch, root)
-    target = out or path.with_name(f"{path.stem}.{group}-{dtype}.png")
+    name = f"{path.stem}.{group}-{dtype}.png"
+    target = out / name if out is not None and out.is_dir() else out or path.with_name(name)
     try:
         draw(db, target, group, dtype)
     except store.PerfdbError as exc:
@@ -631,7 +638,7 @@ def standing(peer: str = typer.Option("flex", "--peer", "-p", help="the provider
     from aotattn.perfmon.entries import select
     from aotattn.perfmon.providers import ALL
 
-    _finite(floor, "--floor")
+    finite(floor, "--floor")
     if peer not in ALL or peer == "aotattn":
         raise _fail(f"--peer {peer}: expected one of {', '.join(p for p in ALL if p != 'aotattn')}")
     folder = (root or store.root()) / arch

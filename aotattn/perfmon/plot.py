@@ -39,7 +39,8 @@ def plot(db: Perfdb, out: Path | str, group: str = "dense", dtype: str = "bf16",
                           f"(pick another with --group/--dtype)")
     dims = sorted({d for d, _ in data})
     passes = [p for p in ("fwd", "bwd", "fwdbwd") if any(q == p for _, q in data)]
-    fig = Figure(figsize=(4.2 * len(dims), 3.4 * len(passes) + 0.8), layout="constrained")
+    # at least 8.5 inches wide: the title and the legend's four columns fit one head dim's panel too
+    fig = Figure(figsize=(max(4.2 * len(dims), 8.5), 3.4 * len(passes) + 0.8), layout="constrained")
     axes = fig.subplots(len(passes), len(dims), squeeze=False, sharex=True)
     for row, pass_ in enumerate(passes):
         for col, dim in enumerate(dims):
@@ -70,5 +71,5 @@ def plot(db: Perfdb, out: Path | str, group: str = "dense", dtype: str = "bf16",
                  f"tuning {header.get('tuning', '?').split(' ')[0]}, {header.get('date', '?')[:10]}", fontsize=10)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, format="png")  # at ``out`` as named (savefig added ".png" to a name without it)
     return out

@@ -135,16 +135,7 @@ def worker(
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        gpu_list = [int(g) for g in gpus.split(",") if g.strip()] if gpus else []
-    except ValueError:
-        raise typer.BadParameter(f"expected GPU indices separated by commas, e.g. 0,1,2,3; got {gpus!r}",
-                                 param_hint="--gpus") from None
-    if any(g < 0 for g in gpu_list):
-        raise typer.BadParameter(f"expected GPU indices >= 0, got {gpus!r}", param_hint="--gpus")
-    if len(set(gpu_list)) != len(gpu_list):
-        raise typer.BadParameter(f"expected each GPU once (one worker process per GPU), got {gpus!r}",
-                                 param_hint="--gpus")
+    gpu_list = parse_gpus(gpus) if gpus else []
     if processes is not None and processes < (0 if gpu_list else 1):
         raise typer.BadParameter(f"expected {'0 or more' if gpu_list else '1 or more'} CPU worker processes, "
                                  f"got {processes}", param_hint="--processes")
@@ -381,6 +372,22 @@ def _counts(text: str, option: str) -> list[int]:
         raise typer.BadParameter(f"expected positive integers separated by commas, e.g. 1,2,4; got {text!r}",
                                  param_hint=option)
     return counts
+
+
+def parse_gpus(gpus: str) -> list[int]:
+    """``--gpus 0,1,2,3``: distinct GPU indices, one worker process each (the perfmon and
+    tuner workers take the same option)."""
+    try:
+        found = [int(g) for g in gpus.split(",") if g.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected GPU indices separated by commas, e.g. 0,1,2,3; got {gpus!r}",
+                                 param_hint="--gpus") from None
+    if not found or any(g < 0 for g in found):
+        raise typer.BadParameter(f"expected GPU indices >= 0, e.g. 0,1,2,3; got {gpus!r}", param_hint="--gpus")
+    if len(set(found)) != len(found):
+        raise typer.BadParameter(f"expected each GPU once (one worker process per GPU), got {gpus!r}",
+                                 param_hint="--gpus")
+    return found
 
 
 @app.command()

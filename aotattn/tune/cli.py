@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -11,6 +12,8 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.markup import escape
+
+from aotattn.cli_checks import finite
 
 app = typer.Typer(help="The tuner: each cell's configuration chosen at GPU-filling sizes (docs/tuner.md).",
                   no_args_is_help=True)
@@ -39,6 +42,10 @@ HOME = typer.Option(None, "--home", envvar="AOTATTN_PGDEF_HOME", help="work fold
 def _db(root: Path | None):
     from aotattn.tuning import Database
 
+    if root is not None and not root.is_dir():  # planned silently without the database's current configurations
+        raise typer.BadParameter(f"no tuning database at {root} (a folder of <vendor>/<arch>/ tables): name an "
+                                 "existing one, or leave the option out for the installed database",
+                                 param_hint="--tuning-db")
     return Database(root) if root else Database()
 
 
@@ -138,8 +145,8 @@ def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DT
 @app.command()
 def checkout(arch: str = ARCH, out: Path = typer.Option(..., "--out", "-o", help="the batch file to write"),
              minutes: float = typer.Option(7.0, help="GPU minutes the batch should take (estimated)"),
-             gpus: int = typer.Option(1, help="GPUs that will run it (the batch holds minutes x gpus)"),
-             max_kernels: int = typer.Option(1000, "--max-kernels", help="at most this many kernels to compile "
+             gpus: int = typer.Option(1, min=1, help="GPUs that will run it (the batch holds minutes x gpus)"),
+             max_kernels: int = typer.Option(1000, "--max-kernels", min=1, help="at most this many kernels to compile "
                                              "(images travel to the GPU host: ~60 KB each)"),
              limit: int = LIMIT, tokens: int = TOKENS, tuning_db: Path = TUNING_DB,
              lease: float = typer.Option(86400.0, help="seconds before unreturned tasks are queued again"),
@@ -150,6 +157,8 @@ def checkout(arch: str = ARCH, out: Path = typer.Option(..., "--out", "-o", help
     from aotattn.tune.app import APP, parse_payload
     from aotattn.tune.estimate import gpu_seconds
 
+    if not (math.isfinite(minutes) and minutes > 0):  # NaN claimed every queued task, -5 one of them
+        raise typer.BadParameter(f"expected a finite number of minutes above 0, got {minutes}", param_hint="--minutes")
     db = _db(tuning_db)
     with Client(dsn, home=home) as client:
         queued = [t for t in client.tasks(APP, arch, states=["queued"])]
@@ -267,6 +276,15 @@ def run(batch: Path = typer.Argument(..., help="a `tune plan --out` file (JSON l
     """Run tasks without pgdef: results as files, resumable (skips tasks that have one)."""
     from aotattn.tune.offline import run_batch
 
+    finite(deadline, "--deadline-s")
+    if device not in (None, "cuda", "cpu"):
+        raise typer.BadParameter(f"expected cuda or cpu, got {device!r}", param_hint="--device")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise typer.BadParameter("this torch sees no CUDA GPU: run on a GPU machine, or pass --device cpu for "
+                                     "Triton's interpreter", param_hint="--device")
     done = run_batch(batch, results, shard=shard, device=device, deadline_s=deadline, db=_db(tuning_db),
                      log=lambda line: console.print(escape(line)))
     console.print(f"{done} tasks run into {results}")
