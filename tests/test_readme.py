@@ -94,3 +94,44 @@ def test_the_versions_the_readme_names_are_the_ones_installed_and_pinned():
     assert f"Triton {triton_pin}" in text and f"pinned to {triton_pin}" in text
     assert f"torch {torch_pin} (CPU)" in text and text.count(f"pip install torch=={torch_pin} ") == 2
     assert re.search(r'"numpy<([\d.]+)"', project).group(1) in text
+
+
+def _registered():
+    namespace: dict = {}
+    exec(compile(recipe(), str(README), "exec"), namespace)
+    return namespace["aotattn_attention"]
+
+
+def test_the_recipe_refuses_softcapping_instead_of_dropping_it():
+    """Gemma 2 passes softcap: the recipe dropped it (1.9e-3 off eager at a cap of 0.02);
+    transformers' own SDPA refuses it, and so does the recipe now, as it does sinks."""
+    transformers.AttentionInterface.register("aotattn", _registered())
+    config = transformers.Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       attn_logit_softcapping=0.02, max_position_embeddings=64)
+    model = transformers.Gemma2ForCausalLM(config)
+    model.set_attn_implementation("aotattn")
+    with torch.no_grad(), pytest.raises(ValueError, match="no logit softcapping or attention sinks"):
+        model(torch.randint(0, 97, (1, 7)))
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_the_recipe_adds_a_position_bias_to_the_scores(mask_kind):
+    """transformers' SDPA adds ``position_bias`` (T5-like relative positions) to the scores,
+    with the padding mask and causality: so does the recipe (it dropped it before)."""
+    attend = _registered()
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k, v = (torch.randn(2, 4, 9, 16, dtype=torch.float64).float() for _ in range(3))
+    bias = torch.randn(1, 4, 9, 9)
+    keep = torch.ones(2, 1, 9, 9, dtype=torch.bool).tril()
+    keep[1, :, :, :2] = False  # left padding of the second sequence
+    mask = {"none": None, "bool": keep, "float": torch.zeros(2, 1, 9, 9).masked_fill(~keep, float("-inf"))}[mask_kind]
+    out, _ = attend(module, q, k, v, mask, position_bias=bias)
+    scores = (q.double() @ k.double().transpose(-1, -2)) / 4.0 + bias.double()
+    visible = keep if mask is not None else torch.ones(9, 9, dtype=torch.bool).tril()
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+    want = (weights @ v.double()).transpose(1, 2)
+    rows = slice(2, None) if mask is not None else slice(None)  # rows that see no key: 0 here, see the README
+    assert torch.allclose(out[1, rows].double(), want[1, rows], atol=1e-5)
+    assert torch.allclose(out[0].double(), want[0], atol=1e-5)
