@@ -10,6 +10,7 @@ UTF-8 whatever the locale: the readers read UTF-8.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -32,6 +33,8 @@ def write_atomically(path: Path | str, data: str | bytes) -> Path:
     ``open`` would give). On any failure the temporary file is removed and the target is
     left as it was."""
     path = Path(path)
+    if not path.name or path.is_dir():  # "" is "."; the rename would fail late, with an odd message
+        raise IsADirectoryError(errno.EISDIR, "a folder, not a file: name the file to write", str(path))
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     try:
         mode = stat.S_IMODE(path.stat().st_mode)

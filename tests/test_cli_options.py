@@ -21,6 +21,11 @@ from aotattn.cli import app
     (["tune", "checkout", "-o", "{tmp}/b.json", "--minutes", "-5"], "--minutes"),
     (["tune", "checkout", "-o", "{tmp}/b.json", "--gpus", "0"], "--gpus"),
     (["tune", "checkout", "-o", "{tmp}/b.json", "--max-kernels", "-1"], "--max-kernels"),
+    # the tuner's selection: an empty list selected every value; an output that is a folder
+    (["tune", "plan", "-c", "flash,attn_fwd", "--seqlen", ",,,"], "--seqlen"),
+    (["tune", "plan", "-c", "flash,attn_fwd", "--head-dim", ""], "--head-dim"),
+    (["tune", "plan", "-c", "flash,attn_fwd", "--seqlen", "1024", "--head-dim", "64", "--out", "{tmp}"],
+     "a folder, not a file"),
     # perfmon: a budget that is no time, GPU lists that start no worker or two on one GPU
     (["perfmon", "list", "--budget", "nan"], "--budget"),
     (["perfmon", "list", "--budget", "-5"], "--budget"),

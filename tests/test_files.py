@@ -132,3 +132,12 @@ def test_lint_names_a_temporary_file_a_killed_writer_left(tmp_path):
     left.write_text("half a tab")
     (problem,) = Database(tmp_path).lint()
     assert problem.where == str(left) and "killed mid-write" in str(problem) and "delete it" in str(problem)
+
+
+def test_a_folder_is_refused_as_a_target_before_anything_is_written(tmp_path):
+    """``--out ""`` (the current folder) or a folder's path ended in "PosixPath('.') has an
+    empty name" or a failed rename; now one error naming it, and nothing left behind."""
+    for target in (tmp_path, Path("")):
+        with pytest.raises(IsADirectoryError, match="a folder, not a file"):
+            write_atomically(target, "x")
+    assert list(tmp_path.iterdir()) == []

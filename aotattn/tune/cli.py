@@ -58,11 +58,15 @@ def _select(category: list[str], where: str | None, dtype: str, head_dim: str | 
     for option, axis, given in (("--dtype", "dtype", dtype), ("--head-dim", "BLOCK_D", head_dim)):
         if given is not None and axis in filters:
             raise tasks.SelectionError(f"{option} and --where {axis}=... both given: give the {axis} values once")
-        if given:
+        if given is not None:
             filters[axis] = tuple(v for v in given.split(",") if v)
+            if not filters[axis]:  # "" or "," selected every value
+                raise tasks.SelectionError(f"{option}: expected values separated by commas, got {given!r}")
     filters.setdefault("dtype", ("fp16", "bf16"))
     try:
-        lengths = [int(v) for v in seqlen.split(",") if v] if seqlen else None
+        lengths = [int(v) for v in seqlen.split(",") if v] if seqlen is not None else None
+        if lengths is not None and not lengths:  # ",,," selected every bucket
+            raise ValueError(seqlen)
     except ValueError as exc:
         raise tasks.SelectionError(f"--seqlen: expected buckets like 1024,4096, got {seqlen!r}") from exc
     tables = tasks.select_tables(category, harnesses.tunable())
