@@ -32,6 +32,7 @@ from aotattn.cli import app
     (["perfmon", "worker", "--gpus", ""], "--gpus"),
     (["perfmon", "worker", "--gpus", "0,0"], "each GPU once"),
     (["perfmon", "worker", "--gpus", "a"], "--gpus"),
+    (["perfmon", "dispatch", "--tag", "t", "--arch", "sm_1000"], "unknown architecture 'sm_1000'"),
     # plots: a dtype or group that is a path
     (["perfdb", "plot", "x", "--dtype", "a/b"], "--dtype"),
     (["perfdb", "plot", "x", "--group", "../up"], "--group"),

@@ -355,6 +355,11 @@ def dispatch(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/
     from aotattn.perfmon.measure import Options
     from aotattn.pgdef import Client
 
+    from aotattn.arch import ARCHES
+
+    if arch not in ARCHES:  # a pool no worker serves: the tasks would wait for ever
+        raise typer.BadParameter(f"unknown architecture {arch!r}: expected one of {', '.join(ARCHES)}",
+                                 param_hint="--arch")
     entries = _entries(match, group)
     options = Options(Plan(rounds, reps, warmup, hide_host_ms), peers=not no_peers, flex=_flex(no_flex, flex_all),
                       seed=seed)
