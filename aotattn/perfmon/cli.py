@@ -219,8 +219,11 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
     problems = [r for r in db.records if r.provider.startswith("aotattn") and not r.ok
                 and not r.note.startswith("skipped")]
     left = len(todo) - done
-    console.print(f"{done} entries in {time.monotonic() - start:.0f} s -> {path}"
-                  + (f"; {left} not started (deadline): rerun with --resume" if left else ""))
+    if done or path.exists():
+        console.print(f"{done} entries in {time.monotonic() - start:.0f} s -> {path}"
+                      + (f"; {left} not started (deadline): rerun with --resume" if left else ""))
+    else:  # nothing measured, nothing written: --resume has nothing to resume
+        console.print(f"no entry measured (the deadline came first); nothing written to {path}")
     for r in problems:
         console.print(escape(f"  {r.entry} {r.pass_} {r.provider}: {r.note}"), style="red")
     _print_peer_failures(db)
