@@ -13,11 +13,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from aotattn.arch import arch as known_arch
 from aotattn.cli_checks import finite
 from aotattn.files import write_atomically
 from aotattn.perfmon import perfdb as store
 from aotattn.perfmon.budget import MAX_SEED
-from aotattn.perfmon.entries import Entry
+from aotattn.perfmon.entries import DTYPES, Entry
 from aotattn.pgdef.cli import DSN, HOME
 from aotattn.tune import timing
 
@@ -358,11 +359,10 @@ def dispatch(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/
     from aotattn.perfmon.measure import Options
     from aotattn.pgdef import Client
 
-    from aotattn.arch import ARCHES
-
-    if arch not in ARCHES:  # a pool no worker serves: the tasks would wait for ever
-        raise typer.BadParameter(f"unknown architecture {arch!r}: expected one of {', '.join(ARCHES)}",
-                                 param_hint="--arch")
+    try:
+        known_arch(arch)  # a pool no worker serves: the tasks would wait for ever
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--arch") from None
     entries = _entries(match, group)
     options = Options(Plan(rounds, reps, warmup, hide_host_ms), peers=not no_peers, flex=_flex(no_flex, flex_all),
                       seed=seed)
@@ -563,8 +563,8 @@ def plot(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: st
     """TFLOP/s against sequence length, per head dim and pass, aotattn beside its peers."""
     from aotattn.perfmon.plot import plot as draw
 
-    if dtype not in ("fp16", "bf16", "fp32"):
-        raise typer.BadParameter(f"expected fp16, bf16 or fp32, got {dtype!r}", param_hint="--dtype")
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"expected one of {', '.join(DTYPES)}, got {dtype!r}", param_hint="--dtype")
     if not re.fullmatch(r"[A-Za-z0-9_-]+", group):
         raise typer.BadParameter(f"expected an entry group such as dense or gqa, got {group!r}", param_hint="--group")
     db, path = _read(tag, arch, root)

@@ -362,28 +362,27 @@ def server_status(home: Path = HOME) -> None:
     console.print(f"running: {server.dsn}" if server.running() else f"not running (work folder {server.home})")
 
 
+def _ints(text: str, option: str, least: int, what: str, example: str) -> list[int]:
+    """Comma-separated integers >= ``least`` (at least one), else one line naming ``option``."""
+    try:
+        found = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        found = []
+    if not found or min(found) < least:
+        raise typer.BadParameter(f"expected {what} separated by commas, e.g. {example}; got {text!r}",
+                                 param_hint=option)
+    return found
+
+
 def _counts(text: str, option: str) -> list[int]:
     """Comma-separated positive integers, e.g. ``1,2,4,8``."""
-    try:
-        counts = [int(part) for part in text.split(",")]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise typer.BadParameter(f"expected positive integers separated by commas, e.g. 1,2,4; got {text!r}",
-                                 param_hint=option)
-    return counts
+    return _ints(text, option, 1, "positive integers", "1,2,4")
 
 
 def parse_gpus(gpus: str) -> list[int]:
     """``--gpus 0,1,2,3``: distinct GPU indices, one worker process each (the perfmon and
     tuner workers take the same option)."""
-    try:
-        found = [int(g) for g in gpus.split(",") if g.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"expected GPU indices separated by commas, e.g. 0,1,2,3; got {gpus!r}",
-                                 param_hint="--gpus") from None
-    if not found or any(g < 0 for g in found):
-        raise typer.BadParameter(f"expected GPU indices >= 0, e.g. 0,1,2,3; got {gpus!r}", param_hint="--gpus")
+    found = _ints(gpus, "--gpus", 0, "GPU indices >= 0", "0,1,2,3")
     if len(set(found)) != len(found):
         raise typer.BadParameter(f"expected each GPU once (one worker process per GPU), got {gpus!r}",
                                  param_hint="--gpus")

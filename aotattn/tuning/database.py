@@ -388,17 +388,9 @@ def diff(spec: Any, a: Table, b: Table) -> list[str]:
     return lines
 
 
-def _directive(line: str) -> tuple[str, str] | None:
-    """A ``#!`` line's (key, value) as the parser reads it; None for other lines."""
-    if not line.startswith("#!"):
-        return None
-    key, value = split_directive(line)
-    return key, value.strip()
-
-
 def _directive_line(path: Path, directive: str) -> int:
     for number, line in enumerate(text_lines(read_text(path)), start=1):
-        if (_directive(line) or ("",))[0] == directive:
+        if line.startswith("#!") and split_directive(line)[0] == directive:
             return number
     return 1
 
@@ -407,9 +399,9 @@ def _declared_base(path: Path) -> str | None:
     """The ``#! base`` a table file names, read leniently (for lint, whatever else is wrong)."""
     try:
         for line in text_lines(path.read_bytes().decode("utf-8", "replace")):
-            key, value = _directive(line) or ("", "")
+            key, value = split_directive(line) if line.startswith("#!") else ("", "")
             if key == "base":
-                return value.split()[0] if value else None
+                return value.split()[0] if value.split() else None
             if line.startswith("["):
                 break
     except OSError:
@@ -423,9 +415,10 @@ def _lost_comments(text: str, rewritten: str) -> list[str]:
     kept = Counter(line.rstrip() for line in text_lines(rewritten))
     lost = []
     for n, line in enumerate(text_lines(text), start=1):
+        comment = line.rstrip()
         if line.lstrip().startswith("#") and not line.startswith("#!"):
-            if kept[line.rstrip()] > 0:
-                kept[line.rstrip()] -= 1
+            if kept[comment] > 0:
+                kept[comment] -= 1
             else:
                 lost.append(str(n))
     return lost
