@@ -355,12 +355,15 @@ def test_an_accumulated_dq_is_scaled_after_its_sums(dtype):
 
 
 @pytest.mark.gpu
-def test_finishing_an_accumulated_dq_is_one_kernel():
+def test_finishing_an_accumulated_dq_is_one_kernel(monkeypatch):
     """The scale and the conversion of an accumulated dQ are one elementwise pass on the GPU
     (torch.mul into a bf16 output casts in the kernel; on CPU PyTorch stages a temporary), as
     the plain conversion was: the scale after the sums costs no extra pass over dQ."""
     from aotattn.families.flash import planning
 
+    # conftest's poison_allocations NaN-fills every torch.empty_like: that fill is the suite's,
+    # not the library's (it was the bf16 FillFunctor the H100 suites of 2026-12-05 saw).
+    monkeypatch.undo()
     sums = torch.randn(2, 1000, 4, 128, device="cuda")
     q = torch.empty(1, dtype=torch.bfloat16, device="cuda")
     planning.finish_dq(sums, q, 0.125)  # warm-up
@@ -369,11 +372,5 @@ def test_finishing_an_accumulated_dq_is_one_kernel():
         dq = planning.finish_dq(sums, q, 0.125)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    # The H100 suite of 2026-12-05 saw a bf16 fill before the multiply in one xdist worker:
-    # torch.empty's NaN fill under deterministic algorithms would be one; any other is a failure.
-    deterministic = torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory
-    fills = [k for k in kernels if "FillFunctor" in k]
-    passes = [k for k in kernels if "FillFunctor" not in k]
-    assert len(passes) == 1 and "MulFunctor" in passes[0], kernels
-    assert not fills or deterministic, (torch.are_deterministic_algorithms_enabled(), kernels)
+    assert len(kernels) == 1 and "MulFunctor" in kernels[0], kernels
     assert torch.equal(dq, (sums * 0.125).to(torch.bfloat16))
