@@ -22,6 +22,12 @@
 #
 # Land each tuned.tgz before the next tune step runs (the step starts from tuning/ as it is).
 #
+# Run on an H100 on 2026-12-05 (forty-first session): tune and tune-backend landed; tune-forward
+# did NOT land: at --limit 24 of 36 tiles it timed no Q_SLOTS/TMA_STORE candidate at all, so patch
+# 0003 stays. The planner now adds the current choice's knob variants (candidates.knob_variants):
+# rerun tune-forward as is (152 kernels), land it and `git rm` patch 0003 only where the export
+# keeps those cells' knobs or beats them.
+#
 # The thirty-ninth session timed TMA_STORE on an H100 only (1.09-1.56x where a tile has few
 # steps; +3-7% on square cells): the tune step puts it where it wins on the card at hand.
 source "$(dirname "$0")/session_common.sh"

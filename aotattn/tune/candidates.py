@@ -234,7 +234,8 @@ def candidates(spec: Any, functional: Functional, arch: str, footprint: Footprin
     """(candidates, pruned -> reason) for one functional of one table on ``arch``.
 
     Configurations that cannot fit are pruned (:func:`why_pruned`); of the rest, with a
-    ``limit``, the ``limit`` first by :func:`tiles_first` ranking are kept. ``keep``:
+    ``limit``, the ``limit`` first by :func:`tiles_first` ranking are kept, and every
+    fitting knob variant of a kept configuration's tile (:func:`knob_variants`). ``keep``:
     configurations kept whatever the estimates say (the
     database's current choices), in addition to the limit. Without a footprint nothing is
     pruned; an operator table's (its choices are not kernels) has only a budget.
@@ -255,12 +256,31 @@ def candidates(spec: Any, functional: Functional, arch: str, footprint: Footprin
         ranked = tiles_first(spec, sorted(fitting, key=lambda c: -score(footprint, functional, c, tgt, sizes or {})))
         for config in ranked[limit:]:
             pruned[config] = f"ranked below the best {limit} by the speed model"
-        chosen = set(ranked[:limit])
+        chosen = set(ranked[:limit]) | set(knob_variants(spec, keep, fitting))
         fitting = [c for c in fitting if c in chosen]
+        for config in chosen:
+            pruned.pop(config, None)
     kept = fitting + [c for c in keep if c not in fitting]
     for config in keep:
         pruned.pop(config, None)
     return kept, pruned
+
+
+def tile_of(spec: Any, config: Config) -> tuple:
+    """A configuration's values outside the kernel's extra knobs (``spec.knob_defaults``)."""
+    knobs = {name for name, _ in spec.knob_defaults}
+    return tuple((k, v) for k, v in config.items if k not in knobs)
+
+
+def knob_variants(spec: Any, configs: Iterable[Config], among: Iterable[Config]) -> list[Config]:
+    """The configurations of ``among`` that share a tile with one of ``configs``: with the
+    database's current choice, the knobs (``PERSISTENT``, ``Q_SLOTS``, ``TMA_STORE``,
+    ``KV_SLOTS``, ``OVERLAP``, ``TMA``) around the best tile known so far. The speed model
+    does not rank knobs, so a limit smaller than the number of tiles kept none of them: the
+    ws forward's short-tile cells at ``--limit 24`` (36 tiles) timed no ``Q_SLOTS=2`` or
+    ``TMA_STORE=1`` variant (H100, 2026-12-05), though they won 1.08-2.2x there by hand."""
+    tiles = {tile_of(spec, c) for c in configs}
+    return [c for c in among if tile_of(spec, c) in tiles]
 
 
 def tiles_first(spec: Any, ranked: list[Config]) -> list[Config]:
@@ -275,11 +295,10 @@ def tiles_first(spec: Any, ranked: list[Config]) -> list[Config]:
     cells), the best kept at ``--limit 8`` was at worst 1.21x slower than the fastest
     candidate; with the tiles first, 1.008x. The variants are within 1-3% of each other there.
     """
-    knobs = {name for name, _ in spec.knob_defaults}
     seen: dict[tuple, int] = {}
     variant = {}
     for config in ranked:
-        tile = tuple((k, v) for k, v in config.items if k not in knobs)
+        tile = tile_of(spec, config)
         variant[config] = seen.get(tile, 0)
         seen[tile] = variant[config] + 1
     return sorted(ranked, key=lambda c: variant[c])  # stable: rank order within each round

@@ -30,7 +30,8 @@ CELLS = typer.Option("diagonal", "--cells",
                      "seqlen_k), or cells one by one: 128x16384,1024x1024 (seqlen_q x seqlen_k)")
 ARCH = typer.Option("sm_90", "--arch", help="architecture (also the pgdef pool)")
 ALL = typer.Option(False, "--all-functionals", help="also refinements (padded heads, ...), not only roots")
-LIMIT = typer.Option(None, "--limit", help="candidates per cell kept by the speed model (plus the current choice; "
+LIMIT = typer.Option(None, "--limit", help="candidates per cell kept by the speed model (plus the current choice "
+                     "and its tile's knob variants; "
                      "default: the harness's per table, 8 for most)")
 TOKENS = typer.Option(None, "--tokens", help="batch x heads x seqlen_q of the timed problem (default: the "
                       "harness's per table: 2^17 for kernel tables, 2^19 for flash.backward)")

@@ -9,6 +9,8 @@ records, and adjust ``THROUGHPUT`` when they disagree.
 
 from __future__ import annotations
 
+import math
+
 from aotattn.tune import timing
 from aotattn.tune.harnesses import harness
 from aotattn.tune.runner import Settings
@@ -28,7 +30,9 @@ def gpu_seconds(task: Task, settings: Settings) -> float:
     # fresh inputs before each call: for a backward, a forward (2/5 of its FLOPs) and the refill
     fresh = call * 0.4 if task.table != "flash.attn_fwd" else call * 0.1
     spec = table_spec(task.table)
-    candidates = settings.limit + 1 if hasattr(spec, "arguments") else len(spec.tuning_space[0][1])
+    # a kernel table: the limit, the current choice and its tile's knob variants (candidates.knob_variants)
+    candidates = (settings.limit + knob_combinations(spec) if hasattr(spec, "arguments")
+                  else len(spec.tuning_space[0][1]))
     reference = sum(h.flops(task.table, s, task.functional) for s in
                     h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch,
                                       settings.accuracy_heads)) / FP64_THROUGHPUT
@@ -37,3 +41,10 @@ def gpu_seconds(task: Task, settings: Settings) -> float:
     finalists = min(candidates, settings.finalists + 1)
     return (PER_TASK_S + reference + candidates * (PER_CANDIDATE_S + 3 * (call + fresh))
             + finalists * (1 + repeats) * (call + fresh))
+
+
+def knob_combinations(spec) -> int:
+    """How many ways a kernel's extra knobs (``spec.knob_defaults``) combine: at most that
+    many candidates share the current choice's tile."""
+    knobs = {name for name, _ in spec.knob_defaults}
+    return math.prod(len(choices) for name, choices in spec.tuning_space if name in knobs)

@@ -210,9 +210,11 @@ def default_tokens(table: str) -> int:
 
 
 def default_limit(table: str) -> int:
-    """Candidates per cell the speed model keeps: 8 of a Triton kernel's hundreds; every
-    fitting configuration of the warp-specialized forward (at most 72: its rings, partitions
-    and persistent grid are what the model knows least)."""
+    """Candidates per cell the speed model keeps: 8 of a Triton kernel's hundreds; 72 of the
+    warp-specialized forward's (its rings, partitions and persistent grid are what the model
+    knows least): every tile (36 at d64, 28 at d128, 8 at d256) and the leading tiles' knob
+    variants, of 216, 156 and 28 fitting. Beside them, the current choice's tile is timed with
+    every knob (candidates.knob_variants)."""
     return 72 if table == "flash.attn_fwd_ws" else 8
 
 

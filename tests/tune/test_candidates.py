@@ -326,3 +326,29 @@ def test_the_default_limit_keeps_a_near_best_measured_forward_candidate():
         ms = {Config.of(config): t for config, t in cell["probes"]}
         kept, _ = cand.candidates(rules.KERNELS["attn_fwd"], f, "sm_90", fp, sizes=sizes, limit=8)
         assert min(ms[c] for c in kept if c in ms) <= 1.01 * min(ms.values()), (cell["functional"], cell["cell"])
+
+
+@pytest.mark.parametrize("kernel", ["attn_fwd_ws", "attn_bwd_ws", "attn_fwd"])
+def test_a_small_limit_still_times_the_knobs_around_the_current_choice(kernel):
+    """The model ranks tiles, not knobs: at a limit below the number of tiles no knob variant
+    was kept (the ws forward at --limit 24 timed no Q_SLOTS=2 or TMA_STORE=1, 2026-12-05).
+    Every fitting knob variant of the current choice's tile is now a candidate beside the
+    limit's tiles, and nothing else is added."""
+    spec, fp = rules.KERNELS[kernel], flash.footprint(f"flash.{kernel}")
+    d = random.choice([64, 128])
+    f = _functional(kernel, d=d, MASK=random.choice([0, 2]))
+    size = random.choice([128, 512, 1024, 4096])
+    sizes = {"seqlen_q": size, "seqlen_k": size}
+    fitting, _ = cand.candidates(spec, f, "sm_90", fp, sizes=sizes)
+    tiles = {cand.tile_of(spec, c) for c in fitting}
+    current = random.choice(fitting)
+    limit = random.randint(1, max(1, len(tiles) // 2))
+    kept, pruned = cand.candidates(spec, f, "sm_90", fp, keep=[current], sizes=sizes, limit=limit)
+    around = [c for c in fitting if cand.tile_of(spec, c) == cand.tile_of(spec, current)]
+    assert current in kept and set(around) <= set(kept) and not set(around) & set(pruned)
+    ranked = cand.tiles_first(spec, sorted(fitting, key=lambda c: -cand.score(fp, f, c, SM90, sizes)))
+    assert set(kept) == set(ranked[:limit]) | set(around)
+    assert set(kept) | set(pruned) == set(cand.space(spec)) and not set(kept) & set(pruned)
+    if kernel == "attn_fwd_ws" and dict(current.items).get("PERSISTENT"):
+        knobs = {(dict(c.items).get("Q_SLOTS", 1), dict(c.items).get("TMA_STORE", 0)) for c in around}
+        assert {(1, 0), (1, 1)} <= knobs  # the short tiles' knobs of the hand patch 0003 are timed

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from aotattn.families.flash import rules
 from aotattn.spec import Config, Functional
 from aotattn.tune import runner
+from aotattn.tune import candidates as cand
+from aotattn.tune import flash
 from aotattn.tune.candidates import config_name
 from aotattn.tune.tasks import Task
 from aotattn.tuning import Database
@@ -56,12 +58,16 @@ def test_forward_task_end_to_end(forward_results):
         assert result["format"] == runner.RESULT_FORMAT and result["clock"] == "cpu-perf-counter"
         assert Task.from_json(result["task"]).id == result["id"]
         by_name = {c["name"]: c for c in result["candidates"]}
-        current = config_name(Database(PROJECT_TUNING).lookup("sm_90", rules.ATTN_FWD,
-                                                              Task.from_json(result["task"]).functional,
-                                                              {"seqlen_q": result["task"]["cell"][0],
-                                                               "seqlen_k": result["task"]["cell"][1]}))
+        functional = Task.from_json(result["task"]).functional
+        sizes = dict(zip(("seqlen_q", "seqlen_k"), result["task"]["cell"]))
+        chosen = Database(PROJECT_TUNING).lookup("sm_90", rules.ATTN_FWD, functional, sizes)
+        current = config_name(chosen)
         assert result["current"] == current and current in by_name  # always a candidate
-        assert len(by_name) == TINY.limit + (current not in list(by_name)[:TINY.limit])
+        # the speed model's best TINY.limit, the current choice and its tile's knob variants
+        variants = {config_name(c) for c in cand.knob_variants(rules.ATTN_FWD, [chosen], cand.space(rules.ATTN_FWD))}
+        fitting, _ = cand.candidates(rules.ATTN_FWD, functional, "sm_90", flash.footprint("flash.attn_fwd"), sizes=sizes)
+        assert {current} < variants and variants & {config_name(c) for c in fitting} <= set(by_name)
+        assert len(by_name) <= TINY.limit + len(variants)
         for c in result["candidates"]:
             assert c["status"] in ("ok", "slow"), c
             # errors measured against the float64 reference, within bf16's tolerance, on both shapes
