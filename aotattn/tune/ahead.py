@@ -19,9 +19,8 @@ from typing import Any
 from aotattn.compiler.builder import Outcome, pack, run_jobs
 from aotattn.compiler.jobs import Job
 from aotattn.spec import Functional
-from aotattn.tune import candidates as cand
 from aotattn.tune.harnesses import harness
-from aotattn.tune.runner import Settings
+from aotattn.tune.runner import Settings, task_candidates
 from aotattn.tune.tasks import Task, table_spec
 
 
@@ -37,10 +36,7 @@ def task_jobs(task: Task, settings: Settings, db: Any) -> list[Job]:
     jobs = []
     if hasattr(spec, "arguments"):  # a kernel table: its candidates
         current = h.current_config(db, task.arch, task.table, task.functional, task.cell)
-        configs, _ = cand.candidates(spec, task.functional, task.arch, h.footprint(task.table),
-                                     keep=[current] if current is not None else [],
-                                     sizes=dict(zip((k for k, _ in spec.tuning_keys), task.cell)),
-                                     limit=settings.limit)
+        configs, _ = task_candidates(task, settings, spec, h, current)
         jobs += [Job(task.arch, task.table, task.functional, config) for config in configs]
     shapes = [*h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch, settings.accuracy_heads),
               h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes,

@@ -230,12 +230,12 @@ def space(spec: Any) -> list[Config]:
 
 def candidates(spec: Any, functional: Functional, arch: str, footprint: Footprint | None,
                keep: Iterable[Config] = (), sizes: Mapping[str, int] | None = None,
-               limit: int | None = None) -> tuple[list[Config], dict[Config, str]]:
+               limit: int | None = None, knobs: bool = True) -> tuple[list[Config], dict[Config, str]]:
     """(candidates, pruned -> reason) for one functional of one table on ``arch``.
 
     Configurations that cannot fit are pruned (:func:`why_pruned`); of the rest, with a
-    ``limit``, the ``limit`` first by :func:`tiles_first` ranking are kept, and every
-    fitting knob variant of a kept configuration's tile (:func:`knob_variants`). ``keep``:
+    ``limit``, the ``limit`` first by :func:`tiles_first` ranking are kept, and (``knobs``)
+    every fitting knob variant of a kept configuration's tile (:func:`knob_variants`). ``keep``:
     configurations kept whatever the estimates say (the
     database's current choices), in addition to the limit. Without a footprint nothing is
     pruned; an operator table's (its choices are not kernels) has only a budget.
@@ -256,7 +256,7 @@ def candidates(spec: Any, functional: Functional, arch: str, footprint: Footprin
         ranked = tiles_first(spec, sorted(fitting, key=lambda c: -score(footprint, functional, c, tgt, sizes or {})))
         for config in ranked[limit:]:
             pruned[config] = f"ranked below the best {limit} by the speed model"
-        chosen = set(ranked[:limit]) | set(knob_variants(spec, keep, fitting))
+        chosen = set(ranked[:limit]) | set(knob_variants(spec, keep, fitting) if knobs else ())
         fitting = [c for c in fitting if c in chosen]
         for config in chosen:
             pruned.pop(config, None)

@@ -33,6 +33,8 @@ ALL = typer.Option(False, "--all-functionals", help="also refinements (padded he
 LIMIT = typer.Option(None, "--limit", help="candidates per cell kept by the speed model (plus the current choice "
                      "and its tile's knob variants; "
                      "default: the harness's per table, 8 for most)")
+KNOBS = typer.Option(True, "--knobs/--no-knobs", help="also time every knob variant of the current choice's "
+                     "tile (the speed model ranks tiles, not knobs; --no-knobs: fewer kernels to compile)")
 TOKENS = typer.Option(None, "--tokens", help="batch x heads x seqlen_q of the timed problem (default: the "
                       "harness's per table: 2^17 for kernel tables, 2^19 for flash.backward)")
 TUNING_DB = typer.Option(None, "--tuning-db", help="tuning database root (default: $AOTATTN_TUNING_DB or tuning/)")
@@ -79,23 +81,23 @@ def _select(category: list[str], where: str | None, dtype: str, head_dim: str | 
     return chosen, len(found)
 
 
-def _settings(limit: int | None, tokens: int | None, table: str):
+def _settings(limit: int | None, tokens: int | None, table: str, knobs: bool = True):
     """A task's settings: ``limit`` and ``tokens`` when given, else its table's harness defaults."""
     from aotattn.tune.runner import Settings
 
-    given = {"limit": limit, "tokens": tokens}
+    given = {"limit": limit, "tokens": tokens, "knobs": None if knobs else False}
     return Settings.of_line(table, {name: value for name, value in given.items() if value is not None})
 
 
-def _settings_by_table(chosen, limit: int, tokens: int | None) -> dict[str, Any]:
-    return {table: _settings(limit, tokens, table) for table in {t.table for t in chosen}}
+def _settings_by_table(chosen, limit: int, tokens: int | None, knobs: bool = True) -> dict[str, Any]:
+    return {table: _settings(limit, tokens, table, knobs) for table in {t.table for t in chosen}}
 
 
-def _summary(chosen, total: int, limit: int, tokens: int | None, db) -> None:
+def _summary(chosen, total: int, limit: int, tokens: int | None, db, knobs: bool = True) -> None:
     from aotattn.tune import ahead
     from aotattn.tune.estimate import gpu_seconds
 
-    settings = _settings_by_table(chosen, limit, tokens)
+    settings = _settings_by_table(chosen, limit, tokens, knobs)
     jobs = ahead.plan([(t, settings[t.table]) for t in chosen], db)
     functionals = {(t.table, t.functional) for t in chosen}
     seconds = sum(gpu_seconds(t, settings[t.table]) for t in chosen)
@@ -106,17 +108,17 @@ def _summary(chosen, total: int, limit: int, tokens: int | None, db) -> None:
 @app.command()
 def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE, head_dim: str = HEAD_DIM,
          seqlen: str = SEQLEN, cells: str = CELLS, arch: str = ARCH, all_functionals: bool = ALL,
-         limit: int = LIMIT, tokens: int = TOKENS, tuning_db: Path = TUNING_DB,
+         limit: int = LIMIT, knobs: bool = KNOBS, tokens: int = TOKENS, tuning_db: Path = TUNING_DB,
          out: Path = typer.Option(None, "--out", help="write the tasks as JSON lines (a batch for `tune run`)")) -> None:
     """Show what a selection holds (tasks, kernels to compile, GPU time); optionally write it as a batch."""
     from aotattn.files import write_atomically
     from aotattn.tune.tasks import write_batch
 
     chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
-    _summary(chosen, total, limit, tokens, _db(tuning_db))
+    _summary(chosen, total, limit, tokens, _db(tuning_db), knobs)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
-        settings = _settings_by_table(chosen, limit, tokens)
+        settings = _settings_by_table(chosen, limit, tokens, knobs)
         write_atomically(out, write_batch(chosen, {table: s.to_json() for table, s in settings.items()}))
         console.print(f"wrote {out}")
 
@@ -124,7 +126,7 @@ def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE,
 @app.command()
 def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE, head_dim: str = HEAD_DIM,
              seqlen: str = SEQLEN, cells: str = CELLS, arch: str = ARCH, all_functionals: bool = ALL,
-             limit: int = LIMIT, tokens: int = TOKENS,
+             limit: int = LIMIT, knobs: bool = KNOBS, tokens: int = TOKENS,
              rerun: str = typer.Option(None, "--rerun", help="any label: queue tasks again even if done before"),
              priority: int = typer.Option(0, help="higher runs first"),
              dsn: str = DSN, home: Path = HOME) -> None:
@@ -134,7 +136,7 @@ def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DT
     from aotattn.tune.app import task_spec
 
     chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
-    settings = _settings_by_table(chosen, limit, tokens)
+    settings = _settings_by_table(chosen, limit, tokens, knobs)
     by_table: dict[str, list] = {}
     for task in chosen:
         by_table.setdefault(task.table, []).append(task_spec(task, settings[task.table], rerun, priority))

@@ -31,7 +31,7 @@ def gpu_seconds(task: Task, settings: Settings) -> float:
     fresh = call * 0.4 if task.table != "flash.attn_fwd" else call * 0.1
     spec = table_spec(task.table)
     # a kernel table: the limit, the current choice and its tile's knob variants (candidates.knob_variants)
-    candidates = (settings.limit + knob_combinations(spec) if hasattr(spec, "arguments")
+    candidates = (settings.limit + (knob_combinations(spec) if settings.knobs else 1) if hasattr(spec, "arguments")
                   else len(spec.tuning_space[0][1]))
     reference = sum(h.flops(task.table, s, task.functional) for s in
                     h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch,

@@ -79,6 +79,7 @@ class Settings:
         accuracy_batch, accuracy_heads: the accuracy problems' batch and heads.
         error_multiple: eligible within this multiple of the most accurate candidate's error.
         limit: candidates per cell kept by the speed model (plus the current choice).
+        knobs: also every knob variant of the current choice's tile (candidates.knob_variants).
         finalists: candidates timed in full after the probe (plus the current choice).
         finalist_margin: a finalist's probe is within this factor of the best probe.
         budget_ms: device time for one candidate's full measurement.
@@ -93,6 +94,7 @@ class Settings:
     accuracy_heads: int = 5
     error_multiple: float = 3.0
     limit: int = 8
+    knobs: bool = True
     finalists: int = 4
     finalist_margin: float = 1.25
     budget_ms: float = 150.0
@@ -123,6 +125,8 @@ class Settings:
             value = getattr(settings, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"settings.{name}: expected a byte count >= 0, got {value!r}")
+        if not isinstance(settings.knobs, bool):
+            raise ValueError(f"settings.knobs: expected true or false, got {settings.knobs!r}")
         for name in ("error_multiple", "finalist_margin"):
             if not getattr(settings, name) >= 1.0:
                 raise ValueError(f"settings.{name}: expected a number >= 1, got {getattr(settings, name)!r}")
@@ -145,6 +149,17 @@ class Settings:
         if hasattr(h, "default_limit"):
             defaults["limit"] = h.default_limit(table)
         return cls(**{**defaults, **changes})
+
+
+def task_candidates(task: Task, settings: Settings, spec: Any, h: Any,
+                    current: Config | None) -> tuple[list[Config], dict[Config, str]]:
+    """A kernel task's (candidates, pruned -> reason), the same for the compile ahead and the
+    worker: the limit's best, the current choice and, with ``settings.knobs``, its tile's
+    knob variants."""
+    return cand.candidates(spec, task.functional, task.arch, h.footprint(task.table),
+                           keep=[current] if current is not None else [],
+                           sizes=dict(zip((k for k, _ in spec.tuning_keys), task.cell)),
+                           limit=settings.limit, knobs=settings.knobs)
 
 
 class DeviceLost(RuntimeError):
@@ -287,10 +302,7 @@ class _Run:
     def candidates(self) -> tuple[list[Config], dict[Config, str], Config | None]:
         t = self.task
         current = self.harness.current_config(self.db, t.arch, t.table, t.functional, t.cell)
-        sizes = dict(zip((k for k, _ in self.spec.tuning_keys), t.cell))
-        kept, pruned = cand.candidates(self.spec, t.functional, t.arch, self.harness.footprint(t.table),
-                                       keep=[current] if current is not None else [], sizes=sizes,
-                                       limit=self.settings.limit)
+        kept, pruned = task_candidates(t, self.settings, self.spec, self.harness, current)
         return kept, pruned, current
 
     def _record(self, config: Config, **fields_: Any) -> dict[str, Any]:

@@ -47,7 +47,7 @@ def test_settings_round_trip_and_refusals():
     for bad, message in [({"limit": 0}, "limit"), ({"nope": 1}, "unknown"), ({"error_multiple": 0.5}, "multiple"),
                          ({"repeats": [5, 2]}, "repeats"), ({"tokens": True}, "tokens"),
                          ({"min_traffic_bytes": -1}, "min_traffic_bytes"), ({"min_traffic_bytes": 1.5}, "byte count"),
-                         ({"memory_bytes": "8G"}, "memory_bytes")]:
+                         ({"memory_bytes": "8G"}, "memory_bytes"), ({"knobs": "yes"}, "knobs"), ({"knobs": 1}, "knobs")]:
         with pytest.raises(ValueError, match=message):
             runner.Settings.from_json(bad)
 
@@ -270,3 +270,27 @@ def test_the_traffic_floor_is_a_gpus_only(tmp_path):
     floored = flash.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes, 128 << 20)
     assert result["shape"] == str(tokens_only) != str(floored)
     assert result["settings"]["min_traffic_bytes"] == 128 << 20  # the task's settings are kept as dispatched
+
+
+def test_no_knobs_plans_only_the_limit_and_the_current_choice(tmp_path):
+    """`tune plan --no-knobs` writes settings without the current tile's knob variants, and
+    its batch compiles fewer kernels; the default keeps them (candidates.knob_variants)."""
+    from typer.testing import CliRunner
+
+    from aotattn.cli import app
+    from aotattn.tune import ahead
+    from aotattn.tune.tasks import read_batch_settings
+
+    counts = {}
+    for flag in ("--knobs", "--no-knobs"):
+        out = tmp_path / f"{flag}.jsonl"
+        result = CliRunner().invoke(app, ["tune", "plan", "-c", "flash,attn_fwd_ws", "--head-dim", "128",
+                                          "--dtype", "bf16", "--cells", "4096x128,1024x1024", "--limit", "4",
+                                          flag, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        batch = [(task, runner.Settings.of_line(task.table, data))
+                 for task, data in read_batch_settings(out.read_text())]
+        assert {s.knobs for _, s in batch} == {flag == "--knobs"}
+        counts[flag] = len(ahead.plan(batch, Database(PROJECT_TUNING)))
+        assert f"{counts[flag]} kernels to compile" in result.output
+    assert counts["--no-knobs"] < counts["--knobs"]
