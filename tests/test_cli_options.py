@@ -23,6 +23,7 @@ from aotattn.cli import app
     (["tune", "checkout", "-o", "{tmp}/b.json", "--max-kernels", "-1"], "--max-kernels"),
     # the tuner's selection: an empty list selected every value; an output that is a folder
     (["tune", "plan", "-c", "flash,attn_fwd", "--seqlen", ",,,"], "--seqlen"),
+    (["tune", "plan", "-c", "flash,attn_fwd_ws", "--arch", "sm_80"], "run only on other architectures"),
     (["tune", "plan", "-c", "flash,attn_fwd", "--head-dim", ""], "--head-dim"),
     (["tune", "plan", "-c", "flash,attn_fwd", "--seqlen", "1024", "--head-dim", "64", "--out", "{tmp}"],
      "a folder, not a file"),

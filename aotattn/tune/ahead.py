@@ -41,7 +41,7 @@ def task_jobs(task: Task, settings: Settings, db: Any) -> list[Job]:
     shapes = [*h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch, settings.accuracy_heads),
               h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes,
                              settings.min_traffic_bytes)]
-    for table, functional in h.auxiliary(task.table, task.functional):
+    for table, functional in h.auxiliary(task.table, task.functional, task.arch):
         for shape in shapes:
             config = h.current_config(db, task.arch, table, functional, _sizes(shape))
             if config is None:

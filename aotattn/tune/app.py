@@ -55,7 +55,7 @@ def parse_payload(data: dict[str, Any]) -> tuple[Task, Settings]:
     except (SelectionError, ValueError, TypeError, AttributeError) as exc:
         raise PayloadError(f"tune: bad payload ({exc}); expected {{'task': ..., 'settings': ...}} "
                            "as aotattn tune dispatch writes it") from exc
-    if not harnesses.supported(task.table, task.functional, task.cell):
+    if not harnesses.supported(task.table, task.functional, task.cell, task.arch):
         raise PayloadError(f"tune: no harness can build {task.describe()}")
     return task, settings
 

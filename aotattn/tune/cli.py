@@ -74,7 +74,11 @@ def _select(category: list[str], where: str | None, dtype: str, head_dim: str | 
         raise tasks.SelectionError(f"--seqlen: expected buckets like 1024,4096, got {seqlen!r}") from exc
     tables = tasks.select_tables(category, harnesses.tunable())
     found = list(tasks.enumerate_tasks(arch, tables, filters, lengths, cells, all_functionals))
-    chosen = [t for t in found if harnesses.supported(t.table, t.functional, t.cell)]
+    chosen = [t for t in found if harnesses.supported(t.table, t.functional, t.cell, t.arch)]
+    if not chosen and any(harnesses.supported(t.table, t.functional, t.cell) for t in found):
+        elsewhere = sorted({t.table for t in found if harnesses.supported(t.table, t.functional, t.cell)})
+        raise tasks.SelectionError(f"the selection holds no task the tuner can run on {arch}: "
+                                   f"{', '.join(elsewhere)} run only on other architectures (--arch)")
     if not chosen:
         raise tasks.SelectionError("the selection holds no task the tuner can run (bias and varlen "
                                    "functionals are not tuned yet)")

@@ -218,13 +218,15 @@ def default_limit(table: str) -> int:
     return 72 if table == "flash.attn_fwd_ws" else 8
 
 
-def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = None) -> bool:
+def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = None, arch: str | None = None) -> bool:
     """Whether this harness can build problems for the functional (dense or dropout, no bias,
     not varlen) at the cell: none where a call of the cell's lengths runs another MASK
     variant (rules.kernel_mask: top-left on the diagonal runs bottom-right), nor a top-left
     backward with fewer queries than keys and no dropout (its plans drop the keys no query
     sees, planning.trim_keys: a causal call runs the Sq x Sq cell). The backward operator's
-    grouped-query cells (``GROUPED=True``) are timed with groups of :data:`GROUP`."""
+    grouped-query cells (``GROUPED=True``) are timed with groups of :data:`GROUP`. ``arch``:
+    the warp-specialized kernels' tables and the forward's engine choice exist only where
+    those kernels run (sm_90); None, wherever they run."""
     f = functional.as_dict()
     if cell is not None and len(cell) == 2 and "MASK" in f \
             and rules.kernel_mask(f["MASK"], f.get("VARLEN", False), *cell) != f["MASK"]:
@@ -232,9 +234,9 @@ def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = 
     if cell is not None and len(cell) == 2 and table not in FORWARD_TABLES and f.get("MASK") == rules.MASK_TOP_LEFT \
             and not f.get("DROPOUT") and cell[0] < cell[1]:
         return False
-    if table in ("flash.attn_fwd_ws", "flash.forward") and not rules.ws_serves(f):
+    if table in ("flash.attn_fwd_ws", "flash.forward") and not rules.ws_serves(f, arch):
         return False  # the forward table's choice matters only where the warp-specialized kernel serves
-    if table == "flash.attn_bwd_ws" and not rules.ws_backward_serves(f):
+    if table == "flash.attn_bwd_ws" and not rules.ws_backward_serves(f, arch):
         return False
     return table in TABLES and not f.get("VARLEN") and not f.get("BIAS")
 
@@ -518,9 +520,10 @@ def current_config(db: Any, arch: str, table: str, functional: Functional, cell:
         return None
 
 
-def auxiliary(table: str, functional: Functional) -> list[tuple[str, Functional]]:
+def auxiliary(table: str, functional: Functional, arch: str | None = None) -> list[tuple[str, Functional]]:
     """The (table, functional) pairs of the other kernels a problem of this table launches
-    with the database's configurations: their images must be built too."""
+    with the database's configurations on ``arch`` (None: where every kernel runs): their
+    images must be built too."""
     f = functional.as_dict()
     kernel = table.split(".", 1)[1]
     attention = {k: v for k, v in f.items() if k not in ("ATOMIC_DQ", "DETERMINISTIC", "GROUPED")}
@@ -535,14 +538,14 @@ def auxiliary(table: str, functional: Functional) -> list[tuple[str, Functional]
     if kernel == "forward":  # both engines' kernels, with the database's configurations
         return [("flash.attn_fwd", functional), ("flash.attn_fwd_ws", functional)]
     pairs += [("flash.attn_fwd", forward), ("flash.attn_bwd_preprocess", pre)]
-    if rules.ws_serves(forward):  # the problem's forward runs the kernel flash.forward chooses
+    if rules.ws_serves(forward, arch):  # the problem's forward runs the kernel flash.forward chooses
         pairs.append(("flash.attn_fwd_ws", forward))
     if kernel == "attn_bwd_dkdv":  # the split backend's dQ kernel writes the stats dK/dV reads
         pairs.append(("flash.attn_bwd_dq", attention))
     if kernel == "backward":
         pairs += [("flash.attn_bwd_dkdv", attention), ("flash.attn_bwd_dq", attention),
                   ("flash.attn_bwd_fused", {**attention, "ATOMIC_DQ": not f["DETERMINISTIC"]})]
-        if rules.ws_backward_serves(attention, deterministic=f["DETERMINISTIC"]):
+        if rules.ws_backward_serves(attention, arch, deterministic=f["DETERMINISTIC"]):
             pairs.append(("flash.attn_bwd_ws", attention))
     return [(t, Functional.of(v)) for t, v in pairs] + _mask_kernel(f)
 

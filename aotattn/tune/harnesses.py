@@ -33,6 +33,7 @@ def harness(table: str) -> ModuleType:
     raise ValueError(f"table: no tuner harness for {table!r} (tunable: {', '.join(tunable())})")
 
 
-def supported(table: str, functional, cell: tuple[int, ...] | None = None) -> bool:
-    """Whether a harness can build problems for this functional of this table (at this cell)."""
-    return table in tunable() and harness(table).supports(table, functional, cell)
+def supported(table: str, functional, cell: tuple[int, ...] | None = None, arch: str | None = None) -> bool:
+    """Whether a harness can build problems for this functional of this table (at this cell,
+    on this architecture)."""
+    return table in tunable() and harness(table).supports(table, functional, cell, arch)

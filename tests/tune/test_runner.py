@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -169,6 +170,25 @@ def test_dropout_problem_draws_one_mask_and_needs_the_mask_kernel():
     assert ("flash.dropout_mask", Functional.of({})) in flash.auxiliary("flash.attn_fwd", f)
     plain = Functional.of({**f.as_dict(), "DROPOUT": False})
     assert flash.auxiliary("flash.attn_fwd", plain) == []
+
+
+def test_the_warp_specialized_kernels_are_planned_only_where_they_run():
+    """The ws kernels exist on sm_90 alone: elsewhere their tables are no task, and a backward
+    problem's forward needs no ws image (a sm_80 plan asked for attn_fwd_ws configurations the
+    sm_80 database cannot have, and planned 132 attn_fwd_ws tasks that export then refused)."""
+    from aotattn.tune import flash, harnesses
+
+    d = random.choice([64, 128, 256])
+    forward = Functional.of(dict(dtype="bf16", BLOCK_D=d, BLOCK_DV=d, PAD_HEAD=False, MASK=random.choice([0, 2]),
+                                 VARLEN=False, DROPOUT=False, BIAS=0))
+    cell = (1024, 1024)
+    for arch in ("sm_80", "sm_90"):
+        here = arch == "sm_90"
+        assert harnesses.supported("flash.attn_fwd_ws", forward, cell, arch) is here
+        assert harnesses.supported("flash.forward", forward, cell, arch) is here
+        needs = {t for t, _ in flash.auxiliary("flash.attn_bwd_dkdv", forward, arch)}
+        assert ("flash.attn_fwd_ws" in needs) is here and "flash.attn_fwd" in needs
+    assert harnesses.supported("flash.attn_fwd_ws", forward, cell)  # no architecture: where it runs
 
 
 def test_grouped_operator_task_runs_with_groups_and_sums_each_key_heads_gradients():
