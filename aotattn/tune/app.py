@@ -82,7 +82,7 @@ def handle(data: dict[str, Any], ctx: TaskContext) -> dict[str, Any]:
         if found != task.arch:
             raise RuntimeError(f"this worker's GPU is {found}, the task is for {task.arch}: run it in pool {task.arch}")
     try:
-        return run_task(task, settings, device=device, journal=journal_dir(),
+        return run_task(task, settings, device=device, journal=journal_dir(), run_key=ctx.task.key,
                         log=lambda line: log.info("%s: %s", task.id, line))
     except DeviceLost as exc:
         print(f"tune: device lost in task {task.id} ({exc}); ending the worker so it restarts with a new "

@@ -198,18 +198,35 @@ def choose(records: Mapping[str, Mapping[str, Any]], eligible: set[str], current
 
 
 class Journal:
-    """Per-task JSON lines: ``{"start": name}`` then ``{"done": record}``; fsync'd."""
+    """Per-task JSON lines: a header ``{"journal": 1, "settings": ..., "run": ...}``, then
+    ``{"start": name}`` and ``{"done": record}`` per candidate; fsync'd.
 
-    def __init__(self, directory: Path | None, task: Task):
+    A journal resumes only the run it was written for: the same settings (a record timed at
+    another size or limit is not comparable) and the same ``run`` (the pgdef key, which
+    ``tune dispatch --rerun`` changes to measure again). Any other journal of the task,
+    one without a header included, is started afresh."""
+
+    def __init__(self, directory: Path | None, task: Task, settings: Settings | None = None,
+                 run: str | None = None):
         self.path = None if directory is None else Path(directory) / f"{task.id}.jsonl"
+        self.header = {"journal": 1, "settings": None if settings is None else settings.to_json(), "run": run}
+        self.fresh = True  # the file holds no line of this run yet: the first append rewrites it
 
     def load(self) -> dict[str, dict[str, Any]]:
         """Finished records by name; a candidate started and never finished is crashed."""
         if self.path is None or not self.path.is_file():
             return {}
+        lines = self.path.read_text().splitlines()
+        try:
+            first = json.loads(lines[0]) if lines else None
+        except json.JSONDecodeError:
+            first = None
+        if first != json.loads(json.dumps(self.header)):
+            return {}  # another run's journal (or none of ours): rewritten at the first append
+        self.fresh = False
         done: dict[str, dict[str, Any]] = {}
         started: list[str] = []
-        for line in self.path.read_text().splitlines():
+        for line in lines[1:]:
             try:
                 entry = json.loads(line)
             except json.JSONDecodeError:
@@ -228,7 +245,10 @@ class Journal:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as out:
+        with open(self.path, "w" if self.fresh else "a") as out:
+            if self.fresh:
+                out.write(json.dumps(self.header) + "\n")
+                self.fresh = False
             out.write(json.dumps(entry, allow_nan=True) + "\n")
             out.flush()
             os.fsync(out.fileno())
@@ -359,7 +379,7 @@ def _json_float(value: float) -> float | None:
 
 
 def run_task(task: Task, settings: Settings | None = None, *, device: torch.device | str | None = None,
-             db: Any = None, journal: Path | None = None,
+             db: Any = None, journal: Path | None = None, run_key: str | None = None,
              log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Tune one task; returns its result (JSON-ready; see docs/tuner.md, "Results").
 
@@ -371,6 +391,7 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
         db: the tuning database whose current choice is kept unless beaten (default:
             the one the operators use).
         journal: folder of per-task journals (default ``$AOTATTN_TUNE_JOURNAL``; None: none).
+        run_key: names this run (the pgdef task's key): a journal of another run is not resumed.
         log: receives one line per candidate.
 
     Raises:
@@ -383,9 +404,12 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
         from aotattn import tuning
 
         db = tuning.database()
-    run = _Run(task, settings, device, db, Journal(journal if journal is not None else journal_dir(), task), log)
+    run = _Run(task, settings, device, db,
+               Journal(journal if journal is not None else journal_dir(), task, settings, run_key), log)
     h = run.harness
     configs, pruned, current = run.candidates()
+    names = {cand.config_name(c) for c in configs}  # the journal's records of these candidates only
+    run.records = {name: record for name, record in run.records.items() if name in names}
     images = image_lookup(task, device)
     limit = cand.target(task.arch).shared_memory
     problems = [h.Problem(task.table, task.functional, shape, device, run.generator)

@@ -98,6 +98,40 @@ def test_journal_resumes_and_marks_crashes(forward_results, tmp_path):
     assert again["winner"] != crashed
 
 
+def test_a_journal_resumes_only_its_own_run(forward_results, tmp_path):
+    """A journal written with other settings (here without the knob variants), for another
+    pgdef key (``dispatch --rerun``) or before journals had a header is not resumed: its
+    records were timed for another run. The result holds this run's candidates only."""
+    import shutil
+
+    results, journal = forward_results
+    task = Task.from_json(results[0]["task"])
+    before = {c["name"] for c in results[0]["candidates"]}
+    db = Database(PROJECT_TUNING)
+
+    def rerun(settings, run_key=None, strip_header=False):
+        path = tmp_path / f"{task.id}.jsonl"
+        shutil.copy(journal / f"{task.id}.jsonl", path)
+        if strip_header:
+            path.write_text("\n".join(path.read_text().splitlines()[1:]) + "\n")
+        seen = []
+        result = runner.run_task(task, settings, device="cpu", db=db, journal=tmp_path, run_key=run_key,
+                                 log=seen.append)
+        return result, [line for line in seen if "probe" in line]
+
+    same, probed = rerun(TINY)
+    assert not probed and {c["name"] for c in same["candidates"]} == before  # resumed
+    fewer, probed = rerun(dataclasses.replace(TINY, knobs=False))
+    names = {c["name"] for c in fewer["candidates"]}
+    assert probed and len(probed) == len(names) and names < before  # measured afresh, its own candidates
+    _, probed = rerun(TINY, run_key=f"{task.id}:again")
+    assert len(probed) == len(before)
+    _, probed = rerun(TINY, strip_header=True)
+    assert len(probed) == len(before)
+    header = json.loads((tmp_path / f"{task.id}.jsonl").read_text().splitlines()[0])
+    assert header == {"journal": 1, "settings": json.loads(json.dumps(TINY.to_json())), "run": None}
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
 def test_fused_atomic_backward_candidates_each_start_from_zero(dtype):
     """dQ accumulates atomically: every candidate's accuracy run starts from a zeroed buffer
