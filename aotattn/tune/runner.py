@@ -111,25 +111,37 @@ class Settings:
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise ValueError(f"settings: unknown keys {', '.join(unknown)} (known: {', '.join(known)})")
-        if "repeats" in data:
-            data["repeats"] = tuple(data["repeats"])
+        def number(value: Any) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        def whole(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        repeats = data.get("repeats", cls.repeats)
+        if not (isinstance(repeats, (list, tuple)) and len(repeats) == 2 and all(whole(r) for r in repeats)
+                and 1 <= repeats[0] <= repeats[1]):
+            raise ValueError(f"settings.repeats: expected [fewest, most], integers with 1 <= fewest <= most, "
+                             f"got {repeats!r}")
+        data["repeats"] = tuple(repeats)
         settings = cls(**data)
-        low, high = settings.repeats if len(settings.repeats) == 2 else (0, -1)
-        if not 1 <= low <= high:
-            raise ValueError(f"settings.repeats: expected [fewest, most] with 1 <= fewest <= most, got {data['repeats']!r}")
         for name in ("tokens", "accuracy_batch", "accuracy_heads", "limit", "finalists"):
             value = getattr(settings, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not whole(value) or value < 1:
                 raise ValueError(f"settings.{name}: expected an integer >= 1, got {value!r}")
         for name in ("memory_bytes", "min_traffic_bytes"):
             value = getattr(settings, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not whole(value) or value < 0:
                 raise ValueError(f"settings.{name}: expected a byte count >= 0, got {value!r}")
         if not isinstance(settings.knobs, bool):
             raise ValueError(f"settings.knobs: expected true or false, got {settings.knobs!r}")
         for name in ("error_multiple", "finalist_margin"):
-            if not getattr(settings, name) >= 1.0:
-                raise ValueError(f"settings.{name}: expected a number >= 1, got {getattr(settings, name)!r}")
+            value = getattr(settings, name)
+            if not number(value) or value < 1.0:
+                raise ValueError(f"settings.{name}: expected a number >= 1, got {value!r}")
+        if not number(settings.budget_ms) or settings.budget_ms <= 0:
+            raise ValueError(f"settings.budget_ms: expected a number of milliseconds above 0, got {settings.budget_ms!r}")
+        if not number(settings.min_gain) or not 0 <= settings.min_gain < 1:
+            raise ValueError(f"settings.min_gain: expected a fraction in [0, 1), got {settings.min_gain!r}")
         return settings
 
     @classmethod

@@ -48,7 +48,12 @@ def test_settings_round_trip_and_refusals():
     for bad, message in [({"limit": 0}, "limit"), ({"nope": 1}, "unknown"), ({"error_multiple": 0.5}, "multiple"),
                          ({"repeats": [5, 2]}, "repeats"), ({"tokens": True}, "tokens"),
                          ({"min_traffic_bytes": -1}, "min_traffic_bytes"), ({"min_traffic_bytes": 1.5}, "byte count"),
-                         ({"memory_bytes": "8G"}, "memory_bytes"), ({"knobs": "yes"}, "knobs"), ({"knobs": 1}, "knobs")]:
+                         ({"memory_bytes": "8G"}, "memory_bytes"), ({"knobs": "yes"}, "knobs"), ({"knobs": 1}, "knobs"),
+                         ({"repeats": 5}, "repeats"), ({"repeats": "ab"}, "repeats"), ({"repeats": [5.5, 30]}, "repeats"),
+                         ({"error_multiple": "x"}, "error_multiple"), ({"finalist_margin": None}, "finalist_margin"),
+                         ({"error_multiple": float("nan")}, "error_multiple"), ({"min_gain": "x"}, "min_gain"),
+                         ({"min_gain": -0.1}, "min_gain"), ({"min_gain": 1.0}, "min_gain"), ({"budget_ms": -1}, "budget_ms"),
+                         ({"budget_ms": float("inf")}, "budget_ms")]:
         with pytest.raises(ValueError, match=message):
             runner.Settings.from_json(bad)
 
