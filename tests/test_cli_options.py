@@ -24,6 +24,9 @@ from aotattn.cli import app
     # the tuner's selection: an empty list selected every value; an output that is a folder
     (["tune", "plan", "-c", "flash,attn_fwd", "--seqlen", ",,,"], "--seqlen"),
     (["tune", "plan", "-c", "flash,attn_fwd_ws", "--arch", "sm_80"], "run only on other architectures"),
+    # a batch's settings were fixed at dispatch: checkout has no --limit or --tokens to ignore
+    (["tune", "checkout", "-o", "{tmp}/b.json", "--limit", "1"], "--limit"),
+    (["tune", "checkout", "-o", "{tmp}/b.json", "--tokens", "4096"], "--tokens"),
     (["tune", "plan", "-c", "flash,attn_fwd", "--head-dim", ""], "--head-dim"),
     (["tune", "plan", "-c", "flash,attn_fwd", "--seqlen", "1024", "--head-dim", "64", "--out", "{tmp}"],
      "a folder, not a file"),

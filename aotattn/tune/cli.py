@@ -159,7 +159,7 @@ def checkout(arch: str = ARCH, out: Path = typer.Option(..., "--out", "-o", help
              gpus: int = typer.Option(1, min=1, help="GPUs that will run it (the batch holds minutes x gpus)"),
              max_kernels: int = typer.Option(1000, "--max-kernels", min=1, help="at most this many kernels to compile "
                                              "(images travel to the GPU host: ~60 KB each)"),
-             limit: int = LIMIT, tokens: int = TOKENS, tuning_db: Path = TUNING_DB,
+             tuning_db: Path = TUNING_DB,
              lease: float = typer.Option(86400.0, help="seconds before unreturned tasks are queued again"),
              dsn: str = DSN, home: Path = HOME) -> None:
     """Claim queued tuning tasks into an offline batch sized to fit ``--minutes`` of GPU time."""
@@ -205,14 +205,20 @@ def checkout(arch: str = ARCH, out: Path = typer.Option(..., "--out", "-o", help
 
 def _batch_tasks(path: Path):
     """Tasks and settings of a pgdef batch file or a `tune plan --out` file."""
+    from aotattn.tune.offline import pgdef_batch
     from aotattn.tune.runner import Settings
     from aotattn.tune.tasks import read_batch_settings
 
     text = path.read_text()
-    if text.lstrip().startswith("{") and '"format": "pgdef-batch/' in text[:200]:
+    batch = pgdef_batch(text)
+    if batch is not None:
         from aotattn.tune.app import parse_payload
 
-        return [parse_payload(t["payload"]) for t in json.loads(text)["tasks"]]
+        tasks = batch.get("tasks")
+        if not isinstance(tasks, list) or not all(isinstance(t, dict) and "payload" in t for t in tasks):
+            raise ValueError(f"{path}: a pgdef batch whose tasks are not a list of tasks with payloads "
+                             "(aotattn tune checkout writes them)")
+        return [parse_payload(t["payload"]) for t in tasks]
     return [(task, Settings.of_line(task.table, settings)) for task, settings in read_batch_settings(text, str(path))]
 
 
@@ -343,7 +349,7 @@ def export(results: list[Path] = typer.Argument(None, help="result files or fold
 
         with Client(dsn, home=home) as client:
             found = [r.output for r in client.results(APP, arch)]
-    found = [r for r in found if arch is None or r["task"]["arch"] == arch]
+    found = [r for r in exporter.latest(found) if arch is None or r["task"]["arch"] == arch]
     if not found:
         raise ValueError("no tuner results to export (check in offline batches first: aotattn pgdef checkin)")
     for table in exporter.export(found, _db(tuning_db), dry_run=dry_run):

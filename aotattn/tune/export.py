@@ -52,6 +52,8 @@ def latest(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for result in results:
         if not isinstance(result, Mapping) or result.get("format") != RESULT_FORMAT:
             raise ValueError(f"expected tuner results ({RESULT_FORMAT}), got {str(result)[:120]!r}")
+        if not isinstance(result.get("task"), Mapping):
+            raise ValueError(f"result {result.get('id')}: no task; expected a result file from aotattn tune")
         task = Task.from_json(result["task"])
         if result.get("id") != task.id:
             raise ValueError(f"result id {result.get('id')} does not match its task ({task.id}: {task.describe()})")

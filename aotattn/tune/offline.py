@@ -38,9 +38,19 @@ def parse_shard(text: str) -> tuple[int, int]:
     return index, count
 
 
+def pgdef_batch(text: str) -> dict | None:
+    """The batch, when ``text`` is one JSON document of format ``pgdef-batch/...`` (whatever
+    its spacing); None for JSON lines (``tune plan --out``), whose lines are task payloads."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    format_ = data.get("format") if isinstance(data, dict) else None
+    return data if isinstance(format_, str) and format_.startswith("pgdef-batch/") else None
+
+
 def is_pgdef_batch(path: Path) -> bool:
-    head = Path(path).read_text()[:200].replace(" ", "")
-    return head.startswith("{") and '"format":"pgdef-batch/' in head
+    return pgdef_batch(Path(path).read_text()) is not None
 
 
 def run_batch(batch: Path, results: Path, *, shard: str = "0/1", device: str | None = None,

@@ -102,6 +102,14 @@ def test_cli_dispatch_and_plan(dsn, tmp_path):
     assert offline.is_pgdef_batch(batch) and len(json.loads(batch.read_text())["tasks"]) == 1
     counted = runner.invoke(cli, ["tune", "compile", str(batch), "--images", str(tmp_path / "img"), "--dry-run"])
     assert counted.exit_code == 0 and "1 tasks need" in counted.output, counted.output
+    # the same batch minified (or pretty-printed): the offline runner and `tune compile` agree it is one
+    for indent, separators in ((None, (",", ":")), (4, (", ", ": "))):
+        respaced = tmp_path / f"batch-{indent}.json"
+        respaced.write_text(json.dumps(json.loads(batch.read_text()), indent=indent, separators=separators))
+        assert offline.is_pgdef_batch(respaced)
+        again = runner.invoke(cli, ["tune", "compile", str(respaced), "--images", str(tmp_path / "img"), "--dry-run"])
+        assert again.exit_code == 0 and "1 tasks need" in again.output, again.output
+    assert not offline.is_pgdef_batch(out)  # `tune plan --out`: JSON lines
     with Client(dsn) as client:
         assert len(client.tasks("tune", states=["queued"])) == 5
     # --tokens overrides the harness's size

@@ -64,6 +64,12 @@ def test_refusals(forward_results, tuning_copy):
         export.export(results, tuning_copy)
     with pytest.raises(ValueError, match="tuner results"):
         export.export([{"format": "something else"}], tuning_copy)
+    for task in (None, "sm_90", ["sm_90"]):  # a result without its task: one line, not a KeyError
+        taskless = {k: v for k, v in copy.deepcopy(results[0]).items() if k != "task"}
+        if task is not None:
+            taskless["task"] = task
+        with pytest.raises(ValueError, match="no task"):
+            export.export([taskless], tuning_copy, allow_cpu_clock=True)
     forged = copy.deepcopy(results[0])
     forged["id"] = "0" * 20
     with pytest.raises(ValueError, match="does not match"):
