@@ -357,4 +357,9 @@ def export(results: list[Path] = typer.Argument(None, help="result files or fold
         console.print(f"{table.arch} {table.table}: {table.cells} cells from results ({table.unchanged} keep the "
                       f"current choice), {table.kept} kept from before{empty} -> {table.path}"
                       + (" (dry run)" if dry_run else ""))
+        if table.masked:
+            patches = ", ".join(sorted(set(table.masked.values())))
+            console.print(f"[yellow]warning[/]: {len(table.masked)} of these cells are set otherwise by a later patch "
+                          f"({patches}): calls keep running its choice; remove it where the export should "
+                          f"win, e.g. {next(iter(table.masked))}")
 

@@ -44,6 +44,7 @@ class TableExport:
     kept: int = 0  # cells of the old patch kept
     unchanged: int = 0  # results whose winner is the current choice (written all the same)
     empty: list[str] = field(default_factory=list)  # tasks without an eligible candidate
+    masked: dict[str, str] = field(default_factory=dict)  # task -> the later patch that sets its cell otherwise
 
 
 def latest(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -185,8 +186,8 @@ def _header(results: list[Mapping[str, Any]], cells: int) -> list[str]:
     devices = sorted({r["device"] for r in results})
     dates = sorted(r["date"][:10] for r in results)
     versions = sorted({f"aotattn {r['versions'].get('aotattn')}, triton {r['versions'].get('triton')}" for r in results})
-    return [f"{_HEADER_PREFIX} {TUNER_VERSION} (docs/tuner.md) on {', '.join(devices)}, "
-            f"{dates[0]}..{dates[-1]} ({', '.join(versions)}): {cells} cells.",
+    return [f"{_HEADER_PREFIX} {TUNER_VERSION} (docs/tuner.md): {cells} cells; the last export's {len(results)} on "
+            f"{', '.join(devices)}, {dates[0]}..{dates[-1]} ({', '.join(versions)}), each other cell's run in its comment.",
             "# Each cell: the winner, its median time at the timed shape and its relative error against the "
             "float64 reference; the choice it replaced."]
 
@@ -220,10 +221,33 @@ def export(results: Iterable[Mapping[str, Any]], db: Database, *, dry_run: bool 
                                            for r in group),
                              empty=[Task.from_json(r["task"]).describe() for r in group if r.get("winner") is None])
         _check(db, arch, table, path, text)
+        report.masked = _masked(db, arch, table, path, group)
         if not dry_run:
             write_atomically(path, text)
         done.append(report)
     return done
+
+
+def _masked(db: Database, arch: str, table: str, path: Path, results: list[Mapping[str, Any]]) -> dict[str, str]:
+    """The results' cells that a patch applied after ``path`` sets to another configuration
+    (a hand patch over the cells tuned: the export would change nothing a call runs),
+    task -> that patch's file name."""
+    spec = table_spec(table)
+    later = [p for p in db.patch_paths(arch, table) if p.name > path.name]
+    masked: dict[str, str] = {}
+    for later_path in later:
+        patch = parse_patch(spec, later_path.read_text(), str(later_path))
+        for result in results:
+            if result.get("winner") is None:
+                continue
+            task = Task.from_json(result["task"])
+            functional = spec.canonical_functional(task.functional) if spec.axis_defaults else task.functional
+            for edit in patch.edits:  # a selection holds bucket values, as a task's cell does
+                covers = all(size in chosen for size, chosen in zip(task.cell, edit.selection))
+                if edit.functional == functional and covers \
+                        and patch.configs.get(edit.config) != Config.of(result["winner_config"]):
+                    masked[task.describe()] = later_path.name
+    return masked
 
 
 def _check(db: Database, arch: str, table: str, path: Path, text: str) -> None:

@@ -10,8 +10,10 @@ import pytest
 from aotattn.families.flash import rules
 from aotattn.spec import Config
 from aotattn.tune import export
+from aotattn.tune.candidates import config_name
 from aotattn.tune.tasks import Task
 from aotattn.tuning import Database, parse_patch
+from aotattn.tuning.format import format_functional
 
 
 def _lookup(db: Database, result: dict, cell=None) -> Config:
@@ -32,7 +34,7 @@ def test_export_sets_exactly_the_tuned_cells(forward_results, tuning_copy):
     for cell, config in before.items():  # neighbours, off-diagonal cells: untouched
         assert _lookup(tuning_copy, results[0], cell) == config
     text = path.read_text()
-    assert text.startswith("# Tuned by aotattn tune 1") and "2 cells" in text.splitlines()[0]
+    assert text.startswith("# Tuned by aotattn tune 1") and "2 cells; the last export's 2 on" in text.splitlines()[0]
     for result in results:
         winner = next(c for c in result["candidates"] if c["name"] == result["winner"])
         assert f"{winner['median_ms']:.4f} ms, error {winner['error']:.2e}" in text
@@ -121,3 +123,28 @@ def test_a_winner_outside_the_tuning_space_is_refused(forward_results, tuning_co
     with pytest.raises(ValueError, match=f"result {bad['id']}: winner_config .*{knob}={value} outside "
                                          "flash.attn_fwd's tuning space"):
         export.export([bad], tuning_copy, allow_cpu_clock=True, dry_run=True)
+
+
+def test_an_export_under_a_later_patch_says_so(forward_results, tuning_copy):
+    """A hand patch numbered after the tuned one sets the cell otherwise: the export changes
+    nothing a call runs, and says which patch to remove (2026-12-05: patch 0003 over the ws
+    forward's short tiles masked what the tuner wrote under it)."""
+    results, _ = forward_results
+    result = results[0]
+    task = Task.from_json(result["task"])
+    done = export.export([result], tuning_copy, allow_cpu_clock=True)
+    assert not done[0].masked
+    other = next(c for c in result["candidates"] if c["name"] != result["winner"])
+    header = format_functional(rules.ATTN_FWD, task.functional)
+    hand = done[0].path.with_name("flash.attn_fwd.0009-by-hand.dbpatch")
+    hand.write_text("#! aotattn-patch 1\n#! table flash.attn_fwd\n\n[configs]\n"
+                    f"{other['name']} = {' '.join(f'{k}={v}' for k, v in other['config'].items())}\n\n"
+                    f"{header}\nseqlen_q={task.cell[0]} seqlen_k={task.cell[1]}: {other['name']}\n")
+    assert _lookup(tuning_copy, result) == Config.of(other["config"])  # the hand patch wins the lookup
+    done = export.export([result], tuning_copy, allow_cpu_clock=True, dry_run=True)
+    assert done[0].masked == {task.describe(): hand.name}
+    # the same configuration as the winner: nothing masked
+    winner = Config.of(result["winner_config"])
+    hand.write_text(hand.read_text().replace(other["name"], config_name(winner)).replace(
+        " ".join(f"{k}={v}" for k, v in other["config"].items()), " ".join(f"{k}={v}" for k, v in winner.items)))
+    assert not export.export([result], tuning_copy, allow_cpu_clock=True, dry_run=True)[0].masked
