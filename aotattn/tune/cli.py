@@ -104,7 +104,7 @@ def _summary(chosen, total: int, limit: int, tokens: int | None, db, knobs: bool
     settings = _settings_by_table(chosen, limit, tokens, knobs)
     jobs = ahead.plan([(t, settings[t.table]) for t in chosen], db)
     functionals = {(t.table, t.functional) for t in chosen}
-    seconds = sum(gpu_seconds(t, settings[t.table]) for t in chosen)
+    seconds = sum(gpu_seconds(t, settings[t.table], db) for t in chosen)
     console.print(f"{len(chosen)} tasks ({total - len(chosen)} unsupported left out) over {len(functionals)} "
                   f"functionals; {len(jobs)} kernels to compile; about {seconds / 60:.1f} GPU-minutes")
 
@@ -182,7 +182,7 @@ def checkout(arch: str = ARCH, out: Path = typer.Option(..., "--out", "-o", help
                 raise PayloadError(f"queued task {info.id} ({info.category}) cannot be tuned: {exc}; cancel it "
                                    f"(aotattn pgdef cancel --id {info.id}) and check out again") from exc
             needed = {(j.table, j.functional, j.config) for j in ahead.task_jobs(task, settings, db)}
-            cost = gpu_seconds(task, settings)
+            cost = gpu_seconds(task, settings, db)
             if count and (spent + cost > budget or len(jobs | needed) > max_kernels):
                 break
             spent, count, jobs = spent + cost, count + 1, jobs | needed
@@ -198,7 +198,7 @@ def checkout(arch: str = ARCH, out: Path = typer.Option(..., "--out", "-o", help
         return
     if len(batch.tasks) < count:
         kept = {t.id for t in batch.tasks}
-        spent = sum(gpu_seconds(*parse_payload(t.payload)) for t in chosen if t.id in kept)
+        spent = sum(gpu_seconds(*parse_payload(t.payload), db) for t in chosen if t.id in kept)
     console.print(f"batch {batch.id}: {len(batch.tasks)} tasks (~{spent / 60:.1f} GPU-minutes, {len(jobs)} kernels) "
                   f"in {out}")
 

@@ -10,10 +10,11 @@ records, and adjust ``THROUGHPUT`` when they disagree.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from aotattn.tune import timing
 from aotattn.tune.harnesses import harness
-from aotattn.tune.runner import Settings
+from aotattn.tune.runner import Settings, task_candidates
 from aotattn.tune.tasks import Task, table_spec
 
 THROUGHPUT = 250e12  # FLOP/s of a typical candidate (H200, bf16: the seeds run 200-500)
@@ -22,7 +23,9 @@ PER_CANDIDATE_S = 0.05  # kernel load, accuracy launches, synchronizations
 PER_TASK_S = 0.5  # problems, references' allocations, result
 
 
-def gpu_seconds(task: Task, settings: Settings) -> float:
+def gpu_seconds(task: Task, settings: Settings, db: Any = None) -> float:
+    """``db``: the tuning database the task will run against; with it a kernel task's
+    candidates are counted exactly (runner.task_candidates), without it bounded from above."""
     h = harness(task.table)
     shape = h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes,
                            settings.min_traffic_bytes)
@@ -31,8 +34,13 @@ def gpu_seconds(task: Task, settings: Settings) -> float:
     fresh = call * 0.4 if task.table != "flash.attn_fwd" else call * 0.1
     spec = table_spec(task.table)
     # a kernel table: the limit, the current choice and its tile's knob variants (candidates.knob_variants)
-    candidates = (settings.limit + (knob_combinations(spec) if settings.knobs else 1) if hasattr(spec, "arguments")
-                  else len(spec.tuning_space[0][1]))
+    if not hasattr(spec, "arguments"):  # an operator table: its few choices
+        candidates = len(spec.tuning_space[0][1])
+    elif db is not None:
+        current = h.current_config(db, task.arch, task.table, task.functional, task.cell)
+        candidates = len(task_candidates(task, settings, spec, h, current)[0])
+    else:
+        candidates = settings.limit + (knob_combinations(spec) if settings.knobs else 1)
     reference = sum(h.flops(task.table, s, task.functional) for s in
                     h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch,
                                       settings.accuracy_heads)) / FP64_THROUGHPUT

@@ -353,3 +353,25 @@ def test_no_knobs_plans_only_the_limit_and_the_current_choice(tmp_path):
         counts[flag] = len(ahead.plan(batch, Database(PROJECT_TUNING)))
         assert f"{counts[flag]} kernels to compile" in result.output
     assert counts["--no-knobs"] < counts["--knobs"]
+
+
+def test_the_estimate_counts_a_tasks_candidates_with_its_database():
+    """With the database the estimate counts the candidates the worker will time (the
+    limit's tiles, the current choice, its tile's fitting knob variants); without it, the
+    knob combinations bound them from above (the ws backward's 24, of which 2-6 fit)."""
+    from aotattn.tune import estimate, flash
+
+    db = Database(PROJECT_TUNING)
+    d, mask = random.choice([64, 128, 256]), random.choice([0, 2])
+    f = Functional.of(dict(dtype="bf16", BLOCK_D=d, BLOCK_DV=d, PAD_HEAD=False, MASK=mask, VARLEN=False,
+                           DROPOUT=False, BIAS=0))
+    task = Task("sm_90", "flash.attn_bwd_ws", f, (random.choice([512, 1024, 4096]),) * 2)
+    settings = dataclasses.replace(runner.Settings.for_table(task.table), limit=4, finalists=1)  # finalists: 2 either way
+    spec = rules.KERNELS["attn_bwd_ws"]
+    current = flash.current_config(db, task.arch, task.table, task.functional, task.cell)
+    counted = len(runner.task_candidates(task, settings, spec, flash, current)[0])
+    assert 4 <= counted < 4 + estimate.knob_combinations(spec)
+    exact, bound = estimate.gpu_seconds(task, settings, db), estimate.gpu_seconds(task, settings)
+    per_candidate = (estimate.gpu_seconds(task, dataclasses.replace(settings, limit=5))
+                     - estimate.gpu_seconds(task, settings))  # one more candidate, without the database
+    assert exact < bound and math.isclose(bound - exact, (4 + estimate.knob_combinations(spec) - counted) * per_candidate)
