@@ -219,7 +219,7 @@ def _batch_tasks(path: Path):
             raise ValueError(f"{path}: a pgdef batch whose tasks are not a list of tasks with payloads "
                              "(aotattn tune checkout writes them)")
         return [parse_payload(t["payload"]) for t in tasks]
-    return [(task, Settings.of_line(task.table, settings)) for task, settings in read_batch_settings(text, str(path))]
+    return read_batch_settings(text, str(path), Settings.of_line)
 
 
 @app.command("compile")

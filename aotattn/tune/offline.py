@@ -59,7 +59,7 @@ def run_batch(batch: Path, results: Path, *, shard: str = "0/1", device: str | N
     """Run the shard's tasks of a ``tune plan --out`` file without pgdef; returns how many ran."""
     start = time.monotonic()
     index, count = parse_shard(shard)
-    entries = read_batch_settings(Path(batch).read_text(), str(batch))[index::count]
+    entries = read_batch_settings(Path(batch).read_text(), str(batch), Settings.of_line)[index::count]
     results = Path(results)
     results.mkdir(parents=True, exist_ok=True)
     ran = 0
@@ -71,7 +71,7 @@ def run_batch(batch: Path, results: Path, *, shard: str = "0/1", device: str | N
             log(f"deadline: {len(entries)} tasks in the shard, stopping before {task.describe()}")
             break
         log(f"{task.describe()}")
-        result = run_task(task, Settings.of_line(task.table, line_settings), device=device, db=db,
+        result = run_task(task, line_settings, device=device, db=db,
                           journal=journal_dir(), log=log)
         write_atomically(out, json.dumps(result, indent=1, allow_nan=False) + "\n")
         ran += 1

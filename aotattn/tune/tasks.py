@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,8 +245,11 @@ def write_batch(tasks: Iterable[Task], settings: Mapping[str, Mapping[str, Any]]
     return "".join(lines)
 
 
-def read_batch_settings(text: str, where: str = "<batch>") -> list[tuple[Task, dict[str, Any] | None]]:
-    """Each line's task and the settings it carries (None: the table's defaults)."""
+def read_batch_settings(text: str, where: str = "<batch>",
+                        settings_of: Callable[[str, dict[str, Any] | None], Any] | None = None) -> list[tuple[Task, Any]]:
+    """Each line's task and the settings it carries (None: the table's defaults); with
+    ``settings_of`` (``Settings.of_line``), those settings made and checked, an error
+    naming the line."""
     out = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -263,6 +266,11 @@ def read_batch_settings(text: str, where: str = "<batch>") -> list[tuple[Task, d
         task = Task.from_json(data)
         if "id" in data and data["id"] != task.id:
             raise SelectionError(f"{where}:{number}: id {data['id']} does not match the task ({task.id})")
+        if settings_of is not None:
+            try:
+                settings = settings_of(task.table, settings)
+            except (ValueError, TypeError) as exc:
+                raise SelectionError(f"{where}:{number}: {exc}") from exc
         out.append((task, settings))
     return out
 

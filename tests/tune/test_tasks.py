@@ -131,3 +131,23 @@ def test_plan_refuses_a_where_that_would_silently_select_something_else(args, me
 
     result = CliRunner().invoke(app, ["tune", "plan", "-c", "flash,attn_fwd", *args])
     assert result.exit_code == 1 and message in result.output, result.output
+
+
+def test_a_batch_line_with_bad_settings_is_named():
+    """`tune compile` and the offline runner read a batch's settings through one reader: a
+    bad value is refused in one line naming the file and the line (was a bare message)."""
+    from aotattn.tune.runner import Settings
+    from aotattn.tune.tasks import SelectionError, read_batch_settings, write_batch
+    from tests.tune.conftest import forward_task
+
+    tasks = [forward_task(cell=(16, 16)), forward_task(cell=(32, 32))]
+    settings = Settings.for_table("flash.attn_fwd").to_json()
+    lines = write_batch(tasks, {"flash.attn_fwd": settings}).splitlines()
+    read = read_batch_settings("\n".join(lines), "b.jsonl", Settings.of_line)
+    assert [s for _, s in read] == [Settings.for_table("flash.attn_fwd")] * 2
+    for bad in ({"repeats": 5}, {"min_gain": "x"}, {"knobs": "no"}):
+        edited = json.loads(lines[1])
+        edited["settings"].update(bad)
+        text = "\n".join([lines[0], json.dumps(edited)])
+        with pytest.raises(SelectionError, match=f"^b.jsonl:2: settings.{next(iter(bad))}"):
+            read_batch_settings(text, "b.jsonl", Settings.of_line)
