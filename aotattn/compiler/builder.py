@@ -71,7 +71,7 @@ def enumerate_jobs(db: Database, archs: Sequence[str], tables: Sequence[str], wh
     """
     specs = [families.kernels()[name] for name in tables]
     wanted = parse_where(where, specs)
-    if not any(f.matches(wanted) for spec in specs for f in spec.enumerate_functionals()):
+    if not any(f.matches(wanted, spec.axis_defaults) for spec in specs for f in spec.enumerate_functionals()):
         raise ValueError(f"--where {where!r} matches no functional of {', '.join(tables)} (some combinations "
                          "are never built: see the family's rules)")
     jobs = []
@@ -81,7 +81,7 @@ def enumerate_jobs(db: Database, archs: Sequence[str], tables: Sequence[str], wh
                 continue
             table = db.effective(arch, name)
             for functional in spec.enumerate_functionals():
-                if not functional.matches(wanted):
+                if not functional.matches(wanted, spec.axis_defaults):
                     continue
                 grid = _resolved(db, arch, spec, functional)
                 cells = {(r, c) for r in range(len(grid)) for c in range(len(grid[r]))}
@@ -231,10 +231,14 @@ def _folder_lock(folder: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def pack(jobs: Iterable[Job], cache_dir: Path, out: Path, line_info: bool = False) -> list[Path]:
+def pack(jobs: Iterable[Job], cache_dir: Path, out: Path, line_info: bool = False,
+         sources: dict[str, str] | None = None, warn: Callable[[str], None] = lambda line: None) -> list[Path]:
     """Write one archive per (arch, table) with the cached binaries of ``jobs`` (those
     :func:`run_jobs` compiled or found cached), merged with what the existing archive holds
-    for the same source and compiler (kept compressed as they are)."""
+    for the same source and compiler (kept compressed as they are). ``sources``: each
+    table's :func:`source_hash` taken before compiling (:func:`compile_and_pack`); a kernel
+    source edited since is refused, since its binaries would be labelled with the new one.
+    ``warn``: told of an existing archive that could not be read (rebuilt from the cache)."""
     import triton
 
     groups: dict[tuple[str, str], list[Job]] = {}
@@ -244,6 +248,8 @@ def pack(jobs: Iterable[Job], cache_dir: Path, out: Path, line_info: bool = Fals
     for (arch, table), group in sorted(groups.items()):
         spec = families.kernels()[table]
         digest = source_hash(spec)
+        if sources is not None and sources.get(table, digest) != digest:
+            raise ValueError(f"{table}: its kernel source changed while it compiled ({spec.module}); build again")
         kernels: dict[str, tuple[Entry, Packed]] = {}
         path = archive_path(out, arch, table)
         with _folder_lock(path.parent):  # what it reads stays what it merges into until it is written
@@ -255,8 +261,9 @@ def pack(jobs: Iterable[Job], cache_dir: Path, out: Path, line_info: bool = Fals
                     if ((old.header.arch, old.header.table) == (arch, table) and old.header.source_hash == digest
                             and old.header.triton_version == triton.__version__):
                         kernels = {e.key: (e, old.packed(e)) for e in old.header.entries}
-                except ImageError:
-                    pass  # a broken archive is rebuilt from the cache
+                except ImageError as exc:  # its kernels come back only from the cache: say so
+                    warn(f"{path}: unreadable ({exc}); rewritten with this build's kernels only (build every "
+                         f"kernel of {table} again to restore the others: aotattn build --arch {arch} --kernel {table})")
             for job in group:
                 found = _cached(cache_dir, job, line_info, check=False)  # run_jobs checked or wrote it
                 if found is not None:
@@ -267,11 +274,23 @@ def pack(jobs: Iterable[Job], cache_dir: Path, out: Path, line_info: bool = Fals
     return written
 
 
+def compile_and_pack(jobs: Sequence[Job], cache_dir: Path, out: Path, workers: int, timeout: float,
+                     on_outcome: Callable[[Outcome], None] = lambda o: None, line_info: bool = False,
+                     warn: Callable[[str], None] = lambda line: None) -> tuple[list[Outcome], list[Path]]:
+    """:func:`run_jobs` then :func:`pack` of what compiled or was cached, the kernel sources'
+    hashes taken before compiling and checked before packing."""
+    sources = {job.table: source_hash(families.kernels()[job.table]) for job in jobs}
+    outcomes = run_jobs(jobs, cache_dir, workers, timeout, on_outcome, line_info)
+    archives = pack([o.job for o in outcomes if o.status in ("compiled", "cached")], cache_dir, out, line_info,
+                    sources, warn)
+    return outcomes, archives
+
+
 def build(archs: Sequence[str], tables: Sequence[str], where: str | None, out: Path, cache_dir: Path,
           workers: int, timeout: float, db: Database,
           on_outcome: Callable[[Outcome], None] = lambda o: None,
           on_plan: Callable[[list[Job]], None] = lambda jobs: None, line_info: bool = False,
-          forced: bool = False) -> BuildReport:
+          forced: bool = False, warn: Callable[[str], None] = lambda line: None) -> BuildReport:
     """Compile what :func:`enumerate_jobs` lists (the cache's binaries where it has them)
     and pack it into ``out``. ``line_info``: keep source line tables in the binaries
     (for profilers; about 2.5 times the size, see :mod:`aotattn.compiler.jobs`)."""
@@ -279,6 +298,5 @@ def build(archs: Sequence[str], tables: Sequence[str], where: str | None, out: P
     start = time.monotonic()
     jobs = enumerate_jobs(db, archs, tables, where, forced)
     on_plan(jobs)
-    outcomes = run_jobs(jobs, cache_dir, workers, timeout, on_outcome, line_info)
-    archives = pack([o.job for o in outcomes if o.status in ("compiled", "cached")], cache_dir, out, line_info)
+    outcomes, archives = compile_and_pack(jobs, cache_dir, out, workers, timeout, on_outcome, line_info, warn)
     return BuildReport(outcomes, archives, time.monotonic() - start)

@@ -85,6 +85,17 @@ def build_command(
                          f"(kernels: {', '.join(known)})")
     db = Database(tuning_db, families.tables()) if tuning_db else Database(specs=families.tables())
     planned = enumerate_jobs(db, archs, tables, where, forced_backends)  # refuses a bad --where before anything starts
+    if not planned:  # say why, instead of building nothing and exiting 0
+        specs = [known[name] for name in tables]
+        if not any(spec.runs_on(a) for spec in specs for a in archs):
+            where_run = sorted({a for spec in specs for a in getattr(spec, "archs", None) or ()})
+            raise ValueError(f"{', '.join(tables)} run only on {', '.join(where_run) or 'other architectures'}, "
+                             f"not on {', '.join(archs)} (--arch)")
+        if not forced_backends and any(spec.chosen_by is not None for spec in specs):
+            raise ValueError(f"the tuning database chooses {', '.join(tables)} for none of these calls on "
+                             f"{', '.join(archs)}: add --forced-backends to build what a call forcing that backend runs")
+        raise ValueError(f"the tuning database names no configuration of {', '.join(tables)} for this selection "
+                         f"on {', '.join(archs)}")
     if dry_run:
         for job in planned:
             console.print(f"{job.arch} {job.table} [{job.functional}] {job.config} ({job.variant})", markup=False)
@@ -108,7 +119,8 @@ def build_command(
                                        style="red")
 
         report = build(archs, tables, where, out or images_root(), cache or DEFAULT_CACHE, jobs or usable_cores(),
-                       timeout, db, on_outcome=done, line_info=line_info, forced=forced_backends)
+                       timeout, db, on_outcome=done, line_info=line_info, forced=forced_backends,
+                       warn=lambda line: progress.console.print(escape(f"warning: {line}"), style="yellow"))
     counts = {}
     for outcome in report.outcomes:
         counts[outcome.status] = counts.get(outcome.status, 0) + 1

@@ -99,6 +99,4 @@ def build(entries: Iterable[Entry], arch: str, out: Path, cache: Path, workers: 
     from aotattn.compiler import builder
 
     jobs = needed_jobs(entries, arch, db)
-    outcomes = builder.run_jobs(jobs, cache, workers, timeout, on_outcome)
-    archives = builder.pack([o.job for o in outcomes if o.status in ("compiled", "cached")], cache, out)
-    return outcomes, archives
+    return builder.compile_and_pack(jobs, cache, out, workers, timeout, on_outcome)

@@ -172,6 +172,8 @@ def missing_image(arch: str, plan: LaunchPlan, why: str) -> tuple[str, str, str,
     spec = plan.kernel
     where = " ".join(f"{k}={v}" for k, v in plan.functional.items)
     command = f"aotattn build --arch {arch} --kernel {spec.qualname}" + (f' --where "{where}"' if where else "")
+    if getattr(spec, "chosen_by", None) is not None:  # built only where its operator table chooses it, unless forced
+        command += " --forced-backends"
     return (f"no kernel image for {arch} / {spec.qualname} / [{plan.functional}] / {plan.config} "
             f"({spec.variant(plan.functional)}): {why}. Build it with: {command}   (or run without AOTATTN_MODE=aot "
             "to compile it at run time with Triton's JIT)", arch, spec.qualname, command)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aotattn.compiler.builder import Outcome, pack, run_jobs
+from aotattn.compiler.builder import Outcome, compile_and_pack
 from aotattn.compiler.jobs import Job
 from aotattn.spec import Functional
 from aotattn.tune.harnesses import harness
@@ -82,6 +82,5 @@ def compile_ahead(jobs: Sequence[Job], images: Path, cache: Path, workers: int, 
     A failed compile is reported and leaves that candidate out of the images; the worker
     records it as ``no-image``.
     """
-    outcomes = run_jobs(jobs, Path(cache), workers, timeout, on_outcome)
-    archives = pack([o.job for o in outcomes if o.status in ("compiled", "cached")], Path(cache), Path(images))
+    outcomes, archives = compile_and_pack(jobs, Path(cache), Path(images), workers, timeout, on_outcome)
     return AheadReport(outcomes, archives)

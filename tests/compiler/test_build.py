@@ -390,3 +390,81 @@ def test_a_cache_entry_whose_launch_fields_are_damaged_is_compiled_again(tmp_pat
     assert not archive.verify() and (entry.shared, entry.num_warps, entry.symbol) == (
         true["shared"], true["num_warps"], true["symbol"])
     assert json.loads(meta.read_text())["entry"] == true
+
+
+def test_a_kernel_source_edited_while_it_compiles_is_not_packed(tmp_path, monkeypatch):
+    """The binaries come from the source as it was when compiling began; the archive records
+    the source hash read when packing. An edit in between labelled old binaries with the new
+    source, which the runtime then took as current: now the pack refuses and says build again."""
+    from aotattn.compiler import builder
+
+    job, = enumerate_jobs(Database(), ["sm_90"], ["flash.dropout_mask"])
+    _fake_compiled(tmp_path / "cache", job, b"\x7fELF before the edit")
+    hashes = iter(["source as compiled", "source as edited"])
+    monkeypatch.setattr(builder, "source_hash", lambda spec: next(hashes))
+    with pytest.raises(ValueError, match="kernel source changed while it compiled.*build again"):
+        builder.compile_and_pack([job], tmp_path / "cache", tmp_path / "images", workers=1, timeout=60)
+    assert not (tmp_path / "images").exists() or not list((tmp_path / "images").rglob("*.aotimg"))
+
+
+def test_a_damaged_archive_is_rewritten_with_a_warning(tmp_path):
+    """An archive that cannot be read loses the kernels this build does not bring: said, with
+    the command that restores them (it went silently from 4 kernels to 1)."""
+    from aotattn.compiler import builder
+    from aotattn.runtime import images
+
+    job, = enumerate_jobs(Database(), ["sm_90"], ["flash.dropout_mask"])
+    _fake_compiled(tmp_path / "cache", job, b"\x7fELF kept")
+    path = images.archive_path(tmp_path / "images", "sm_90", "flash.dropout_mask")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"AOTIMG but not really")
+    warnings = []
+    assert builder.pack([job], tmp_path / "cache", tmp_path / "images", warn=warnings.append) == [path]
+    assert len(warnings) == 1 and "unreadable" in warnings[0] and "--kernel flash.dropout_mask" in warnings[0]
+    assert [e.key for e in Archive(path).header.entries] == [job.key]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--arch", "sm_80", "--kernel", "attn_fwd_ws"], "run only on sm_90, not on sm_80"),
+    (["--arch", "sm_90", "--kernel", "flash.attn_bwd_fused", "--where",
+      "ATOMIC_DQ=False BIAS=0 BLOCK_D=64 BLOCK_DV=64 DROPOUT=False MASK=0 PAD_HEAD=False VARLEN=False dtype=fp16"],
+     "add --forced-backends"),
+])
+def test_a_build_that_selects_nothing_says_why(args, words, tmp_path):
+    """A selection that builds no kernel was `0 kernel(s)`, exit 0: ImageMissing's own command
+    for a forced backend's kernel built nothing. Now one line saying why, exit 1."""
+    result = CliRunner().invoke(app, ["build", *args, "--out", str(tmp_path / "img"), "--dry-run"])
+    assert result.exit_code == 1 and words in result.output, result.output
+
+
+def test_the_command_an_image_missing_error_gives_for_a_backend_kernel_builds_it():
+    """A kernel an operator table chooses (a backward backend's) is built only where chosen:
+    the command in ImageMissing adds --forced-backends, and that command plans the kernel."""
+    import shlex
+
+    from aotattn.runtime.image_loader import missing_image
+    from aotattn.spec import LaunchPlan
+
+    spec = rules_kernels()["flash.attn_bwd_fused"]
+    job = next(j for j in enumerate_jobs(Database(), ["sm_90"], ["flash.attn_bwd_fused"], forced=True)
+               if j.functional.as_dict()["dtype"] == "fp16" and j.functional.as_dict()["MASK"] == 0)
+    plan = LaunchPlan(spec, job.functional, job.config, grid=(1, 1, 1), args=())
+    message, arch, table, command = missing_image("sm_90", plan, "not built")
+    assert command.endswith("--forced-backends") and command in message
+    argv = shlex.split(command)[1:]
+    where = argv[argv.index("--where") + 1]
+    planned = enumerate_jobs(Database(), ["sm_90"], [table], where, forced="--forced-backends" in argv)
+    assert (job.functional, job.config) in {(j.functional, j.config) for j in planned}
+
+
+def test_where_filters_an_axis_left_at_its_default():
+    """GROUPED (an axis functionals leave out at its default, False) filters like any other:
+    `--where GROUPED=True` listed every kernel, the ungrouped ones too."""
+    spec = rules_kernels()["flash.attn_bwd_ws"]
+    every = enumerate_jobs(Database(), ["sm_90"], ["flash.attn_bwd_ws"], forced=True)
+    grouped = enumerate_jobs(Database(), ["sm_90"], ["flash.attn_bwd_ws"], "GROUPED=True", forced=True)
+    ungrouped = enumerate_jobs(Database(), ["sm_90"], ["flash.attn_bwd_ws"], "GROUPED=False", forced=True)
+    defaults = dict(spec.axis_defaults)
+    assert grouped and ungrouped and len(grouped) + len(ungrouped) == len(every)
+    assert all({**defaults, **j.functional.as_dict()}["GROUPED"] is True for j in grouped)
+    assert all({**defaults, **j.functional.as_dict()}["GROUPED"] is False for j in ungrouped)
