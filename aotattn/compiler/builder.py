@@ -19,14 +19,15 @@ from aotattn import arch as arches
 from aotattn import families, paths
 from aotattn.files import write_atomically
 from aotattn.compiler.jobs import Job, cache_key, compile_job, source_hash
-from aotattn.runtime.images import (Archive, Entry, ImageError, Packed, _entry_from_json, archive_path,
-                                    write_archive)
+from aotattn.runtime.images import (Archive, Entry, ImageError, Packed, _entry_from_json, _read_regular_file,
+                                    archive_path, write_archive)
 from aotattn.spec import Functional, parse_where
 from aotattn.tuning import Database, TuningError
 from aotattn.tuning.format import block_for, fallback_chain
 
 DEFAULT_OUT = paths.default_images()  # a checkout's images/, else ~/.cache/aotattn/images
 DEFAULT_CACHE = paths.default_build_cache()  # a checkout's build/cache/, else ~/.cache/aotattn/build
+_CACHE_FILE_LIMIT = 64 << 20  # one kernel's cache entry or compressed binary: a few hundred KB at most
 
 
 def check_archs(archs: Sequence[str]) -> None:
@@ -141,10 +142,11 @@ def _cached(cache_dir: Path, job: Job, line_info: bool, check: bool = True) -> t
     damaged or written before entries had one (then it is compiled again)."""
     meta, blob = _cache_paths(cache_dir, job, line_info)
     try:
-        record = json.loads(meta.read_bytes())
+        # regular files only (a FIFO there hung the build), of an archive's size at most
+        record = json.loads(_read_regular_file(meta, _CACHE_FILE_LIMIT))
         if record["entry_sha256"] != _entry_digest(record["entry"]):
             raise ValueError(f"{meta}: the entry does not match its checksum")
-        packed = Packed(record["blob"], record["size"], blob.read_bytes())
+        packed = Packed(record["blob"], record["size"], _read_regular_file(blob, _CACHE_FILE_LIMIT))
         if check:
             packed.check(str(blob))
         # the entry checked as an archive's would be, with this blob: a damaged one (say a negative
@@ -154,8 +156,8 @@ def _cached(cache_dir: Path, job: Job, line_info: bool, check: bool = True) -> t
         if entry.key != job.key:
             raise ValueError(f"{meta} holds {entry.key}, not {job.key}")
         return entry, packed
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, ImageError):
-        return None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ImageError, RecursionError):
+        return None  # RecursionError: JSON nested deeper than the parser goes is garbage too
 
 
 def run_jobs(jobs: Sequence[Job], cache_dir: Path, workers: int, timeout: float,

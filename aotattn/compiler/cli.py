@@ -211,10 +211,11 @@ def verify(paths: list[Path] = typer.Argument(None, help=_FOLDERS)) -> None:
             # the runtime opens <arch>/<table>.aotimg under an image folder and refuses one holding another arch
             # or kernel: one copied or renamed into another's place is a problem where it lies
             placed = Path(archive.arch, f"{archive.table}{SUFFIX}")
-            if ((path.parent.name in ARCHES or path.name.removesuffix(SUFFIX) in families.kernels())
-                    and Path(*path.parts[-2:]) != placed):
+            where = path.absolute()  # `verify .` inside sm_90/: the folder's name, not ""
+            if ((where.parent.name in ARCHES or where.name.removesuffix(SUFFIX) in families.kernels())
+                    and Path(*where.parts[-2:]) != placed):
                 problems.append(f"{path}: holds {archive.arch} / {archive.table}, but lies where the runtime looks for "
-                                f"{path.parent.name} / {path.name.removesuffix(SUFFIX)} (and would refuse it): move "
+                                f"{where.parent.name} / {where.name.removesuffix(SUFFIX)} (and would refuse it): move "
                                 f"it to {placed} under its image folder, or rebuild this one with aotattn build")
         except ImageError as exc:
             problems.append(str(exc))

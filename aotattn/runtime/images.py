@@ -24,6 +24,7 @@ here imports Triton or touches a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -231,12 +232,18 @@ def write_archive(path: Path, arch: str, table: str, triton_version: str, source
     _header_from_json(json.loads(index), str(path), position)  # never write what the reader refuses
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
-        tmp.write(_HEAD.pack(MAGIC, VERSION, len(index), hashlib.sha256(index).digest()))
-        tmp.write(index)
-        for data in blobs.values():
-            tmp.write(data)
-    os.chmod(tmp.name, 0o644)  # NamedTemporaryFile creates 0600; an installed archive is world-readable
-    os.replace(tmp.name, path)
+        try:
+            tmp.write(_HEAD.pack(MAGIC, VERSION, len(index), hashlib.sha256(index).digest()))
+            tmp.write(index)
+            for data in blobs.values():
+                tmp.write(data)
+            tmp.flush()
+            os.chmod(tmp.name, 0o644)  # NamedTemporaryFile creates 0600; an installed archive is world-readable
+            os.replace(tmp.name, path)
+        except BaseException:  # a full disk or an interrupt: no half-written file left beside the archives
+            with contextlib.suppress(OSError):
+                os.unlink(tmp.name)
+            raise
     return header
 
 
@@ -413,6 +420,16 @@ def _header_from_json(data: Any, where: str, data_size: int) -> Header:
     return Header(data["arch"], data["table"], data["triton_version"], data["source_hash"], entries)
 
 
+def _file_name_writable(name: str) -> bool:
+    """Whether a file system takes the name: UTF-8 (a lone surrogate is not) and no part
+    longer than 255 bytes."""
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return all(len(part) <= 255 for part in encoded.split(b"/"))
+
+
 def _file_problems(entries: Iterable[Entry]) -> list[str]:
     """Why ``extract`` would refuse these entry paths: unsafe names, repeats, a name that is
     both a file and a folder, or the index's own name."""
@@ -421,7 +438,8 @@ def _file_problems(entries: Iterable[Entry]) -> list[str]:
         name = entry.file
         path = PurePosixPath(name)
         if (not name or len(name) > 1024 or any(ord(c) < 32 for c in name) or "\\" in name or path.is_absolute()
-                or path.as_posix() != name or any(part in ("", ".", "..") for part in name.split("/"))):
+                or path.as_posix() != name or any(part in ("", ".", "..") for part in name.split("/"))
+                or not _file_name_writable(name)):
             problems.append(f"entry {entry.key} names an unsafe path {name!r} (extract writes only plain relative "
                             "paths inside its folder)")
         elif name == "index.json":

@@ -468,3 +468,23 @@ def test_where_filters_an_axis_left_at_its_default():
     assert grouped and ungrouped and len(grouped) + len(ungrouped) == len(every)
     assert all({**defaults, **j.functional.as_dict()}["GROUPED"] is True for j in grouped)
     assert all({**defaults, **j.functional.as_dict()}["GROUPED"] is False for j in ungrouped)
+
+
+@pytest.mark.parametrize("garbage", ["nested", "fifo"])
+def test_a_garbage_cache_entry_is_a_miss(tmp_path, garbage):
+    """JSON nested past the parser's depth was an internal RecursionError, and a FIFO at an
+    entry's place hung the build: both are a miss now (the kernel is compiled again)."""
+    import os
+
+    from aotattn.compiler import builder
+
+    job, = enumerate_jobs(Database(), ["sm_90"], ["flash.dropout_mask"])
+    _fake_compiled(tmp_path / "cache", job, b"\x7fELF cached")
+    assert builder._cached(tmp_path / "cache", job, False, check=False) is not None
+    meta, _ = builder._cache_paths(tmp_path / "cache", job, False)
+    meta.unlink()
+    if garbage == "nested":
+        meta.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        os.mkfifo(meta)
+    assert builder._cached(tmp_path / "cache", job, False) is None

@@ -319,6 +319,9 @@ FILE_CASES = {
     "file and folder": ("x/a", "x/a/b", "both a file and a folder"),
     "empty": ("", "b.cubin", "unsafe path"),
     "not normalised": ("x//a", "b.cubin", "unsafe path"),
+    # names no file system takes: verify passed them and extract failed naming neither archive nor entry
+    "lone surrogate": ("\ud800.cubin", "b.cubin", "unsafe path"),
+    "part over 255 bytes": ("x/" + "a" * 256, "b.cubin", "unsafe path"),
 }
 
 
@@ -609,3 +612,44 @@ def test_verify_reports_an_archive_copied_into_another_ones_place(tmp_path, plac
     assert "holds sm_90 / flash.dropout_mask, but lies where the runtime looks for" in result.output
     make_archive(tmp_path / "elsewhere" / "kept.aotimg")  # not in an image folder's layout: nothing to compare
     assert cli("images", "verify", str(tmp_path / "elsewhere")).exit_code == 0
+
+
+
+def test_verify_from_inside_the_arch_folder_finds_no_problem(tmp_path, monkeypatch):
+    """The placement check read a relative path as typed: `verify .` inside sm_90/ (or the
+    file's bare name) compared "" with the arch and reported an archive in its right place."""
+    make_archive(tmp_path / "images" / "sm_90" / "flash.dropout_mask.aotimg")
+    monkeypatch.chdir(tmp_path / "images" / "sm_90")
+    for target in (".", "flash.dropout_mask.aotimg"):
+        result = cli("images", "verify", target)
+        assert result.exit_code == 0 and "0 problem(s)" in result.output, result.output
+
+
+def test_a_failed_archive_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """A full disk mid-write (EFBIG here) left a 0600 temporary file beside the archives."""
+    import errno
+    import tempfile
+
+    real = tempfile.NamedTemporaryFile
+
+    class Full:
+        def __init__(self, *args, **kwargs):
+            self.inner = real(*args, **kwargs)
+            self.name = self.inner.name
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.inner.close()
+
+        def write(self, data):
+            raise OSError(errno.EFBIG, "File too large")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", Full)
+    with pytest.raises(OSError, match="too large"):
+        make_archive(tmp_path / "sm_90" / "flash.dropout_mask.aotimg")
+    assert list((tmp_path / "sm_90").iterdir()) == []
