@@ -82,8 +82,9 @@ def _read_payloads(payload: list[str], payloads: Path | None) -> list[Any]:
     for where, text in lines:
         try:
             out.append(json.loads(text))
-        except ValueError as exc:
-            raise ConfigError(f"{where}: not JSON ({exc}); expected one JSON object per line") from exc
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than the parser goes
+            raise ConfigError(f"{where}: not JSON ({type(exc).__name__}: {exc}); expected one JSON object "
+                              "per line") from exc
     return out
 
 

@@ -129,9 +129,12 @@ def storable_json(value: Any) -> str:
     """:func:`canonical_json` of a value PostgreSQL's ``jsonb`` also takes: ValueError for a
     string (or key) holding a NUL character or a lone surrogate, which JSON text can carry
     as an escape and ``jsonb`` refuses."""
-    text = canonical_json(value)
-    if "\\u0000" in text or "\\ud" in text:  # escapes json.dumps writes for both; rare otherwise, then walked
-        _check_strings(value)
+    try:
+        text = canonical_json(value)
+        if "\\u0000" in text or "\\ud" in text:  # escapes json.dumps writes for both; rare otherwise, then walked
+            _check_strings(value)
+    except RecursionError:  # a handler's output or a payload nested past the encoder's depth
+        raise ValueError("nested deeper than JSON encoding goes here (about 1000 levels)") from None
     return text
 
 

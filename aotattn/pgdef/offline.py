@@ -75,7 +75,7 @@ class Batch:
     def read(cls, path: Path) -> Batch:
         try:
             obj = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise BatchError(f"{path}: not a readable batch file ({exc}); expected a {BATCH_FORMAT} file "
                              "from `aotattn pgdef checkout`") from exc
         if not isinstance(obj, dict) or obj.get("format") != BATCH_FORMAT:
@@ -228,21 +228,30 @@ def _resume(path: Path, batch_id: str) -> set[int]:
 
 
 def _end_with_a_full_line(path: Path) -> None:
-    """Cut a last line the crash left unfinished (read_results ignored it), or end a whole one,
-    so that the next line appended starts a line of its own."""
+    """Cut a last line that :func:`read_results` ignored (cut short by a crash, or blank),
+    or end a whole one whose newline was not written, so that the next line appended
+    starts a line of its own and the file reads back as it did."""
     with open(path, "rb+") as handle:
         data = handle.read()
-        if data.endswith(b"\n"):
+        body = data[:-1] if data.endswith(b"\n") else data
+        start = body.rfind(b"\n") + 1
+        whole = _parses(body[start:])
+        if data.endswith(b"\n") and whole:
             return
-        start = data.rfind(b"\n") + 1
-        try:
-            json.loads(data[start:])
-        except ValueError:
-            handle.truncate(start)
-        else:
+        if whole or start == 0:  # a whole line (or the header) whose newline was not written: end it
             handle.write(b"\n")
+        else:  # cut short, or blank: read_results ignored it
+            handle.truncate(start)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def read_results(path: Path) -> tuple[str, list[Outcome]]:
@@ -258,7 +267,7 @@ def read_results(path: Path) -> tuple[str, list[Outcome]]:
     unterminated = not data.endswith("\n")
     try:
         header = json.loads(lines[0]) if lines else None
-    except ValueError:
+    except (ValueError, RecursionError):
         header = None
     if not isinstance(header, dict) or header.get("format") != RESULTS_FORMAT or "batch_id" not in header:
         raise BatchError(f"{path}:1: expected a {RESULTS_FORMAT} header (a file from `aotattn pgdef run-offline`)")
@@ -268,7 +277,7 @@ def read_results(path: Path) -> tuple[str, list[Outcome]]:
         try:
             obj, parsed = json.loads(text), True
             outcomes.append(_storable(_outcome_of(obj)))
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             if number == len(lines) and (unterminated or not (parsed or text.endswith("}"))):
                 log.warning("%s:%d: ignoring a line cut short", path, number)
                 break

@@ -53,6 +53,15 @@ def junk(payload: dict[str, Any], ctx: TaskContext) -> Any:
     return {"not json": {1, 2}}
 
 
+@app.task("deep")
+def deep(payload: dict[str, Any], ctx: TaskContext) -> Any:
+    """Output nested past the JSON encoder's depth (it took the worker down, task after task)."""
+    nested: list = []
+    for _ in range(5000):
+        nested = [nested]
+    return {"deep": nested}
+
+
 @app.task("unstorable")
 def unstorable(payload: dict[str, Any], ctx: TaskContext) -> Any:
     """Output or an error text PostgreSQL refuses: a NUL character or a lone surrogate."""

@@ -273,3 +273,41 @@ def test_offline_runner_needs_no_psycopg(client, tmp_path):
     assert "3 tasks run (3 ok" in done.stdout
     assert client.checkin([tmp_path / "r.jsonl"]).accepted == 3
     assert sorted(r.output["y"] for r in client.results()) == sorted(x * x for x in xs)
+
+
+@pytest.mark.parametrize("tail", ["\n", "   \n"])
+def test_a_resumed_run_after_blank_trailing_lines_checks_in(client, tmp_path, tail):
+    """read_results ignores a blank last line; resuming appended after it, and the blank
+    line, now in the middle, made the file impossible to check in (malformed result line)."""
+    xs = _dispatch(client, 4)
+    client.checkout("sm_90", ["testapp,square"], tmp_path / "b.json")
+    run_offline(tmp_path / "b.json", tmp_path / "r.jsonl", APPS, shard=(0, 2))
+    with open(tmp_path / "r.jsonl", "a") as out:
+        out.write(tail)
+    run_offline(tmp_path / "b.json", tmp_path / "r.jsonl", APPS, shard=(1, 2))
+    assert len(read_results(tmp_path / "r.jsonl")[1]) == 4
+    assert client.checkin([tmp_path / "r.jsonl"]).accepted == 4
+    assert sorted(r.payload["x"] for r in client.results("testapp,square")) == sorted(xs)
+
+
+def test_json_nested_past_the_parsers_depth_is_a_one_line_error(client, tmp_path):
+    """A batch, a results file or a payload nested 5000 deep was an internal RecursionError."""
+    from aotattn.pgdef.errors import ConfigError
+    from aotattn.pgdef.model import check_payload
+
+    deep = "[" * 5000 + "]" * 5000
+    (tmp_path / "b.json").write_text(deep)
+    with pytest.raises(BatchError, match="not a readable batch file"):
+        Batch.read(tmp_path / "b.json")
+    _dispatch(client, 1)
+    client.checkout("sm_90", ["testapp,square"], tmp_path / "b2.json")
+    run_offline(tmp_path / "b2.json", tmp_path / "r.jsonl", APPS)
+    header, line = tmp_path.joinpath("r.jsonl").read_text().splitlines()
+    tmp_path.joinpath("bad.jsonl").write_text("\n".join([header, deep, line]) + "\n")
+    with pytest.raises(BatchError, match="bad.jsonl:2: malformed result line"):
+        read_results(tmp_path / "bad.jsonl")
+    nested: list = []
+    for _ in range(5000):
+        nested = [nested]
+    with pytest.raises(ConfigError, match="nested deeper"):
+        check_payload({"x": nested})

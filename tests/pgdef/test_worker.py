@@ -60,6 +60,7 @@ def test_flaky_task_succeeds_on_a_later_attempt(client, dsn):
     ("testapp,square", {"x": [1]}, "PayloadError"),
     ("testapp,strict", {"m": 1}, "PayloadError: strict needs n"),  # raised by the handler
     ("testapp,junk", {}, "TypeError: handler output is not JSON"),
+    ("testapp,deep", {}, "handler output is not JSON: nested deeper"),
 ])
 def test_malformed_payloads_and_outputs_fail_at_once(client, dsn, category, payload, error):
     client.dispatch(category, "cpu", [payload], max_attempts=5)
