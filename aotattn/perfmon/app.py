@@ -17,6 +17,7 @@ hosts: ``aotattn pgdef run-offline BATCH --app aotattn.perfmon.app``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -77,7 +78,7 @@ def parse_payload(data: Any):
                              f"got {raw}")
         options = Options(Plan(raw["rounds"], raw["reps"], raw["warmup"], float(hide)), raw["peers"], raw["flex"],
                           raw["seed"])
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, AttributeError) as exc:  # AttributeError: a describe that is no text
         raise PayloadError(f"perfmon: bad payload ({exc}); {expected}") from exc
     return tag, entry, options
 
@@ -90,8 +91,24 @@ def record_to_json(record: Record) -> dict[str, Any]:
     return {("pass" if k == "pass_" else k): v for k, v in dataclasses.asdict(record).items()}
 
 
+_RECORD_NUMBERS = ("ms", "spread_ms", "tflops", "ratio")
+
+
 def record_from_json(data: Mapping[str, Any]) -> Record:
-    return Record(**{("pass_" if k == "pass" else k): v for k, v in data.items()})
+    """A task output's record, each field of the type a worker writes (TypeError otherwise:
+    ``"ms": true`` was exported as 1 ms, ``"ms": "fast"`` failed in the writer)."""
+    if not isinstance(data, Mapping):
+        raise TypeError(f"a record: expected an object, got {type(data).__name__}")
+    record = Record(**{("pass_" if k == "pass" else k): v for k, v in data.items()})
+    for name in ("entry", "pass_", "provider", "note"):
+        if not isinstance(getattr(record, name), str):
+            raise TypeError(f"{name}: expected text, got {getattr(record, name)!r}")
+    for name in _RECORD_NUMBERS:
+        value = getattr(record, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 0):
+            raise TypeError(f"{name}: expected a finite number >= 0 or null, got {value!r}")
+    return record
 
 
 @app.task(KIND, device="gpu", max_attempts=2, validate=_validate)
@@ -121,7 +138,13 @@ def collect(outputs: Iterable[Mapping[str, Any]], tag: str) -> Perfdb:
     The header is the first result's environment; workers whose environment differs
     (another GPU, tuning revision or version) are listed in the comments.
     """
-    chosen = [o for o in outputs if isinstance(o, Mapping) and o.get("format") == RESULT_FORMAT and o["tag"] == tag]
+    chosen = [o for o in outputs if isinstance(o, Mapping) and o.get("format") == RESULT_FORMAT and o.get("tag") == tag]
+    for output in chosen:  # what the header is made of, checked before it is used
+        env = output.get("environment")
+        if not isinstance(output.get("entry"), str) or not isinstance(env, Mapping) \
+                or not isinstance(env.get("date"), str):
+            raise ValueError(f"a malformed perfmon result for entry {output.get('entry')!r} of tag {tag} (entry, "
+                             "environment or its date missing): measure it again")
     if not chosen:
         raise ValueError(f"no perfmon results for tag {tag!r} (offline batches are checked in with "
                          "`aotattn pgdef checkin`)")

@@ -96,6 +96,7 @@ def test_offline_batch_then_export_from_the_results_file(dsn, cpu_tasks, tmp_pat
                                                                 "peers": True, "flex": True}}, "seed in"),
     ({**perfmon_app.payload("x", ENTRIES[0], TINY), "options": {"rounds": 1, "reps": 1, "warmup": 0, "seed": -1,
                                                                 "peers": True, "flex": True}}, "seed in"),
+    ({**perfmon_app.payload("x", ENTRIES[0], TINY), "describe": 5}, "bad payload"),  # was an AttributeError
 ])
 def test_malformed_payloads_are_refused(payload, words):
     with pytest.raises(PayloadError, match=words):
@@ -209,6 +210,19 @@ def test_export_trusts_nothing_in_a_result():
             db.write(Path(tempfile.mkdtemp()) / "cpu" / "ok.txt")
     with pytest.raises(ValueError, match="malformed perfmon result .*records: expected a list"):
         perfmon_app.collect([_output("ok", records="notalist")], "ok")
+    # a record's figures of another type: "ms": true was written as 1 ms, "ms": "fast" failed in the writer
+    for field, value in (("ms", True), ("ms", "fast"), ("ms", float("nan")), ("tflops", -1.0), ("note", 5)):
+        bad = _output("ok")
+        bad["records"][0][field] = value
+        with pytest.raises(ValueError, match=f"malformed perfmon result .*{field}: expected"):
+            perfmon_app.collect([bad], "ok")
+    # the header's sources: an output without its environment, its date, or with a list for it
+    for change in ({"environment": ["x"]}, {"environment": {"arch": "sm_90"}}):
+        with pytest.raises(ValueError, match="malformed perfmon result .*environment"):
+            perfmon_app.collect([{**_output("ok"), **change}], "ok")
+    no_tag = {k: v for k, v in _output("ok").items() if k != "tag"}
+    with pytest.raises(ValueError, match="no perfmon results for tag"):
+        perfmon_app.collect([no_tag], "ok")
 
 
 def test_export_from_the_cli_refuses_an_arch_that_is_a_path(tmp_path):
