@@ -326,7 +326,10 @@ def test_feature_costs_pair_each_entry_with_its_plain_twin(tmp_path):
     assert result.exit_code != 0 and "plain twin" in result.output
 
 
-def _shared_cell_run(times: dict[int, dict[str, float]], spread: float = 0.002, cell: str = "CELL") -> Perfdb:
+CELL = "flash.backward[dtype=bf16]@seqlen_q=1024,seqlen_k=1024"  # the text of a note's cell
+
+
+def _shared_cell_run(times: dict[int, dict[str, float]], spread: float = 0.002, cell: str = CELL) -> Perfdb:
     """Entries that all read one flash.backward cell: ``{entry index: {provider: ms}}``, the
     unforced call under "aotattn" choosing split."""
     run = Perfdb(header={"arch": "sm_90", "gpu": "fabricated", "date": "2026-12-04"})
@@ -341,7 +344,7 @@ def _shared_cell_run(times: dict[int, dict[str, float]], spread: float = 0.002, 
 @pytest.mark.parametrize("times, agreed, contested", [
     # one fault, the other entry on the cell did not time ws slower: the cell changes
     ({0: {"aotattn": 1.0, "aotattn:split": 1.0, "aotattn:ws": 0.8},
-      1: {"aotattn": 2.0, "aotattn:split": 2.0, "aotattn:ws": 2.001}}, {"CELL": "ws"}, None),
+      1: {"aotattn": 2.0, "aotattn:split": 2.0, "aotattn:ws": 2.001}}, {CELL: "ws"}, None),
     # the other entry is 10% faster with split than with ws: the cell is contested
     ({0: {"aotattn": 1.0, "aotattn:split": 1.0, "aotattn:ws": 0.8},
       1: {"aotattn": 2.0, "aotattn:split": 2.0, "aotattn:ws": 2.2}}, {}, "is faster with split"),
@@ -356,13 +359,24 @@ def test_a_cell_other_entries_read_faster_as_it_is_is_not_patched(times, agreed,
     groups, can want different backends (seen on the H200, run s35-dense)."""
     run = _shared_cell_run(times)
     found = analysis.faults(run)
-    assert found and all(f.cell == "CELL" for f in found)
+    assert found and all(f.cell == CELL for f in found)
     changes, left = analysis.patchable(run, found)
     assert changes == agreed
     if contested is None:
         assert left == {}
     else:
-        assert list(left) == ["CELL"] and contested in " ".join(left["CELL"])
+        assert list(left) == [CELL] and contested in " ".join(left[CELL])
+
+
+def test_a_fault_whose_note_names_another_table_is_not_patched():
+    """A note edited (or from another run) naming a forward cell gave that table a backend:
+    `faults --patch` wrote `fused = ` (no knob of it) into flash.attn_fwd's patch."""
+    other = "flash.attn_fwd[dtype=bf16]@seqlen_q=512,seqlen_k=512"
+    run = _shared_cell_run({0: {"aotattn": 1.0, "aotattn:split": 1.0, "aotattn:fused": 0.5}}, cell=other)
+    found = analysis.faults(run)
+    assert [f.cell for f in found] == [other]
+    changes, left = analysis.patchable(run, found)
+    assert changes == {} and "not a flash.backward cell" in " ".join(left[other])
 
 
 def test_cli_faults_leaves_contested_cells_out_of_the_patch(tmp_path):
