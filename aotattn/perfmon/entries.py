@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import random
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
@@ -37,6 +38,13 @@ DIAGONALS = ("bottom_right", "top_left")
 
 TOKENS = 16384
 HIDDEN = 2048
+
+
+def _integer(text: str) -> int:
+    """A plain decimal integer, optionally signed: ``int`` also takes ``5_12`` and spaces."""
+    if not re.fullmatch(r"[+-]?[0-9]+", text):
+        raise ValueError(text)
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -141,6 +149,10 @@ class Entry:
             key = long.get(key, key)
             if not eq or key not in kinds or key == "name":
                 raise ValueError(f"entry {name}: unknown field {token!r}")
+            if key in values:  # the last one silently won: `causal=1 ... causal=0` read as not causal
+                raise ValueError(f"entry {name}: field {_SHORT.get(key, key)} given twice")
+            if not raw.isascii():  # int() and float() take other scripts' digits and underscores
+                raise ValueError(f"entry {name}: bad value in {token!r} (plain ASCII expected)")
             default = kinds[key].default
             try:
                 if isinstance(default, bool):
@@ -148,11 +160,13 @@ class Entry:
                 elif key in ("passes",):
                     values[key] = tuple(raw.split(","))
                 elif key in ("window", "lengths"):
-                    values[key] = tuple(int(x) for x in raw.split(",") if x)
+                    values[key] = tuple(_integer(x) for x in raw.split(",") if x)
                 elif key == "dropout_p":
+                    if "_" in raw:
+                        raise ValueError(raw)
                     values[key] = float(raw)
                 elif kinds[key].type in ("int",):
-                    values[key] = int(raw)
+                    values[key] = _integer(raw)
                 else:
                     values[key] = raw
             except (KeyError, ValueError) as exc:

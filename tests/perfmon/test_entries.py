@@ -118,6 +118,13 @@ def test_bad_declarations_are_refused():
         Entry.parse("x", "dtype=bf16 colour=red")
     with pytest.raises(ValueError, match="bad value"):
         Entry.parse("x", good.describe().replace("B=2", "B=two"))
+    # numbers in plain ASCII digits, each field once (the last of two silently won)
+    for text in (good.describe().replace("B=2", "B=\uff12"), good.describe().replace("Sq=64", "Sq=6_4"),
+                 good.describe().replace("B=2", "B= 2"), good.describe() + " dropout_p=0.0_1"):
+        with pytest.raises(ValueError, match="bad value|unknown field"):
+            Entry.parse("x", text)
+    with pytest.raises(ValueError, match="dtype given twice"):
+        Entry.parse("x", good.describe() + " dtype=fp16")
     with pytest.raises(ValueError, match="pass"):
         good.flops("forward")
 
