@@ -179,10 +179,16 @@ class Comparison:
         """(group, pass, provider) -> (entries compared, geometric mean of the speed)."""
         logs: dict[tuple[str, str, str], list[float]] = defaultdict(list)
         for c in self.changes:
-            if c.speed is not None:
-                logs[(c.group, c.pass_, c.provider)].append(math.log(c.speed))
-                logs[("all", c.pass_, c.provider)].append(math.log(c.speed))
-        return {key: (len(v), math.exp(sum(v) / len(v))) for key, v in sorted(logs.items())}
+            if c.speed is not None:  # the logs apart: a/b of 1e-300 and 1e300 ms underflows to 0
+                logged = math.log(c.a_ms) - math.log(c.b_ms)
+                logs[(c.group, c.pass_, c.provider)].append(logged)
+                logs[("all", c.pass_, c.provider)].append(logged)
+        return {key: (len(v), _exp(sum(v) / len(v))) for key, v in sorted(logs.items())}
+
+
+def _exp(x: float) -> float:
+    """``math.exp``, infinite past the float range (a mean log ratio of extreme but valid figures)."""
+    return math.exp(x) if x < 709.0 else math.inf
 
 
 # a peer's record whose call raised ("skipped: <Exception>: ..."), not one the run chose

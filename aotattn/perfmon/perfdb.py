@@ -293,7 +293,10 @@ def check_tag(tag: str) -> str:
 
 def check_folder(path: Path, arch: str | None, where: str | None = None) -> None:
     """A file in a store folder named like an architecture is that architecture's run."""
-    folder = Path(path).parent.name
+    folder = Path(path).absolute().parent.name
+    if ARCH_FOLDER.fullmatch(folder) and arch is None:
+        raise PerfdbError(f"no '#! arch' line in folder {folder}/: a run stored under an architecture's folder "
+                          f"declares it ('#! arch {folder}')", str(path) if where is None else where)
     if arch is not None and ARCH_FOLDER.fullmatch(folder) and folder != arch:
         raise PerfdbError(f"'#! arch {arch}' in folder {folder}/: a run is stored under its own architecture "
                           f"(move it to {arch}/)", where)

@@ -178,6 +178,10 @@ def test_compare_flags_only_changes_beyond_noise_and_threshold():
     means = analysis.compare(run(2.0, 0.01), run(2.5, 0.01)).geomeans()
     assert means[("dense", "bwd", "aotattn")] == (1, pytest.approx(0.8))
     assert means[("all", "fwd", "aotattn")] == (1, pytest.approx(1.0))
+    # extreme but valid figures: the ratio 1e-300 / 1e300 underflowed to 0 (math domain error)
+    means = analysis.compare(run(1e-300, 0.0), run(1e300, 0.0)).geomeans()
+    assert means[("dense", "bwd", "aotattn")] == (1, 0.0)
+    assert analysis.compare(run(1e300, 0.0), run(1e-300, 0.0)).geomeans()[("dense", "bwd", "aotattn")] == (1, math.inf)
 
 
 def test_compare_names_the_plan_notes_that_changed():

@@ -199,3 +199,18 @@ def test_a_run_is_not_written_into_another_architectures_folder(tmp_path):
     with pytest.raises(PerfdbError, match="not written, it would not read back: .*in folder sm_80/"):
         db.write(tmp_path / "sm_80" / "t3.txt")
     assert db.write(tmp_path / "sm_90" / "t3.txt").exists()
+
+
+def test_a_run_in_an_architectures_folder_declares_its_arch(tmp_path):
+    """docs/perfmon.md: a file under sm_90/ must declare `#! arch`; one without was read, and
+    summaries and the standing counted it as that architecture's."""
+    db = random_run(3, n=1)
+    text = "\n".join(line for line in db.to_text().splitlines() if not line.startswith("#! arch")) + "\n"
+    for folder in ("sm_90", "cpu"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "t.txt").write_text(text)
+        with pytest.raises(PerfdbError, match=f"no '#! arch' line in folder {folder}/"):
+            Perfdb.read(tmp_path / folder / "t.txt")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "t.txt").write_text(text)
+    assert Perfdb.read(tmp_path / "elsewhere" / "t.txt").header.get("arch") is None
