@@ -89,8 +89,10 @@ def _version(value: bool) -> None:
 @app.callback()
 def _options(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the version"),
-    debug: bool = typer.Option(False, "--debug", envvar="AOTATTN_DEBUG",
-                               help="on an error, show the full traceback instead of one line"),
+    debug: bool = typer.Option(False, "--debug",  # AOTATTN_DEBUG is read by _debug_from_environment: a value
+                               # click does not take (2, maybe) stopped every subcommand with a usage error
+                               help="on an error, show the full traceback instead of one line (also "
+                                    "AOTATTN_DEBUG=1)"),
 ) -> None:
     """aotattn: flash attention in Triton, compiled ahead of time."""
 

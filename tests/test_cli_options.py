@@ -60,3 +60,11 @@ def test_a_plot_is_written_where_it_says(tmp_path):
         assert expected.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert imread(expected, format="png").shape[1] >= 900  # 8.5 inches at 110 dpi
     assert not (tmp_path / "plain.png").exists()
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", ""])
+def test_an_odd_aotattn_debug_value_stops_no_command(value):
+    """click parsed AOTATTN_DEBUG as --debug's flag and refused 2 with a usage error for every
+    subcommand; the variable is read as documented (1/true/yes/on turn tracebacks on)."""
+    result = CliRunner().invoke(app, ["tuning", "lint"], env={"AOTATTN_DEBUG": value})
+    assert result.exit_code == 0 and "problem(s)" in result.output, result.output

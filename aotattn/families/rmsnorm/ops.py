@@ -14,6 +14,7 @@ from aotattn.runtime import launch
 from aotattn.spec import Functional, LaunchPlan
 
 MAX_EPS = float(torch.finfo(torch.float32).max)  # the kernel adds eps in fp32: more would round to inf
+MIN_EPS = 2.0 ** -149  # float32's smallest subnormal: a smaller positive eps rounds to 0 (1e-50 gave NaN on zeros)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
@@ -23,16 +24,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         x: ``(..., N)``, float16, bfloat16 or float32, unit stride in the last dimension,
             N up to 16384.
         weight: ``(N,)`` in x's dtype, or None.
-        eps: a non-negative real number representable in float32.
+        eps: 0, or a positive real number representable in float32 (2**-149 up to
+            float32's largest).
 
     Returns:
         A tensor of x's shape and dtype. Forward only: where x or weight requires grad
         (under grad mode), backpropagating through the result raises (it has no backward),
-        rather than leaving out this term of the gradient.
+        rather than leaving out this term of the gradient. The mean of squares is taken
+        in fp32, as ``torch.nn.functional.rms_norm`` does: a row whose sum of squares
+        leaves float32's range (|x| beyond about 1.8e19 / sqrt(N)) gives zeros, and one
+        that underflows with eps 0 gives inf.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     _check_dense("x", x)
+    x = x.resolve_neg()  # the kernel reads memory: a view with the negative bit set (conj().imag) came out negated
     if x.dtype not in rules.DTYPES:
         raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
     if x.dim() < 1 or not 1 <= x.shape[-1] <= rules.MAX_COLS:
@@ -48,11 +54,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         if weight.shape != (x.shape[-1],) or weight.device != x.device:
             raise ValueError(f"weight: expected shape ({x.shape[-1]},) on device {x.device}; got "
                              f"{tuple(weight.shape)} on {weight.device}")
-        weight = weight.contiguous()
+        weight = weight.resolve_neg().contiguous()
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps: expected a real number, got {type(eps).__name__}")
-    if not (0 <= eps <= MAX_EPS and math.isfinite(eps)):  # a huge int fails the bound before float(eps) overflows
-        raise ValueError(f"eps: expected a non-negative number up to {MAX_EPS:.3g} (float32's largest), got {reprlib.repr(eps)}")
+    if not (eps == 0 or MIN_EPS <= eps <= MAX_EPS) or not math.isfinite(eps):  # a huge int fails the bound first
+        raise ValueError(f"eps: expected 0 or a number from {MIN_EPS:.3g} to {MAX_EPS:.3g} (float32's smallest and "
+                         f"largest: less rounds to 0 in the kernel), got {reprlib.repr(eps)}")
     if x.numel() and x.stride(-1) != 1:
         raise ValueError(f"x: expected a unit stride in the last dimension, got strides {x.stride()}")
     if torch.compiler.is_compiling():
@@ -60,17 +67,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         # Triton's interpreter) and failed on fake tensors. No autograd formula is registered,
         # so differentiating through it raises, as the eager result below does.
         return torch.ops.aotattn.rms_norm(x, weight, float(eps))
-    y = _forward(x, weight, float(eps))
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
         # a result detached from its inputs would silently drop this term of their gradient
-        # (``rms_norm(x) + x`` would backpropagate through ``x`` alone): mark it instead, as
-        # flash's _first_order marks gradients that have no backward
-        y = torch._C._functions.DelayedError(_NO_BACKWARD, 1)(y.requires_grad_())
-    return y
+        # (``rms_norm(x) + x`` would backpropagate through ``x`` alone); one marked on a new
+        # leaf (DelayedError) was skipped by autograd.grad(..., x), which then gave x's other
+        # terms alone: the node sits on x and weight and raises when reached
+        return _ForwardOnly.apply(x, weight, float(eps))
+    return _forward(x, weight, float(eps))
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """rms_norm under autograd: the forward, and a backward that raises."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        return _forward(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(_NO_BACKWARD)
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """The checked call: plan and launch; y contiguous, x's shape."""
+    if torch.compiler.is_compiling():  # Dynamo tracing this frame on its own (after a refused compiled call, it
+        return torch.ops.aotattn.rms_norm(x, weight, eps)  # ran rms_norm eagerly and traced this into the launch)
     n_cols = x.shape[-1]
     rows = x.reshape(-1, n_cols)  # a view whenever the rows are evenly strided
     y = torch.empty_like(rows, memory_format=torch.contiguous_format)
@@ -96,16 +117,17 @@ def _rms_norm_fake(x, weight, eps):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-_NO_BACKWARD = (b"aotattn.rms_norm has no backward: it is forward only; for gradients use "
-                b"torch.nn.functional.rms_norm (or call aotattn.rms_norm under torch.no_grad())")
+_NO_BACKWARD = ("aotattn.rms_norm has no backward: it is forward only; for gradients use "
+                "torch.nn.functional.rms_norm (or call aotattn.rms_norm under torch.no_grad())")
 
 
 def _check_dense(name: str, t: torch.Tensor) -> None:
     """A strided tensor with storage: the kernel reads data pointers. (Sparse tensors and
     those of a ``torch.func`` transform made torch raise from deep inside, in reshape or
     data_ptr.)"""
-    if t.layout != torch.strided:
-        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
+    if t.layout != torch.strided or t.is_nested:  # a nested tensor reports strided, then fails inside torch
+        layout = "nested" if t.is_nested else t.layout
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {layout}")
     if not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(t):  # Dynamo cannot trace it
         raise ValueError(f"{name}: expected a plain tensor, got one wrapped by a torch.func transform (vmap, grad, "
                          "...), which aotattn.rms_norm does not support")

@@ -35,17 +35,19 @@ def test_strided_rows():
     ((torch.randn(4, 20000),), ValueError, "x: expected a last dimension of 1..16384"),
     ((torch.randn(4, 8), torch.randn(7)), ValueError, "weight: expected shape (8,)"),
     ((torch.randn(4, 8), torch.randn(8, dtype=torch.float16)), TypeError, "weight: expected dtype torch.float32"),
-    ((torch.randn(4, 8), None, float("nan")), ValueError, "eps: expected a non-negative number"),
-    ((torch.randn(4, 8), None, -1e-6), ValueError, "eps: expected a non-negative number"),
-    ((torch.randn(4, 8), None, 10**400), ValueError, "eps: expected a non-negative number up to 3.4e+38"),
-    ((torch.randn(4, 8), None, -10**400), ValueError, "eps: expected a non-negative number"),
-    ((torch.randn(4, 8), None, 1e39), ValueError, "up to 3.4e+38"),
+    ((torch.randn(4, 8), None, float("nan")), ValueError, "eps: expected 0 or a number from 1.4e-45"),
+    ((torch.randn(4, 8), None, -1e-6), ValueError, "eps: expected 0 or a number from 1.4e-45"),
+    ((torch.randn(4, 8), None, 10**400), ValueError, "eps: expected 0 or a number from 1.4e-45 to 3.4e+38"),
+    ((torch.randn(4, 8), None, -10**400), ValueError, "eps: expected 0 or a number"),
+    ((torch.randn(4, 8), None, 1e39), ValueError, "to 3.4e+38"),
+    ((torch.randn(4, 8), None, 1e-50), ValueError, "less rounds to 0"),  # was 0 in the kernel: NaN on a zero row
     ((torch.randn(4, 8), None, "1e-6"), TypeError, "eps: expected a real number, got str"),
     ((torch.randn(4, 8), None, True), TypeError, "eps: expected a real number, got bool"),
     ((torch.randn(8, 4).t(),), ValueError, "x: expected a unit stride"),
     # sparse tensors made torch raise from inside (reshape, contiguous)
     ((torch.randn(4, 8).to_sparse(),), ValueError, "x: expected a dense (strided) tensor, got layout torch.sparse_coo"),
     ((torch.randn(4, 8), torch.randn(8).to_sparse()), ValueError, "weight: expected a dense (strided) tensor"),
+    ((torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)]),), ValueError, "got layout nested"),
 ])
 def test_rejects(args, exc, message):
     with pytest.raises(exc) as info:
@@ -107,3 +109,40 @@ def test_under_torch_compile(request):
     # one opaque node (no trace into the launch), and, as in eager mode, no silent gradient
     with pytest.raises(RuntimeError, match="no autograd formula"):
         torch.compile(lambda x: aotattn.rms_norm(x) + x, backend="eager")(x.requires_grad_()).sum().backward()
+
+
+
+@pytest.mark.parametrize("needs_grad", ["x", "weight"])
+def test_autograd_grad_does_not_skip_the_missing_backward(request, needs_grad):
+    """The mark that raises sat on a new leaf, not on x or weight: autograd.grad(.., x) and
+    backward(inputs=[x]) skipped it and returned x's other terms alone (all ones for
+    rms_norm(x) + x; half of w's gradient for rms_norm(x, w) * w). Now they raise."""
+    seed_from(request.node.nodeid)
+    x, w = torch.randn(3, 8), torch.randn(8)
+    leaf = (x if needs_grad == "x" else w).requires_grad_()
+    for run in (lambda: torch.autograd.grad((aotattn.rms_norm(x, w) + leaf).sum(), leaf),
+                lambda: (aotattn.rms_norm(x, w) * leaf).sum().backward(inputs=[leaf]),
+                lambda: torch.autograd.grad(aotattn.rms_norm(x, w).sum(), leaf, allow_unused=True)):
+        with pytest.raises(RuntimeError, match="aotattn.rms_norm has no backward"):
+            run()
+
+
+def test_a_view_with_the_negative_bit_is_read_as_its_values(request):
+    """conj().imag of a complex tensor is a view with the negative bit set; the kernel read
+    the memory under it and returned the normalised values negated."""
+    seed_from(request.node.nodeid)
+    x = torch.randn(4, 16, dtype=torch.complex64).conj().imag
+    w = torch.randn(16, dtype=torch.complex64).conj().imag
+    assert x.is_neg() and w.is_neg()
+    assert rel_err(aotattn.rms_norm(x, w), rms_norm(x.resolve_neg(), w.resolve_neg())) < TOLERANCE[torch.float32]
+
+
+def test_a_refused_compiled_call_leaves_later_compiled_calls_working(request):
+    """After a refused call, Dynamo ran rms_norm eagerly but traced its launch as a frame
+    of its own, into Triton's interpreter on fake tensors: every later call failed."""
+    seed_from(request.node.nodeid)
+    compiled = torch.compile(aotattn.rms_norm, backend="eager")
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="eps"):
+        compiled(x, None, -1.0)
+    assert rel_err(compiled(x), rms_norm(x)) < TOLERANCE[torch.float32]
