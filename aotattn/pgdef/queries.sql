@@ -156,11 +156,14 @@ WITH released AS (
 SELECT id FROM released
 
 -- name: open_count
--- Tasks of these categories and pool that are queued or running: while any is, an idle
--- worker that exits when idle keeps waiting (a running task may come back when its lease expires).
+-- Tasks of these categories and pool that are queued or running on a worker: while any is, an
+-- idle worker that exits when idle keeps waiting (a running task may come back when its lease
+-- expires). A task checked out in an offline batch ("batch:<id>") comes back by checkin: an
+-- idle worker waited out the batch's lease (a day by default) for it.
 SELECT count(*) AS n
   FROM pgdef_task
- WHERE state IN ('queued', 'running') AND pool = %(pool)s AND category = ANY(%(categories)s::text[])
+ WHERE pool = %(pool)s AND category = ANY(%(categories)s::text[])
+   AND (state = 'queued' OR (state = 'running' AND lease_owner NOT LIKE 'batch:%%'))
 
 -- name: register_worker
 INSERT INTO pgdef_worker (id, host, pid, pool, categories, gpu, lease_s)

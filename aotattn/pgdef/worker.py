@@ -50,7 +50,8 @@ class WorkerConfig:
     claim_batch: tasks claimed per round trip (more: fewer round trips for tiny tasks; the
         unstarted ones are released when the worker stops).
     max_tasks: stop after this many attempts (None: no limit).
-    exit_when_idle: stop when no task of the worker's categories and pool is queued or running.
+    exit_when_idle: stop when no task of the worker's categories and pool is queued or running on a
+        worker (tasks checked out in an offline batch come back by checkin, not to it).
     reconnect_timeout_s: give up (ConnectionLost) after the database has been away this long.
     """
 

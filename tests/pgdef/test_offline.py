@@ -311,3 +311,19 @@ def test_json_nested_past_the_parsers_depth_is_a_one_line_error(client, tmp_path
         nested = [nested]
     with pytest.raises(ConfigError, match="nested deeper"):
         check_payload({"x": nested})
+
+
+def test_an_idle_worker_does_not_wait_for_a_checked_out_batch(client, dsn, tmp_path):
+    """A worker that exits when idle waited out the lease of tasks checked out in an offline
+    batch (a day by default): they come back by checkin, never to this worker. It still
+    runs what is queued, then exits."""
+    import time
+
+    _dispatch(client, 2)
+    assert client.checkout("sm_90", ["testapp,square"], tmp_path / "b.json") is not None
+    client.dispatch("testapp,square", "sm_90", [{"x": 11}])
+    start = time.monotonic()
+    run_workers(dsn, pool="sm_90", timeout_s=30)
+    assert time.monotonic() - start < 20
+    assert [r.output["y"] for r in client.results("testapp,square")] == [121]
+    assert sum(t.state == "running" for t in client.tasks("testapp,square")) == 2  # still the batch's
