@@ -281,7 +281,7 @@ def compile_and_pack(jobs: Sequence[Job], cache_dir: Path, out: Path, workers: i
                      warn: Callable[[str], None] = lambda line: None) -> tuple[list[Outcome], list[Path]]:
     """:func:`run_jobs` then :func:`pack` of what compiled or was cached, the kernel sources'
     hashes taken before compiling and checked before packing."""
-    sources = {job.table: source_hash(families.kernels()[job.table]) for job in jobs}
+    sources = {table: source_hash(families.kernels()[table]) for table in {job.table for job in jobs}}
     outcomes = run_jobs(jobs, cache_dir, workers, timeout, on_outcome, line_info)
     archives = pack([o.job for o in outcomes if o.status in ("compiled", "cached")], cache_dir, out, line_info,
                     sources, warn)

@@ -36,7 +36,7 @@ def task_jobs(task: Task, settings: Settings, db: Any) -> list[Job]:
     jobs = []
     if hasattr(spec, "arguments"):  # a kernel table: its candidates
         current = h.current_config(db, task.arch, task.table, task.functional, task.cell)
-        configs, _ = task_candidates(task, settings, spec, h, current)
+        configs, _ = task_candidates(task, settings, current)
         jobs += [Job(task.arch, task.table, task.functional, config) for config in configs]
     shapes = [*h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch, settings.accuracy_heads),
               h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes,

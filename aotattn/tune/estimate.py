@@ -38,7 +38,7 @@ def gpu_seconds(task: Task, settings: Settings, db: Any = None) -> float:
         candidates = len(spec.tuning_space[0][1])
     elif db is not None:
         current = h.current_config(db, task.arch, task.table, task.functional, task.cell)
-        candidates = len(task_candidates(task, settings, spec, h, current)[0])
+        candidates = len(task_candidates(task, settings, current)[0])
     else:
         candidates = settings.limit + (knob_combinations(spec) if settings.knobs else 1)
     reference = sum(h.flops(task.table, s, task.functional) for s in

@@ -31,6 +31,7 @@ crashed. After a CUDA error the context is unusable, so the task ends the proces
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import os
@@ -163,12 +164,20 @@ class Settings:
         return cls(**{**defaults, **changes})
 
 
-def task_candidates(task: Task, settings: Settings, spec: Any, h: Any,
+def task_candidates(task: Task, settings: Settings,
                     current: Config | None) -> tuple[list[Config], dict[Config, str]]:
-    """A kernel task's (candidates, pruned -> reason), the same for the compile ahead and the
-    worker: the limit's best, the current choice and, with ``settings.knobs``, its tile's
-    knob variants."""
-    return cand.candidates(spec, task.functional, task.arch, h.footprint(task.table),
+    """A kernel task's (candidates, pruned -> reason), the same for the compile ahead, the
+    estimate and the worker: the limit's best, the current choice and, with
+    ``settings.knobs``, its tile's knob variants. Computed once per (task, settings,
+    current choice): `tune plan` asks twice per task (kernels and GPU time)."""
+    kept, pruned = _task_candidates(task, settings, current)
+    return list(kept), dict(pruned)
+
+
+@functools.lru_cache(maxsize=8192)
+def _task_candidates(task: Task, settings: Settings, current: Config | None):
+    spec = table_spec(task.table)
+    return cand.candidates(spec, task.functional, task.arch, _harness(task.table).footprint(task.table),
                            keep=[current] if current is not None else [],
                            sizes=dict(zip((k for k, _ in spec.tuning_keys), task.cell)),
                            limit=settings.limit, knobs=settings.knobs)
@@ -334,7 +343,7 @@ class _Run:
     def candidates(self) -> tuple[list[Config], dict[Config, str], Config | None]:
         t = self.task
         current = self.harness.current_config(self.db, t.arch, t.table, t.functional, t.cell)
-        kept, pruned = task_candidates(t, self.settings, self.spec, self.harness, current)
+        kept, pruned = task_candidates(t, self.settings, current)
         return kept, pruned, current
 
     def _record(self, config: Config, **fields_: Any) -> dict[str, Any]:

@@ -369,7 +369,7 @@ def test_the_estimate_counts_a_tasks_candidates_with_its_database():
     settings = dataclasses.replace(runner.Settings.for_table(task.table), limit=4, finalists=1)  # finalists: 2 either way
     spec = rules.KERNELS["attn_bwd_ws"]
     current = flash.current_config(db, task.arch, task.table, task.functional, task.cell)
-    counted = len(runner.task_candidates(task, settings, spec, flash, current)[0])
+    counted = len(runner.task_candidates(task, settings, current)[0])
     assert 4 <= counted < 4 + estimate.knob_combinations(spec)
     exact, bound = estimate.gpu_seconds(task, settings, db), estimate.gpu_seconds(task, settings)
     per_candidate = (estimate.gpu_seconds(task, dataclasses.replace(settings, limit=5))
