@@ -27,6 +27,10 @@
 # 0003 stays. The planner now adds the current choice's knob variants (candidates.knob_variants):
 # rerun tune-forward as is (152 kernels), land it and `git rm` patch 0003 only where the export
 # keeps those cells' knobs or beats them.
+# Forty-second session (H100): tune-forward landed (14 of 16 cells changed, 1.05-1.43x, the tuner's own
+# Q_SLOTS=2 + TMA_STORE=1), then d128 s1024 again once knobs that do not fit a tile were also tried one
+# stage shallower (1.07x full): patch 0003 keeps only the d128 s1024 causal cell. tune ran again (27 of 132
+# ws backward cells changed, 1.02-1.39x) and landed.
 #
 # The thirty-ninth session timed TMA_STORE on an H100 only (1.09-1.56x where a tile has few
 # steps; +3-7% on square cells): the tune step puts it where it wins on the card at hand.

@@ -278,9 +278,40 @@ def knob_variants(spec: Any, configs: Iterable[Config], among: Iterable[Config])
     ``KV_SLOTS``, ``OVERLAP``, ``TMA``) around the best tile known so far. The speed model
     does not rank knobs, so a limit smaller than the number of tiles kept none of them: the
     ws forward's short-tile cells at ``--limit 24`` (36 tiles) timed no ``Q_SLOTS=2`` or
-    ``TMA_STORE=1`` variant (H100, 2026-12-05), though they won 1.08-2.2x there by hand."""
-    tiles = {tile_of(spec, c) for c in configs}
-    return [c for c in among if tile_of(spec, c) in tiles]
+    ``TMA_STORE=1`` variant (H100, 2026-12-05), though they won 1.08-2.2x there by hand.
+
+    A knob setting that does not fit the tile (a second Q slot beside three K/V stages at
+    d128) is taken from the same tile one pipeline stage shallower, and so on down: the
+    d128 s1024 forward's current ``STAGES=3`` tile had no fitting knob variant at all, while
+    ``STAGES=2`` with both knobs was 1.11x on the H200 (hand patch 0003)."""
+    among = list(among)
+    knob_names = {name for name, _ in spec.knob_defaults}
+    by_tile: dict[tuple, list[Config]] = {}
+    for config in among:
+        by_tile.setdefault(tile_of(spec, config), []).append(config)
+    chosen: set[Config] = set()
+    for config in configs:
+        tile, seen = tile_of(spec, config), set()
+        for depth in [tile, *_shallower(spec, tile)]:
+            for variant in by_tile.get(depth, ()):
+                setting = tuple((k, v) for k, v in variant.items if k in knob_names)
+                if depth == tile or setting not in seen:
+                    chosen.add(variant)
+                seen.add(setting)
+    return [c for c in among if c in chosen]
+
+
+_DEPTH_AXES = ("STAGES", "num_stages")  # software-pipeline depth: a knob that does not fit may fit one shallower
+
+
+def _shallower(spec: Any, tile: tuple) -> list[tuple]:
+    """``tile`` with its pipeline depth lowered one declared value at a time (deepest first)."""
+    values = dict(tile)
+    axis = next((a for a in _DEPTH_AXES if a in values and len(dict(spec.tuning_space).get(a, ())) > 1), None)
+    if axis is None:
+        return []
+    lower = sorted((v for v in dict(spec.tuning_space)[axis] if v < values[axis]), reverse=True)
+    return [tuple((k, d if k == axis else v) for k, v in tile) for d in lower]
 
 
 def tiles_first(spec: Any, ranked: list[Config]) -> list[Config]:
