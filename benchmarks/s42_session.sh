@@ -9,10 +9,10 @@
 #   bash benchmarks/s42_session.sh tune     # < 10 min: the ws forward's masked cells of s512-s2048
 #                                           # (d64/d128/d256, bf16/fp16) with the knobs around the
 #                                           # current choice (PERSISTENT=2 among them), then the
-#                                           # forward's engine choice; without hand patch 0003
-#                                           # (its one cell, d128 s1024 causal, is among them):
-#                                           # land tuned.tgz and `git rm` the patch if the export
-#                                           # keeps or beats its choice
+#                                           # forward's engine choice; hand patch 0003's one cell
+#                                           # (d128 s1024 causal) is among them, its choice timed
+#                                           # as the current one, then taken out (--unmask): land
+#                                           # tuned.tgz and `git rm` patch 0003 (deleted there)
 #   bash benchmarks/s42_session.sh bench    # < 4 min: benchmarks/short_causal_sections.py (NaN-filled
 #                                           # outputs against float32, then causal and full against
 #                                           # cuDNN and SDPA-flash, JIT) on the tables as they are
@@ -31,8 +31,8 @@ case ${1:-verify} in
     gpu_tests forward-ws.log "${TEST_S:-450}" -n 8 tests/families/flash/test_forward_ws.py \
       -k "reference and (causal or window or one-key or one-query)" ;;
   tune)
-    stamp "tune the ws forward's short masked cells (PERSISTENT=2 among the knobs), without hand patch 0003"
-    DROP=flash.attn_fwd_ws.0003-short-tiles.dbpatch TUNE_S=${TUNE_S:-260} SELECT= bash benchmarks/tune_cells_session.sh \
+    stamp "tune the ws forward's short masked cells (PERSISTENT=2 among the knobs; patch 0003's choice timed, then unmasked)"
+    UNMASK=1 TUNE_S=${TUNE_S:-260} SELECT= bash benchmarks/tune_cells_session.sh \
       -- -c flash,attn_fwd_ws --dtype bf16,fp16 --head-dim 64,128,256 --where "MASK=2" \
       --cells 512x512,1024x1024,2048x2048 --limit 24 \
       --then -c flash,forward --dtype bf16,fp16 --head-dim 64,128,256 --where "MASK=2" \

@@ -22,8 +22,11 @@
 #       --where PAD_HEAD=True --head-dim 256 --then --all-functionals -c flash,backward \
 #       --where "PAD_HEAD=True DETERMINISTIC=False" --head-dim 256
 #
-# Environment: DROP (patch file names under tuning/nvidia/sm_90/ left out of the copy: hand
-# patches over the cells tuned, which would mask the export), SELECT (perfmon's selection;
+# Environment: UNMASK (1: export with --unmask, taking the tuned cells out of later hand
+# patches, so a hand patch's choice is timed as the current one and then replaced, and the
+# copy in tuned.tgz has the patches as they should land; deleted ones: `git rm` them),
+# DROP (patch file names under tuning/nvidia/sm_90/ left out of the copy: hand
+# patches over the cells tuned, which would mask the export; their choices go untimed), SELECT (perfmon's selection;
 # empty: no perfmon run), TUNE_S (200: each stage's
 # deadline, compile included), RUN_S (120: perfmon's deadline), TAG (h200-<date>-retuned),
 # RUN_ARGS (more `perfmon run` options, e.g. "--hide-host-ms 1"), RUN_EXTRA_S (120: perfmon is stopped
@@ -54,7 +57,7 @@ stage() {  # n, then the plan's arguments
   OUT=$PWD/$dir/slice bash benchmarks/tune_session.sh "$dir/tasks.jsonl" "$dir/images" "${TUNE_S:-200}" --compile \
     > "$OUT/tune-$n.log" 2>&1
   tail -n 2 "$OUT/tune-$n.log"
-  aot tune export --arch sm_90 --tuning-db "$work/tuning" "$dir/slice/results" > "$OUT/export-$n.log" 2>&1
+  aot tune export --arch sm_90 --tuning-db "$work/tuning" ${UNMASK:+--unmask} "$dir/slice/results" > "$OUT/export-$n.log" 2>&1
   cat "$OUT/export-$n.log"
   aot tuning lint --tuning-db "$work/tuning" | tail -n 1
 }

@@ -337,6 +337,9 @@ def _load_results(paths: list[Path]) -> list[dict[str, Any]]:
 def export(results: list[Path] = typer.Argument(None, help="result files or folders (default: pgdef's results)"),
            tuning_db: Path = TUNING_DB, dry_run: bool = typer.Option(False, "--dry-run"),
            arch: str = typer.Option(None, "--arch", help="only results for this architecture"),
+           unmask: bool = typer.Option(False, "--unmask", help="take the tuned cells out of later patches that set "
+                                       "exactly them (hand patches the tuner re-timed, their choice as the current "
+                                       "one), deleting a patch left empty"),
            dsn: str = DSN, home: Path = HOME) -> None:
     """Write the winners as .dbpatch layers of the tuning database (re-export replaces only their cells)."""
     from aotattn.tune import export as exporter
@@ -352,14 +355,18 @@ def export(results: list[Path] = typer.Argument(None, help="result files or fold
     found = [r for r in exporter.latest(found) if arch is None or r["task"]["arch"] == arch]
     if not found:
         raise ValueError("no tuner results to export (check in offline batches first: aotattn pgdef checkin)")
-    for table in exporter.export(found, _db(tuning_db), dry_run=dry_run):
+    for table in exporter.export(found, _db(tuning_db), dry_run=dry_run, unmask=unmask):
         empty = f"; {len(table.empty)} without an eligible candidate" if table.empty else ""
         console.print(f"{table.arch} {table.table}: {table.cells} cells from results ({table.unchanged} keep the "
                       f"current choice), {table.kept} kept from before{empty} -> {table.path}"
                       + (" (dry run)" if dry_run else ""))
+        for name, cells in table.unmasked.items():
+            gone = " (left empty: deleted)" if name in table.removed else ""
+            console.print(f"{'would take' if dry_run else 'took'} {len(cells)} tuned cell(s) out of {name}{gone}")
         if table.masked:
             patches = ", ".join(sorted(set(table.masked.values())))
             console.print(f"[yellow]warning[/]: {len(table.masked)} of these cells are set otherwise by a later patch "
                           f"({patches}): calls keep running its choice; remove it where the export should "
-                          f"win, e.g. {next(iter(table.masked))}")
+                          f"win (--unmask takes out lines that set exactly a tuned cell), e.g. "
+                          f"{next(iter(table.masked))}")
 

@@ -45,6 +45,8 @@ class TableExport:
     unchanged: int = 0  # results whose winner is the current choice (written all the same)
     empty: list[str] = field(default_factory=list)  # tasks without an eligible candidate
     masked: dict[str, str] = field(default_factory=dict)  # task -> the later patch that sets its cell otherwise
+    unmasked: dict[str, list[str]] = field(default_factory=dict)  # later patch -> the tuned cells taken out of it
+    removed: list[str] = field(default_factory=list)  # later patches left empty, deleted
 
 
 def latest(results: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -193,11 +195,14 @@ def _header(results: list[Mapping[str, Any]], cells: int) -> list[str]:
 
 
 def export(results: Iterable[Mapping[str, Any]], db: Database, *, dry_run: bool = False,
-           allow_cpu_clock: bool = False) -> list[TableExport]:
+           allow_cpu_clock: bool = False, unmask: bool = False) -> list[TableExport]:
     """Write (or with ``dry_run`` only compute) the patches for ``results``; returns what each table got.
 
     Results timed with the CPU clock (the interpreter) are refused unless
-    ``allow_cpu_clock`` (tests): their times say nothing about a GPU.
+    ``allow_cpu_clock`` (tests): their times say nothing about a GPU. ``unmask``: a later
+    patch's lines that set exactly a tuned cell (a hand patch the tuner has now re-timed,
+    its choice among the candidates as the current one) are taken out of it, and a patch
+    left without lines is deleted; a line over more cells than the tuned one stays (masked).
     """
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for result in latest(results):
@@ -221,17 +226,63 @@ def export(results: Iterable[Mapping[str, Any]], db: Database, *, dry_run: bool 
                                            for r in group),
                              empty=[Task.from_json(r["task"]).describe() for r in group if r.get("winner") is None])
         _check(db, arch, table, path, text)
-        report.masked = _masked(db, arch, table, path, group)
         if not dry_run:
             write_atomically(path, text)
+        if unmask:
+            report.unmasked, report.removed = _unmask(db, arch, table, path, group, dry_run)
+        report.masked = _masked(db, arch, table, path, group, skip=report.unmasked if dry_run else {})
         done.append(report)
     return done
 
 
-def _masked(db: Database, arch: str, table: str, path: Path, results: list[Mapping[str, Any]]) -> dict[str, str]:
+def _covers_exactly(spec: Any, edit: Edit, task: Task) -> bool:
+    """Whether a patch line sets ``task``'s cell and no other."""
+    functional = spec.canonical_functional(task.functional) if spec.axis_defaults else task.functional
+    return edit.functional == functional and all(tuple(chosen) == (size,)
+                                                 for size, chosen in zip(task.cell, edit.selection))
+
+
+def _unmask(db: Database, arch: str, table: str, path: Path, results: list[Mapping[str, Any]],
+            dry_run: bool) -> tuple[dict[str, list[str]], list[str]]:
+    """Take the tuned cells out of the patches applied after ``path`` (:func:`export`'s
+    ``unmask``): (patch name -> the cells taken out, the patches deleted)."""
+    spec = table_spec(table)
+    tasks = [Task.from_json(r["task"]) for r in results if r.get("winner") is not None]
+    unmasked: dict[str, list[str]] = {}
+    removed: list[str] = []
+    for later_path in [p for p in db.patch_paths(arch, table) if p.name > path.name]:
+        patch = parse_patch(spec, later_path.read_text(), str(later_path))
+        kept, cells = [], []
+        for edit in patch.edits:
+            task = next((t for t in tasks if _covers_exactly(spec, edit, t)), None)
+            if task is None:
+                kept.append(edit)
+            else:
+                cells.append(task.describe())
+        if not cells:
+            continue
+        unmasked[later_path.name] = cells
+        if not kept:
+            removed.append(later_path.name)
+            if not dry_run:
+                later_path.unlink()
+            continue
+        used = {edit.config for edit in kept}
+        patch.edits = kept
+        patch.configs = {name: c for name, c in patch.configs.items() if name in used}
+        patch.comments = [*patch.comments, f"# {len(cells)} cell(s) re-tuned and taken out by `aotattn tune export "
+                                           f"--unmask` into {path.name}"]
+        if not dry_run:
+            write_atomically(later_path, write_patch(spec, patch))
+    return unmasked, removed
+
+
+def _masked(db: Database, arch: str, table: str, path: Path, results: list[Mapping[str, Any]],
+            skip: Mapping[str, list[str]] | None = None) -> dict[str, str]:
     """The results' cells that a patch applied after ``path`` sets to another configuration
     (a hand patch over the cells tuned: the export would change nothing a call runs),
-    task -> that patch's file name."""
+    task -> that patch's file name; ``skip``: patch name -> cells a dry run's unmask would
+    take out."""
     spec = table_spec(table)
     later = [p for p in db.patch_paths(arch, table) if p.name > path.name]
     masked: dict[str, str] = {}
@@ -241,6 +292,8 @@ def _masked(db: Database, arch: str, table: str, path: Path, results: list[Mappi
             if result.get("winner") is None:
                 continue
             task = Task.from_json(result["task"])
+            if task.describe() in (skip or {}).get(later_path.name, ()):
+                continue
             functional = spec.canonical_functional(task.functional) if spec.axis_defaults else task.functional
             for edit in patch.edits:  # a selection holds bucket values, as a task's cell does
                 covers = all(size in chosen for size, chosen in zip(task.cell, edit.selection))

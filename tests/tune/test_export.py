@@ -148,3 +148,49 @@ def test_an_export_under_a_later_patch_says_so(forward_results, tuning_copy):
     hand.write_text(hand.read_text().replace(other["name"], config_name(winner)).replace(
         " ".join(f"{k}={v}" for k, v in other["config"].items()), " ".join(f"{k}={v}" for k, v in winner.items)))
     assert not export.export([result], tuning_copy, allow_cpu_clock=True, dry_run=True)[0].masked
+
+
+def test_unmask_takes_the_tuned_cells_out_of_later_patches(forward_results, tuning_copy):
+    """``export(unmask=True)``: a later hand patch's line that sets exactly a tuned cell is
+    taken out, lines over other cells or over a range stay (still masking, said), and a patch
+    left without lines is deleted; the database then runs the export's winners. The hand
+    patch's choice was the current one when the cell was tuned, so it was a candidate."""
+    results, _ = forward_results
+    first, second = results[0], results[1]
+    done = export.export(results, tuning_copy, allow_cpu_clock=True)
+    t1, t2 = Task.from_json(first["task"]), Task.from_json(second["task"])
+    other = next(c for c in first["candidates"] if c["name"] != first["winner"])
+    values = " ".join(f"{k}={v}" for k, v in other["config"].items())
+    header = format_functional(rules.ATTN_FWD, t1.functional)
+    assert header == format_functional(rules.ATTN_FWD, t2.functional) and t1.cell != t2.cell
+    hand = done[0].path.with_name("flash.attn_fwd.0009-by-hand.dbpatch")
+    untouched = (16, 32) if (16, 32) not in (tuple(t1.cell), tuple(t2.cell)) else (32, 16)
+    hand.write_text("# measured by hand\n#! aotattn-patch 1\n#! table flash.attn_fwd\n\n[configs]\n"
+                    f"{other['name']} = {values}\n\n{header}\n"
+                    f"seqlen_q={t1.cell[0]} seqlen_k={t1.cell[1]}: {other['name']}\n"
+                    f"seqlen_q={untouched[0]} seqlen_k={untouched[1]}: {other['name']}\n")
+    later = done[0].path.with_name("flash.attn_fwd.0010-more.dbpatch")
+    later.write_text("#! aotattn-patch 1\n#! table flash.attn_fwd\n\n[configs]\n"
+                     f"{other['name']} = {values}\n\n{header}\n"
+                     f"seqlen_q={t2.cell[0]} seqlen_k={t2.cell[1]}: {other['name']}\n")
+    assert _lookup(tuning_copy, first) == Config.of(other["config"])  # masked before
+    # a dry run says what it would do and touches nothing
+    before = (hand.read_text(), later.read_text())
+    dry = export.export(results, tuning_copy, allow_cpu_clock=True, dry_run=True, unmask=True)[0]
+    assert dry.unmasked == {hand.name: [t1.describe()], later.name: [t2.describe()]} and dry.removed == [later.name]
+    assert not dry.masked and (hand.read_text(), later.read_text()) == before
+    done = export.export(results, tuning_copy, allow_cpu_clock=True, unmask=True)[0]
+    assert done.unmasked == dry.unmasked and done.removed == [later.name] and not done.masked
+    assert not later.exists() and hand.exists()
+    patch = parse_patch(rules.ATTN_FWD, hand.read_text())
+    assert [e.selection for e in patch.edits] == [((untouched[0],), (untouched[1],))]
+    assert patch.comments[0] == "# measured by hand" and "--unmask" in patch.comments[-1]
+    for result in (first, second):
+        assert _lookup(tuning_copy, result) == Config.of(result["winner_config"])
+    assert _lookup(tuning_copy, first, untouched) == Config.of(other["config"])
+    assert not Database(tuning_copy.root).lint()
+    # a line over a range of cells stays: still masked, and said so
+    hand.write_text(hand.read_text().replace(f"seqlen_q={untouched[0]} seqlen_k={untouched[1]}",
+                                             f"seqlen_q=* seqlen_k={t1.cell[1]}"))
+    again = export.export([first], tuning_copy, allow_cpu_clock=True, unmask=True)[0]
+    assert not again.unmasked and again.masked == {t1.describe(): hand.name}
