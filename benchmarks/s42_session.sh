@@ -27,9 +27,12 @@
 source "$(dirname "$0")/session_common.sh"
 case ${1:-verify} in
   verify)
-    stamp "the ws forward's masked cases with every knob value, PERSISTENT=2 included (JIT)"
-    gpu_tests forward-ws.log "${TEST_S:-450}" -n 8 tests/families/flash/test_forward_ws.py \
-      -k "reference and (causal or window or one-key or one-query)" ;;
+    stamp "the ws forward's short-section cases with every knob value, PERSISTENT=2 included (JIT)"
+    gpu_tests forward-ws-short.log "${SHORT_S:-200}" -n 3 tests/families/flash/test_forward_ws.py \
+      -k "reference and short-sections"
+    stamp "the other masked cases"
+    gpu_tests forward-ws-masked.log "${TEST_S:-330}" -n 8 tests/families/flash/test_forward_ws.py \
+      -k "reference and (causal or window or one-key or one-query) and not short-sections" ;;
   tune)
     stamp "tune the ws forward's short masked cells (PERSISTENT=2 among the knobs; patch 0003's choice timed, then unmasked)"
     UNMASK=1 TUNE_S=${TUNE_S:-260} SELECT= bash benchmarks/tune_cells_session.sh \
