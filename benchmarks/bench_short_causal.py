@@ -1,15 +1,17 @@
-"""The ws forward's persistent order under a mask with short tiles (forty-second session):
-checks that every output row is written and right (NaN-filled outputs, float32 reference),
-then times causal against full for aotattn and SDPA's cuDNN and flash backends, in one
-process (JIT, CUDA events, 30 calls after 3 warm-up calls, no L2 flush).
+"""Short causal forwards (forty-second session): checks that every output row is written and
+right (NaN-filled outputs, float32 reference), then times causal against full for aotattn
+and SDPA's cuDNN and flash backends, in one process (JIT, CUDA events, 30 calls after 3
+warm-up calls, no L2 flush). Run once per kernel variant (benchmarks/s42_session.sh diag).
 
-Before the change (perfmon, H100, L2 flushed): d128 s1024 B16 H16 causal 0.2658 ms, full
-0.2634 ms; cuDNN causal 0.1595, full 0.2281.
+perfmon on an H100 (L2 flushed), d128 s1024 B16 H16: aotattn causal 0.2658 ms, full 0.2634 ms;
+cuDNN causal 0.1595, full 0.2281.
 
-    python benchmarks/short_causal_sections.py     (or: bash benchmarks/s42_session.sh bench)
+    python benchmarks/bench_short_causal.py [--no-check] [--shapes 16x1024x16x128,...]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import torch.nn.functional as F
@@ -49,30 +51,38 @@ def check(b, s, hq, hk, d, **kw):
 
 
 def bench(b, s, h, d):
+    """Causal and full, aotattn and the peers; the line ends with aotattn's causal/full ratio."""
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    row = [f"B{b} H{h} S{s} D{d}"]
+    row, ours_ms = [f"B{b} H{h} S{s} D{d}"], []
     for causal in (False, True):
         ours = timed(lambda: aotattn.flash_attn_func(q, k, v, causal=causal))
+        ours_ms.append(ours)
         peers = []
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             with sdpa_kernel(backend):
                 peers.append((name, timed(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))))
         row.append(f"{'causal' if causal else 'full'}: aotattn {ours:.4f} ms, "
                    + ", ".join(f"{n} {t:.4f} ({t / ours:.2f}x)" for n, t in peers))
+    row.append(f"aotattn causal/full {ours_ms[1] / ours_ms[0]:.2f}")
     print(" | ".join(row), flush=True)
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-check", action="store_true", help="timing only (a diagnostic patch gives wrong outputs)")
+    parser.add_argument("--shapes", default="16x1024x16x128,16x1024x32x64,8x2048x16x128,4x4096x16x128",
+                        help="BxSxHxD,... timed causal and full")
+    args = parser.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
-    check(16, 1024, 16, 16, 128, causal=True)
-    bench(16, 1024, 16, 128)
-    check(3, 1000, 12, 4, 128, causal=True)
-    check(3, 512, 11, 11, 64, causal=True)
-    bench(16, 1024, 32, 64)
-    bench(8, 2048, 16, 128)
-    check(4, 1024, 12, 12, 64, window_size=(100, 20))
-    bench(32, 512, 16, 128)
+    if not args.no_check:
+        check(16, 1024, 16, 16, 128, causal=True)
+        check(3, 1000, 12, 4, 128, causal=True)
+        check(3, 512, 11, 11, 64, causal=True)
+        check(4, 1024, 12, 12, 64, window_size=(100, 20))
+        check(2, 700, 8, 8, 128, window_size=(30, 5))
+    for shape in args.shapes.split(","):
+        bench(*(int(x) for x in shape.split("x")))
 
 
 if __name__ == "__main__":
