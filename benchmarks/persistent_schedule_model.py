@@ -11,7 +11,7 @@ Printed: the makespan of each order (lower is faster). It has no L2 in it: order
 put many heads' K and V in flight at once lose more on the GPU than here (RESULTS.md,
 twentieth session).
 
-    python benchmarks/persistent_schedule_model.py
+    python benchmarks/persistent_schedule_model.py [--sweep]
 """
 
 from __future__ import annotations
@@ -51,6 +51,48 @@ def greedy(blocks: list[int], programs: int, fixed: float = ONE_TILE_FIXED) -> f
     return max(free)
 
 
+def aligned(heads: int, n_m: int, group: int, programs: int) -> float | None:
+    """Whole sections of one group of heads (``group * n_m`` tiles) a round, each dealt forth
+    on even rounds and back on odd ones (a tile and its mirror add up to n_m + 1); the
+    programs past the last whole section idle. None where a section exceeds the programs or
+    more than 1/16 of them would idle (the forty-second session's variant, not built)."""
+    width = group * n_m
+    if width > programs or (programs % width) * 16 > programs:
+        return None
+    per_round = programs // width
+    slots = per_round * width
+    load = [0.0] * programs
+    for r in range((heads * n_m + slots - 1) // slots):
+        for p in range(slots):
+            pos = p % width if r % 2 == 0 else width - 1 - p % width
+            if (r * per_round + p // width) * width + pos < heads * n_m:
+                load[p] += n_m - pos // group + PERSISTENT_FIXED
+    return max(load)
+
+
+def sweep(min_rounds: float) -> None:
+    """The worst makespan over the one list's, for sections of programs // (4 n_m) heads dealt
+    back and forth (PERSISTENT=2 as first written, benchmarks/patches/fwd-ws-short-sections.patch)
+    and for :func:`aligned`, over n_m 1-32 and 1-1200 heads where the call has min_rounds rounds
+    or more."""
+    worst = {"quarter sections": (0.0,), "aligned": (0.0,)}
+    for n_m in range(1, 33):
+        for heads in range(1, 1201):
+            programs = min(PROGRAMS, heads * n_m)
+            if heads * n_m < min_rounds * programs:
+                continue
+            one = static(costliest_first(heads, n_m, heads), programs, True)
+            quarter = programs // (4 * n_m)
+            found = {"quarter sections": static(costliest_first(heads, n_m, quarter), programs, True) if quarter else None,
+                     "aligned": aligned(heads, n_m, 1, programs)}
+            for name, makespan in found.items():
+                if makespan is not None and makespan / one > worst[name][0]:
+                    worst[name] = (makespan / one, n_m, heads)
+    for name, (ratio, *where) in worst.items():
+        print(f"at >= {min_rounds} rounds, {name}: worst {ratio:.2f}x the one list"
+              + (f" (n_m {where[0]}, {where[1]} heads)" if where else ""))
+
+
 def main() -> None:
     shapes = [("d64 s4096 B4 H32 (BLOCK_M 128)", 128, 32), ("d128 s4096 B4 H16", 64, 32), ("d256 s4096 B4 H8", 32, 32),
               ("d128 s16384 B1 H16", 16, 128), ("d256 s16384 B1 H8", 8, 128), ("d128 s1024 B16 H16", 256, 8)]
@@ -69,4 +111,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:2] == ["--sweep"]:  # slow: 5-9 minutes on one core
+        for rounds in (8, 15):
+            sweep(rounds)
+    else:
+        main()
