@@ -17,6 +17,11 @@
 #                                           # cells with it among the knobs (UNMASK=1: hand patch
 #                                           # 0003's one cell timed as the current choice); tuned.tgz
 #                                           # lands only with the patch (its tables name PERSISTENT=2)
+#   bash benchmarks/s42_session.sh mask-bwd # < 9 min: bwd-ws-mask-bounds (the same per-key bounds in the
+#                                           # ws backward's P; SASS 4288 instructions against 4432 at d128
+#                                           # causal: a small gain at most) applied, the ws backward's masked
+#                                           # GPU tests, then bench_ws_backward's causal shapes with it;
+#                                           # compare with the same shapes of a run without (BASE=1)
 #
 # Why (RESULTS.md, forty-second session): on an H100 the d128 s1024 causal forward took as long as
 # the full one (0.2658 vs 0.2634 ms, B16 H16; cuDNN 0.1595 vs 0.2281), and every ws knob was within
@@ -62,6 +67,18 @@ case ${1:-diag} in
       --then -c flash,forward --dtype bf16,fp16 --head-dim 64,128,256 --where "MASK=2" \
       --cells 512x512,1024x1024,2048x2048
     git apply -R benchmarks/patches/fwd-ws-short-sections.patch ;;
-  *) echo "usage: s42_session.sh diag|mask|sections" >&2; exit 2 ;;
+  mask-bwd)
+    shapes=${SHAPES:-d128-q1024-k1024-causal,d128-q4096-k4096-causal,d256-q4096-k4096-causal,d64-q1024-k1024-causal}
+    if [ -n "${BASE:-}" ]; then
+      stamp "bench_ws_backward, the tree as it is"; bench_ws_backward "${BENCH_S:-200}" "$shapes"
+    else
+      git apply benchmarks/patches/bwd-ws-mask-bounds.patch || exit 1
+      stamp "per-key mask bounds in the ws backward: its masked tests (JIT)"
+      gpu_tests backward-ws-masked.log "${TEST_S:-300}" -n 8 tests/families/flash/test_backward_ws.py \
+        -k "causal or window or one-key"
+      stamp "bench_ws_backward with the patch"; bench_ws_backward "${BENCH_S:-200}" "$shapes"
+      git apply -R benchmarks/patches/bwd-ws-mask-bounds.patch
+    fi ;;
+  *) echo "usage: s42_session.sh diag|mask|mask-bwd|sections" >&2; exit 2 ;;
 esac
 stamp "done"
