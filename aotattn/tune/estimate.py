@@ -53,6 +53,7 @@ def gpu_seconds(task: Task, settings: Settings, db: Any = None) -> float:
 
 def knob_combinations(spec) -> int:
     """How many ways a kernel's extra knobs (``spec.knob_defaults``) combine: at most that
-    many candidates share the current choice's tile."""
+    many candidates come from the current choice's tile and its shallower stages (each
+    setting once, :func:`aotattn.tune.candidates.knob_variants`)."""
     knobs = {name for name, _ in spec.knob_defaults}
     return math.prod(len(choices) for name, choices in spec.tuning_space if name in knobs)

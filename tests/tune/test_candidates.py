@@ -384,3 +384,21 @@ def test_a_knob_that_does_not_fit_the_current_tile_is_timed_one_stage_shallower(
             "m128_n128_w4_s1_persistent1_pp1_st3"} <= kept
     # a setting the three-stage tile fits is not timed again at two stages
     assert "m128_n128_w4_s1_persistent1_pp1_st2" not in kept
+
+
+@pytest.mark.parametrize("kernel", ["attn_fwd_ws", "attn_bwd_ws", "attn_fwd"])
+def test_a_choices_knob_variants_stay_within_the_estimates_bound(kernel):
+    """Every knob setting is timed once, at the current tile or at the deepest shallower
+    stage that fits it: never more candidates than `estimate.knob_combinations`, the bound
+    `tune plan` estimates with when it has no database."""
+    from aotattn.tune.estimate import knob_combinations
+
+    spec, fp = rules.KERNELS[kernel], flash.footprint(f"flash.{kernel}")
+    f = _functional(kernel, d=random.choice([64, 128, 256]), MASK=random.choice([0, 2]))
+    fitting, _ = cand.candidates(spec, f, "sm_90", fp)
+    knob_names = {name for name, _ in spec.knob_defaults}
+    for current in random.sample(fitting, min(40, len(fitting))):
+        variants = cand.knob_variants(spec, [current], fitting)
+        settings = [tuple((k, v) for k, v in c.items if k in knob_names) for c in variants]
+        assert len(settings) == len(set(settings)) <= knob_combinations(spec), cand.config_name(current)
+        assert current in variants
