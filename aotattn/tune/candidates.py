@@ -306,11 +306,11 @@ _DEPTH_AXES = ("STAGES", "num_stages")  # software-pipeline depth: a knob that d
 
 def _shallower(spec: Any, tile: tuple) -> list[tuple]:
     """``tile`` with its pipeline depth lowered one declared value at a time (deepest first)."""
-    values = dict(tile)
-    axis = next((a for a in _DEPTH_AXES if a in values and len(dict(spec.tuning_space).get(a, ())) > 1), None)
+    values, space = dict(tile), dict(spec.tuning_space)
+    axis = next((a for a in _DEPTH_AXES if a in values and len(space.get(a, ())) > 1), None)
     if axis is None:
         return []
-    lower = sorted((v for v in dict(spec.tuning_space)[axis] if v < values[axis]), reverse=True)
+    lower = sorted((v for v in space[axis] if v < values[axis]), reverse=True)
     return [tuple((k, d if k == axis else v) for k, v in tile) for d in lower]
 
 

@@ -237,9 +237,8 @@ def export(results: Iterable[Mapping[str, Any]], db: Database, *, dry_run: bool 
 
 def _covers_exactly(spec: Any, edit: Edit, task: Task) -> bool:
     """Whether a patch line sets ``task``'s cell and no other."""
-    functional = spec.canonical_functional(task.functional) if spec.axis_defaults else task.functional
-    return edit.functional == functional and all(tuple(chosen) == (size,)
-                                                 for size, chosen in zip(task.cell, edit.selection))
+    return (edit.functional == spec.canonical_functional(task.functional)
+            and all(tuple(chosen) == (size,) for size, chosen in zip(task.cell, edit.selection)))
 
 
 def _unmask(db: Database, arch: str, table: str, path: Path, results: list[Mapping[str, Any]],
@@ -294,7 +293,7 @@ def _masked(db: Database, arch: str, table: str, path: Path, results: list[Mappi
             task = Task.from_json(result["task"])
             if task.describe() in (skip or {}).get(later_path.name, ()):
                 continue
-            functional = spec.canonical_functional(task.functional) if spec.axis_defaults else task.functional
+            functional = spec.canonical_functional(task.functional)  # as patch blocks name it
             for edit in patch.edits:  # a selection holds bucket values, as a task's cell does
                 covers = all(size in chosen for size, chosen in zip(task.cell, edit.selection))
                 if edit.functional == functional and covers \
