@@ -123,6 +123,8 @@ def check_tensors(names: tuple[str, str, str], q: object, k: object, v: object, 
 
 # the largest |softmax_scale| whose product with log2(e), the kernels' factor, is finite in float32
 MAX_SCALE = 2.35e38
+# built once: under torch.compile(dynamic=True) Dynamo cannot trace a float format on every call
+_SCALE_RANGE = f"a magnitude up to {MAX_SCALE:.3g}"
 
 
 def _real(name: str, value: numbers.Real, expected: str) -> float:
@@ -134,16 +136,22 @@ def _real(name: str, value: numbers.Real, expected: str) -> float:
 
 
 def check_scale(name: str, scale: object, head_dim: int) -> float:
+    """The softmax scale: ``1/sqrt(head_dim)`` for None, else a finite float. While
+    ``torch.compile`` traces, the value is not checked here: a float argument of a function
+    traced with ``dynamic=True`` is symbolic, and a trace cannot read it. The custom op
+    checks it when it runs (:mod:`.custom_ops`), with the same message."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{name}: expected a real number or None, got {type(scale).__name__}")
-    value = _real(name, scale, f"a magnitude up to {MAX_SCALE:.3g}")
+    value = _real(name, scale, _SCALE_RANGE)
+    if torch.compiler.is_compiling():
+        return value
     if not math.isfinite(value):
         raise ValueError(f"{name}: expected a finite number, got {scale}")
     if abs(value) > MAX_SCALE:
-        raise ValueError(f"{name}: expected a magnitude up to {MAX_SCALE:.3g} (the kernels scale by scale * log2(e) "
-                         f"in float32), got {scale}")
+        raise ValueError(f"{name}: expected {_SCALE_RANGE} (the kernels scale by scale * log2(e) in float32), "
+                         f"got {scale}")
     return value
 
 
@@ -193,6 +201,28 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
     return value
+
+
+def check_flash_attn_extras(softcap: object, alibi_slopes: object, return_attn_probs: object, dropout_p: float,
+                            block_table: object = None) -> bool:
+    """flash-attn's arguments that aotattn does not implement take their defaults (each
+    refusal says what to do instead); ``return_attn_probs`` is checked and returned: without
+    dropout flash-attn returns no probabilities (``S_dmask`` None), and neither does aotattn."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
+    if softcap != 0:
+        raise ValueError(f"softcap: expected 0.0, got {softcap} (aotattn has no logit soft-capping: use "
+                         f"flash-attn or PyTorch's flex_attention for it)")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes: expected None (aotattn has no ALiBi slopes: pass the ALiBi bias, "
+                         "-slope * |i + Sk - Sq - j| per head, as bias=)")
+    if block_table is not None:
+        raise ValueError("block_table: expected None (aotattn has no paged KV cache)")
+    return_attn_probs = check_bool("return_attn_probs", return_attn_probs)
+    if return_attn_probs and dropout_p > 0.0:
+        raise ValueError("return_attn_probs: aotattn returns no attention probabilities; with dropout, "
+                         "aotattn.dropout_mask(...) returns the keep-mask a call used (docs/semantics.md, Dropout)")
+    return return_attn_probs
 
 
 def check_window(window_size: object) -> tuple[int, int]:

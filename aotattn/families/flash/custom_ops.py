@@ -8,8 +8,9 @@ instead: one opaque node with a shape-only fake, differentiable through
 run the same planning as the eager path (:func:`.planning.run_forward`,
 :func:`.planning.run_backward`).
 
-Varlen calls pass their offsets as tensors; their values are checked (on the host)
-when the op runs, since a trace cannot read them.
+Varlen calls pass their offsets as tensors, and a scale given as a float argument of a
+function traced with ``dynamic=True`` is symbolic: their values are checked (on the
+host) when the op runs, since a trace cannot read them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from aotattn.families.flash import planning
-from aotattn.families.flash.checks import Problem, check_offsets
+from aotattn.families.flash.checks import Problem, check_offsets, check_scale
 
 
 def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
@@ -46,6 +47,7 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     ``deterministic`` are the backward's, carried to it."""
     if cu_seqlens_q is not None:
         check_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    softmax_scale = check_scale("softmax_scale", softmax_scale, q.shape[-1])
     p = _problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, window_left, window_right,
                  dropout_p)
     (q, k, v), _ = planning.servable(p, q, k, v)

@@ -16,8 +16,8 @@ import torch
 
 from aotattn.families.flash import planning, rules
 from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_dropout,
-                                           check_flash, check_grid, check_sdpa, check_varlen,
-                                           forward_ad_active)
+                                           check_flash, check_flash_attn_extras, check_grid, check_sdpa,
+                                           check_varlen, forward_ad_active)
 from aotattn.families.flash.planning import (Call, accumulated_dq_scale, backward_buffers, backward_dout,
                                              backward_plans, choose_backend, dropout_mask_plan, finish_dq,
                                              forward_plan, lse_shape, new_call, new_output, philox_state,
@@ -37,7 +37,9 @@ class _FlashAttention(torch.autograd.Function):
         else:
             out = new_output(c.p, q, heads_major)
             lse = run_forward(c, q, k, v, out)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # the bias and offsets too: changed in place before the backward, they would give it
+        # other gradients (or offsets past the tensors); saved, autograd's version check refuses
+        ctx.save_for_backward(q, k, v, out, lse, *(t for t in _call_tensors(c) if t is not None))
         ctx.call = c
         ctx.backend = backend
         ctx.deterministic = deterministic
@@ -47,7 +49,11 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        if saved:  # the call with the tensors as unpacked (a non-reentrant checkpoint's recomputed ones)
+            it = iter(saved)
+            tensors = [None if t is None else next(it) for t in _call_tensors(ctx.call)]
+            ctx.call = dataclasses.replace(ctx.call, **dict(zip(_CALL_TENSORS, tensors)))
         with torch.no_grad():  # on under create_graph=True: _first_order marks what comes out
             if ctx.cached is not None:
                 dq, dk, dv = ctx.cached.backward(dout, q, k, v, out, lse, ctx.backend, ctx.deterministic)
@@ -57,6 +63,13 @@ class _FlashAttention(torch.autograd.Function):
                 dbias = None if dbias is None else dbias.to(ctx.call.bias.dtype)
         dq, dk, dv, dbias = _first_order((dq, dk, dv, dbias), (dout, q, k, v, ctx.call.bias))
         return dq, dk, dv, dbias, None, None, None, None, None
+
+
+_CALL_TENSORS = ("bias", "cu_seqlens_q", "cu_seqlens_k")
+
+
+def _call_tensors(c: Call) -> tuple:
+    return c.bias, c.cu_seqlens_q, c.cu_seqlens_k
 
 
 class _CachedAttention(torch.autograd.Function):
@@ -84,20 +97,37 @@ class _CachedAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-_DOUBLE_BACKWARD = (b"aotattn's attention has no double backward: its gradients (taken with create_graph=True) "
-                    b"cannot be differentiated again; for second-order gradients use PyTorch's math attention")
+_DOUBLE_BACKWARD = ("aotattn's attention has no double backward: its gradients (taken with create_graph=True) "
+                    "cannot be differentiated again; for second-order gradients use PyTorch's math attention")
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """The backward's gradients (the first ``n`` arguments) again, out of a node whose
+    inputs are what they depend on (the rest: dout, q, k, v, bias), so that differentiating
+    them reaches this node, which raises. A node without those edges (PyTorch's
+    DelayedError on detached gradients) is pruned by ``torch.autograd.grad(..., inputs=q)``,
+    and a gradient penalty silently lost its second-order term."""
+
+    @staticmethod
+    def forward(ctx, n, *tensors):
+        return tensors[:n]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_DOUBLE_BACKWARD)
 
 
 def _first_order(grads: tuple, inputs: tuple) -> tuple:
     """The backward's gradients. Under ``create_graph=True`` (grad mode on in a backward)
     where the gradients depend on inputs that require grad, they come out of a node that
-    raises when differentiated, as PyTorch's flash backend does: the kernels have no
-    backward, and a gradient with no graph would make a second-order one silently wrong."""
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
+    raises when differentiated (:class:`_NoDoubleBackward`), as PyTorch's flash backend
+    does: the kernels have no backward, and a gradient with no graph would make a
+    second-order one silently wrong."""
+    sources = [t for t in inputs if t is not None and t.requires_grad]
+    if not torch.is_grad_enabled() or not sources:
         return grads
-    tensors = [g.detach().requires_grad_() for g in grads if g is not None]
-    marked = torch._C._functions.DelayedError(_DOUBLE_BACKWARD, len(tensors))(*tensors)
-    marked = iter(marked if isinstance(marked, tuple) else (marked,))
+    present = [g for g in grads if g is not None]
+    marked = iter(_NoDoubleBackward.apply(len(present), *present, *sources))
     return tuple(None if g is None else next(marked) for g in grads)
 
 
@@ -135,12 +165,20 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _run(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_major: bool,
-         backend: str | None, deterministic: bool, cache_key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(c: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_major: bool, backend: str | None,
+         deterministic: bool, cache_key: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, lse) in flash-attn's layout; lse is None for a heads-major (SDPA) call under
+    autograd that the plan cache serves (SDPA returns none)."""
     cached = None
     if cache_key is not None and c.bias is None and c.p.dropout_p == 0.0 and not c.p.varlen:
         cached = _PLANS.store(cache_key, c, q, k, v, heads_major)
     if _needs_grad(q, k, v, c.bias):
+        if cached is not None and heads_major:
+            # what a cache hit runs (PlanCache.run): the same tensors saved, in SDPA's layout,
+            # so a non-reentrant checkpoint, whose recomputation hits, finds what it saved
+            out = _apply(_CachedAttention, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                         (cached, backend, deterministic))
+            return out.transpose(1, 2), None
         return _apply(_FlashAttention, q, k, v, c.bias, c, heads_major, backend, deterministic, cached)
     if cached is not None:
         return cached.forward(q, k, v)
@@ -229,6 +267,7 @@ def _cacheable(q: object, k: object, v: object, dropout_p: object, extra: object
 
 
 _BUCKETS = frozenset(rules.HEAD_DIM_BUCKETS)
+_NUMBERS = (float, int)
 
 
 # Which call tensor each kernel argument stands for, by the declarations' argument names:
@@ -413,8 +452,9 @@ def _deterministic(value: object) -> bool:
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                     softmax_scale: float | None = None, causal: bool = False,
-                    window_size: tuple[int, int] = (-1, -1), diagonal: str = "bottom_right",
-                    deterministic: bool = False, return_lse: bool = False, *,
+                    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                    return_attn_probs: bool = False, *, diagonal: str = "bottom_right", return_lse: bool = False,
                     bias: torch.Tensor | None = None, backend: str | None = None):
     """Attention on flash-attn layouts.
 
@@ -454,11 +494,23 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
             ``"fused"`` (one launch), ``"ws"`` (one warp-specialized launch on sm_90:
             fp16/bf16, head dims 33-256, dense, not deterministic) or None to let
             aotattn choose. For tests and measurement; all compute the same gradients.
+        softcap, alibi_slopes, return_attn_probs: flash-attn's, in its positions, so that
+            its calls run unchanged: softcap 0 and alibi_slopes None only (pass ALiBi as a
+            ``bias``); ``return_attn_probs`` returns ``(out, lse, None)`` as flash-attn does
+            without dropout (refused with dropout: see :func:`aotattn.dropout_mask`).
 
     Returns:
-        ``out (B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_lse``.
+        ``out (B, Sq, Hq, Dv)`` in q's dtype, or ``(out, lse)`` with ``return_lse``, or
+        ``(out, lse, None)`` with ``return_attn_probs``.
     """
     key = None
+    if alibi_slopes is not None or return_attn_probs is not False or softcap.__class__ not in _NUMBERS or softcap:
+        return_attn_probs = check_flash_attn_extras(softcap, alibi_slopes, return_attn_probs,
+                                                    check_dropout("dropout_p", dropout_p))
+        if return_attn_probs:
+            out, lse = flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic=deterministic,
+                                       diagonal=diagonal, return_lse=True, bias=bias, backend=backend)
+            return out, lse, None
     if _cacheable(q, k, v, dropout_p, bias):
         key = _PLANS.key(q, k, v, "flash", softmax_scale, causal, window_size, diagonal, return_lse, deterministic,
                          backend)
@@ -476,9 +528,10 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                            dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
-                           window_size: tuple[int, int] = (-1, -1), diagonal: str = "bottom_right",
-                           deterministic: bool = False, return_lse: bool = False, *,
-                           backend: str | None = None):
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                           return_attn_probs: bool = False, block_table: torch.Tensor | None = None, *,
+                           diagonal: str = "bottom_right", return_lse: bool = False, backend: str | None = None):
     """Attention over a batch of sequences of different lengths, packed (flash-attn layout).
 
     Sequence b holds rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and
@@ -492,16 +545,22 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)``, starting at 0, non-decreasing,
             ending at total_q / total_k, on q's device.
         max_seqlen_q, max_seqlen_k: at least the longest sequence.
+        block_table: flash-attn's paged KV cache: None only.
         Other arguments: as in :func:`flash_attn_func`.
 
     Returns:
-        ``out (total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)`` fp32.
+        ``out (total_q, Hq, Dv)``, or ``(out, lse)`` with lse ``(Hq, total_q)`` fp32 with
+        ``return_lse``, or ``(out, lse, None)`` with ``return_attn_probs``.
     """
+    return_attn_probs = check_flash_attn_extras(softcap, alibi_slopes, return_attn_probs,
+                                                check_dropout("dropout_p", dropout_p), block_table)
     p = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
                      softmax_scale=softmax_scale, causal=causal, window_size=window_size, diagonal=diagonal,
                      read_offsets=not torch.compiler.is_compiling())
     return_lse = check_bool("return_lse", return_lse)
     out, lse = _attend(p, q, k, v, None, False, backend, deterministic, None, cu_seqlens_q, cu_seqlens_k)
+    if return_attn_probs:
+        return out, lse, None
     return (out, lse) if return_lse else out
 
 
@@ -514,11 +573,13 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
     PyTorch semantics: ``is_causal`` keeps key j for query i iff ``j <= i`` (top-left
     diagonal), whatever the lengths; a float ``attn_mask`` is added to the scaled scores,
-    a boolean one keeps positions where it is True. Rows that see no key give 0.
+    a boolean one keeps positions where it is True. Rows that see no key give 0. In a
+    ``torch.autocast`` region it runs in the region's dtype, as PyTorch's does.
 
     Args:
         query: ``(B, Hq, Sq, D)``; key: ``(B, Hk, Sk, D)``; value: ``(B, Hk, Sk, Dv)``.
-            Hk must equal Hq unless ``enable_gqa``.
+            Hk must equal Hq unless ``enable_gqa``. Other ranks from 2 up, ``(..., L, E)``,
+            as in PyTorch, with one rank and (past 4) one set of leading dims for all three.
         attn_mask: bool or float, broadcastable to ``(B, Hq, Sq, Sk)``.
         dropout_p: as in :func:`flash_attn_func`.
         is_causal: top-left causal mask.
@@ -529,6 +590,11 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     Returns:
         ``(B, Hq, Sq, Dv)`` in query's dtype.
     """
+    if torch._C._is_any_autocast_enabled():
+        query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
+    if isinstance(query, torch.Tensor) and query.dim() != 4:
+        return _sdpa_any_rank(query, key, value, attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                              enable_gqa=enable_gqa, deterministic=deterministic, backend=backend)
     cache_key = None
     if _cacheable(query, key, value, dropout_p, attn_mask):
         cache_key = _PLANS.key(query, key, value, "sdpa", is_causal, scale, enable_gqa, deterministic, backend)
@@ -542,6 +608,55 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     bias = check_bias("attn_mask", attn_mask, p, query, sdpa_mask=True)
     out, _ = _attend(p, q, k, v, bias, True, backend, deterministic, cache_key)
     return out.transpose(1, 2)
+
+
+def _sdpa_any_rank(query: torch.Tensor, key: object, value: object, attn_mask: object, **options) -> torch.Tensor:
+    """PyTorch's SDPA takes ``(..., L, E)`` of any rank from 2 (heads at dim -3 for GQA):
+    lower ranks run as ``(1, ..., L, E)``, higher ones with their leading dims flattened
+    into the batch (a float or boolean mask broadcast to them first), and the output
+    takes the query's leading dims back. Unlike PyTorch's, q, k and v must share one rank
+    and, past 4, one set of leading dims (no broadcasting between them)."""
+    tensors = (query, key, value)
+    for name, t in zip(("key", "value"), tensors[1:]):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    ranks = [t.dim() for t in tensors]
+    if ranks[0] < 2:
+        raise ValueError(f"query: expected (..., L, E), at least 2 dimensions, got shape {tuple(query.shape)}")
+    if len(set(ranks)) > 1:
+        raise ValueError(f"query, key, value: expected one rank, got {ranks[0]}, {ranks[1]}, {ranks[2]} dimensions")
+    lead = tuple(query.shape[:-3])
+    if ranks[0] < 4:
+        pad = (None,) * (4 - ranks[0])
+        q4, k4, v4 = (t[pad] for t in tensors)
+        if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() < 4:
+            attn_mask = attn_mask[(None,) * (4 - attn_mask.dim())]
+    else:
+        if any(tuple(t.shape[:-3]) != lead for t in tensors):
+            raise ValueError(f"query, key, value: expected the same leading dims before (H, L, E), got shapes "
+                             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in tensors)
+        if isinstance(attn_mask, torch.Tensor):
+            full = (*lead, query.shape[-3], query.shape[-2], key.shape[-2])
+            try:
+                attn_mask = torch.broadcast_to(attn_mask, full).reshape(-1, *full[-3:])
+            except RuntimeError:
+                raise ValueError(f"attn_mask: expected a shape broadcastable to {full}, got "
+                                 f"{tuple(attn_mask.shape)}") from None
+    out = scaled_dot_product_attention(q4, k4, v4, attn_mask, **options)
+    return out.reshape(*query.shape[:-1], out.shape[-1])
+
+
+def _autocast(*tensors: object) -> tuple:
+    """The arguments as PyTorch's SDPA sees them in a ``torch.autocast`` region of their
+    device: it is on autocast's lower-precision list, so floating tensors other than
+    float64 (a float ``attn_mask`` too) are cast to the region's dtype."""
+    device = next((t.device.type for t in tensors if isinstance(t, torch.Tensor)), None)
+    if device is None or not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in tensors)
 
 
 def dropout_mask(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, dropout_p: float,

@@ -4,6 +4,8 @@ torch.library's own checks."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -185,3 +187,34 @@ def test_off_bucket_heads_and_a_view_at_an_odd_offset_compile_and_match(request,
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     check(out, grads, (q, k, v), dout, lambda q, k, v: reference.attention(q, k, v, causal=True)[0])
+
+
+@pytest.mark.parametrize("api", ["flash", "sdpa"])
+def test_a_scale_argument_compiles_whole_with_dynamic_shapes(request, api):
+    """``torch.compile(dynamic=True, fullgraph=True)`` with the scale passed in (a symbolic
+    float: the trace cannot read it) or written in: one graph, the reference's numbers for
+    each scale, gradients too; a bad scale is refused when the op runs, with the eager
+    message. The scale check built its message with a float format on every call, and
+    read the value with math.isfinite: both stopped the trace."""
+    seed_from(request.node.name)
+    if api == "flash":
+        attend = lambda q, k, v, s: aotattn.flash_attn_func(q, k, v, softmax_scale=s, causal=True)  # noqa: E731
+        ref_fn = lambda q, k, v, s: reference.attention(q, k, v, softmax_scale=s, causal=True)[0]  # noqa: E731
+    else:
+        attend = lambda q, k, v, s: aotattn.scaled_dot_product_attention(q, k, v, scale=s)  # noqa: E731
+        ref_fn = lambda q, k, v, s: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=s)  # noqa: E731
+    torch._dynamo.reset()
+    passed_in = torch.compile(attend, backend="aot_eager", fullgraph=True, dynamic=True)
+    written_in = torch.compile(lambda q, k, v: attend(q, k, v, 0.3), backend="aot_eager", fullgraph=True,
+                               dynamic=True)
+    for scale, fn in ((0.25, passed_in), (-1.5, passed_in), (0.3, written_in)):
+        q, k, v = make_qkv(2, 21, 30, 2, 2, 16, 16, torch.float32, "cpu", requires_grad=True)
+        if api == "sdpa":
+            q, k, v = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        args = (q, k, v) if fn is written_in else (q, k, v, scale)
+        out = fn(*args)
+        dout = torch.randn_like(out)
+        check(out, torch.autograd.grad(out, (q, k, v), dout), (q, k, v), dout, lambda a, b, c: ref_fn(a, b, c, scale))
+    for bad, match in ((math.inf, "finite"), (math.nan, "finite"), (1e39, "magnitude")):
+        with pytest.raises(ValueError, match=match):
+            passed_in(q, k, v, bad)

@@ -178,6 +178,33 @@ def test_double_backward_raises_instead_of_dropping_the_second_order_term(api):
             (out.sum() + dq.square().sum()).backward()
 
 
+@pytest.mark.parametrize("call", ["flash", "sdpa", "sdpa-mask", "bias", "varlen", "odd-dim", "compiled"])
+def test_a_gradient_penalty_through_autograd_grad_raises(call):
+    """The gradient-penalty pattern ``grad(loss + |dq|^2, q)`` (autograd.grad with inputs,
+    not .backward()) must reach the raising node: it was pruned (a node on detached
+    leaves), and the penalty's second-order term was dropped without a word. PyTorch's
+    flash backend raises here too."""
+    torch.manual_seed(len(call))
+    q, k, v = (torch.randn(1, 16, 2, 24 if call == "odd-dim" else 32, requires_grad=True) for _ in range(3))
+    sdpa = lambda **kw: aotattn.scaled_dot_product_attention(  # noqa: E731
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw)
+    offsets = torch.tensor([0, 5, 16], dtype=torch.int32)
+    attend = {
+        "flash": lambda: aotattn.flash_attn_func(q, k, v, causal=True),
+        "sdpa": lambda: sdpa(is_causal=True),
+        "sdpa-mask": lambda: sdpa(attn_mask=torch.randn(1, 1, 16, 16)),
+        "bias": lambda: aotattn.flash_attn_func(q, k, v, bias=torch.randn(16, 16, requires_grad=True)),
+        "varlen": lambda: aotattn.flash_attn_varlen_func(q[0], k[0], v[0], offsets, offsets, 11, 11),
+        "odd-dim": lambda: aotattn.flash_attn_func(q, k, v),
+        "compiled": torch.compile(lambda: aotattn.flash_attn_func(q, k, v), backend="aot_eager"),
+    }[call]
+    for _ in range(2):  # cold, then warm
+        out = attend()
+        dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="double backward"):
+            torch.autograd.grad(out.sum() + dq.square().sum(), q)
+
+
 def test_plan_cache_list_window_is_served():
     q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
     ops._PLANS.entries.clear()
@@ -446,3 +473,178 @@ def test_large_scores_keep_the_documented_gradient_accuracy(backend, request):
                                     dout.double())
     for got, want in zip(grads, ref_grads):
         assert rel_err(got, want) < 2e-4
+
+
+# ------------------------------------------------------------------ checkpointing and in-place changes
+
+
+@pytest.mark.parametrize("api", ["sdpa", "flash"])
+@pytest.mark.parametrize("state", ["cold", "warm", "evicted"])
+@pytest.mark.parametrize("shape", [(1, 4, 4, 32), (2, 3, 19, 16)], ids=["square", "odd"])
+def test_non_reentrant_checkpoint_recomputes_what_the_forward_saved(api, state, shape):
+    """``torch.utils.checkpoint(use_reentrant=False)`` hands the backward the tensors its
+    recomputation saves in place of the forward's, by position. The first call of a shape
+    misses the plan cache and its recomputation hits (cold); an entry evicted between the
+    two does the reverse. Both paths must save the same tensors in the same layout: SDPA's
+    uncached path saved flash-attn-layout views, so heads == rows (square) gave wrong
+    gradients silently and other shapes a CheckpointError (or a double free without the
+    determinism check)."""
+    torch.manual_seed(sum(shape) + len(state))
+    ops._PLANS.entries.clear()
+    if api == "sdpa":
+        attend = lambda a, b, c: aotattn.scaled_dot_product_attention(a, b, c, is_causal=True)  # noqa: E731
+        ref_fn = lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=True)  # noqa: E731
+    else:
+        attend = lambda a, b, c: aotattn.flash_attn_func(a, b, c, causal=True)  # noqa: E731
+        ref_fn = lambda a, b, c: reference.attention(a, b, c, causal=True)[0]  # noqa: E731
+    q, k, v = (torch.randn(*shape, requires_grad=True) for _ in range(3))
+    if state != "cold":
+        attend(q, k, v)  # the entry is stored
+    out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
+    if state == "evicted":
+        ops._PLANS.entries.clear()  # the forward hit, its recomputation will miss
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_grads = torch.autograd.grad(ref_fn(qd, kd, vd), (qd, kd, vd), dout.double())
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < TOLERANCE[torch.float32]
+
+
+def _changed_in_place(name):
+    """(call, change) for a training call whose backward reads a tensor that ``change``
+    modifies in place afterwards."""
+    q, k, v = (torch.randn(1, 20, 2, 16, requires_grad=True) for _ in range(3))
+    if name == "bias":
+        bias = torch.randn(1, 2, 20, 20)
+        return lambda: aotattn.flash_attn_func(q, k, v, bias=bias), lambda: bias.mul_(5)
+    if name == "broadcast-bias-base":
+        base = torch.randn(20, 20)
+        return lambda: aotattn.flash_attn_func(q, k, v, bias=base[None, None]), lambda: base.add_(1)
+    if name == "attn_mask":
+        mask = torch.randn(1, 2, 20, 20)
+        return (lambda: aotattn.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                             attn_mask=mask), lambda: mask.zero_())
+    packed = [t[0] for t in (q, k, v)]
+    offsets = {"cu_seqlens_q": torch.tensor([0, 5, 20], dtype=torch.int32),
+               "cu_seqlens_k": torch.tensor([0, 7, 20], dtype=torch.int32)}
+    change = {"cu_seqlens_q": lambda: offsets["cu_seqlens_q"].__setitem__(1, 12),
+              "cu_seqlens_k": lambda: offsets["cu_seqlens_k"].__setitem__(2, 2000)}[name]
+    return (lambda: aotattn.flash_attn_varlen_func(*packed, offsets["cu_seqlens_q"], offsets["cu_seqlens_k"], 15, 15,
+                                                   causal=True), change)
+
+
+@pytest.mark.parametrize("name", ["bias", "broadcast-bias-base", "attn_mask", "cu_seqlens_q", "cu_seqlens_k"])
+def test_a_saved_tensor_changed_in_place_before_the_backward_is_refused(name):
+    """As PyTorch's SDPA (attn_mask) and flash-attn (offsets) do: autograd's version check
+    raises. The backward read them from the call instead: changed biases gave other
+    gradients, changed offsets read past the tensors (a double free)."""
+    call, change = _changed_in_place(name)
+    out = call()
+    with torch.no_grad():
+        change()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+# ------------------------------------------------------------------ autocast
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask", [None, "float", "bool"])
+def test_sdpa_follows_autocast_as_pytorchs_does(device, mask, request):
+    """PyTorch's SDPA is on autocast's lower-precision list: in an autocast region float32
+    (and float16 under bfloat16) inputs, a float mask too, run in the region's dtype, and
+    gradients come back in the inputs' dtype. The drop-in does the same; float64 and
+    regions of another device are left alone."""
+    seed_from(request.node.name)
+    sq, sk, d = (24, 29, 16) if device == "cpu" else (1000, 1333, 128)
+    query = torch.randn(2, 4, sq, d, device=device, requires_grad=True)
+    key, value = (torch.randn(2, 4, sk, d, device=device, requires_grad=True) for _ in range(2))
+    attn_mask = {None: None, "float": torch.randn(2, 1, sq, sk, device=device),
+                 "bool": torch.rand(2, 1, sq, sk, device=device) > 0.3}[mask]
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast(device, dtype=dtype):
+            out = aotattn.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask)
+        assert out.dtype == dtype
+        grads = torch.autograd.grad(out.float().sum(), (query, key, value))
+        ref_in = [t.detach().double().requires_grad_() for t in (query, key, value)]
+        rounded = [t.to(dtype).double() for t in ref_in]  # what autocast hands the kernels
+        ref_mask = attn_mask.to(dtype).double() if mask == "float" else attn_mask
+        ref = torch.nn.functional.scaled_dot_product_attention(*rounded, attn_mask=ref_mask)
+        ref_grads = torch.autograd.grad(ref.sum(), ref_in)
+        assert rel_err(out, ref) < TOLERANCE[dtype]
+        for got, want in zip(grads, ref_grads):
+            assert got.dtype == torch.float32 and rel_err(got, want) < 2 * TOLERANCE[dtype]
+    other = "cuda" if device == "cpu" else "cpu"
+    with torch.autocast(other, dtype=torch.bfloat16):
+        assert aotattn.scaled_dot_product_attention(query, key, value).dtype == torch.float32
+
+
+# ------------------------------------------------------------------ SDPA of any rank
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["2-D", "2-D causal", "3-D mask", "3-D gqa", "5-D bool mask", "5-D gqa", "6-D causal"])
+def test_sdpa_takes_the_ranks_pytorchs_does(device, case, request):
+    """``(..., L, E)`` of rank 2, 3 or past 4, as PyTorch's SDPA: output shape, values and
+    gradients against PyTorch's in float64, masks broadcast as it broadcasts them."""
+    seed_from(request.node.name)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    sq, sk, d = (6, 9, 16) if device == "cpu" else (700, 901, 128)
+    lead_q, lead_k, mask_shape, options = {
+        "2-D": ((), (), None, {}),
+        "2-D causal": ((), (), None, {"is_causal": True}),
+        "3-D mask": ((2,), (2,), ("float", (sq, sk)), {}),
+        "3-D gqa": ((4,), (2,), None, {"enable_gqa": True}),
+        "5-D bool mask": ((3, 2, 2), (3, 2, 2), ("bool", (2, 1, sq, sk)), {}),
+        "5-D gqa": ((3, 2, 4), (3, 2, 2), ("float", (3, 1, 1, sq, sk)), {"enable_gqa": True}),
+        "6-D causal": ((2, 1, 2, 2), (2, 1, 2, 2), None, {"is_causal": True}),
+    }[case]
+    query = torch.randn(*lead_q, sq, d, dtype=dtype, device=device, requires_grad=True)
+    key, value = (torch.randn(*lead_k, sk, d, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
+    mask = None
+    if mask_shape is not None:
+        kind, shape = mask_shape
+        mask = torch.randn(shape, device=device) if kind == "float" else torch.rand(shape, device=device) > 0.2
+    out = aotattn.scaled_dot_product_attention(query, key, value, attn_mask=mask, **options)
+    ref_in = [t.detach().double().requires_grad_() for t in (query, key, value)]
+    ref_mask = mask.to(dtype).double() if mask is not None and mask.is_floating_point() else mask
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, attn_mask=ref_mask, **options)
+    assert out.shape == ref.shape == (*lead_q, sq, d) and out.dtype == dtype
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (query, key, value), dout)
+    for got, want, t in zip(grads, torch.autograd.grad(ref, ref_in, dout.double()), (query, key, value)):
+        assert got.shape == t.shape and rel_err(got, want) < TOLERANCE[dtype]
+
+
+# ------------------------------------------------------------------ flash-attn's signature
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_attn_calls_run_unchanged(device, request):
+    """flash-attn's positional order (dropout_p, softmax_scale, causal, window_size, softcap,
+    alibi_slopes, deterministic, return_attn_probs): its calls run unchanged, cold and warm,
+    and ``return_attn_probs`` returns ``(out, lse, None)`` as flash-attn's does without
+    dropout. The eighth position was ``diagonal`` (a ValueError on softcap's 0.0)."""
+    seed_from(request.node.name)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    sq, d = (19, 16) if device == "cpu" else (1000, 128)
+    q, k, v = make_qkv(2, sq, sq + 5, 4, 2, d, d, dtype, device)
+    ref, ref_lse = reference.attention(q.double(), k.double(), v.double(), causal=True, window_size=(7, -1))
+    for _ in range(2):
+        out = aotattn.flash_attn_func(q, k, v, 0.0, None, True, (7, -1), 0.0, None, True)
+        assert rel_err(out, ref) < TOLERANCE[dtype]
+        out, lse, probs = aotattn.flash_attn_func(q, k, v, 0.0, None, True, (7, -1), 0.0, None, False, True)
+        assert probs is None and rel_err(out, ref) < TOLERANCE[dtype]
+        finite = torch.isfinite(ref_lse)
+        torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=1e-5, atol=2e-4)
+    offsets = torch.tensor([0, 5, 2 * sq], dtype=torch.int32, device=device)
+    packed = [t.flatten(0, 1)[:2 * sq] for t in (q, k, v)]
+    out, lse, probs = aotattn.flash_attn_varlen_func(*packed, offsets, offsets, 2 * sq, 2 * sq, 0.0, None, True,
+                                                     (-1, -1), 0.0, None, False, True, None)
+    ref = reference.attention_varlen(*(t.double() for t in packed), offsets, offsets, causal=True)[0]
+    assert probs is None and rel_err(out, ref) < TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="block_table: expected None"):
+        aotattn.flash_attn_varlen_func(*packed, offsets, offsets, 2 * sq, 2 * sq, block_table=offsets)
