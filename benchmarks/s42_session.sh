@@ -31,6 +31,12 @@
 # instructions a thread than the unmasked one (SASS, d128). Prediction for no-mask: causal/full
 # from ~1.0 to ~0.6 at s1024, near 0.52 at s4096; if it stays near 1.0, the masks are not
 # the cost and the schedule is (the sections patch is the lead then).
+# Revised (forty-third session, no GPU: benchmarks/tile_cost_fit.py on the tables' H200 times):
+# with causal and full cells of the same (Sq, Sk) and tile compared, a causal tile costs 1-2.3
+# key blocks beyond its own at Sq 256-4096 and 2.6-5.5 at Sq 8192-16384, but 0.1-0.2 at Sq 128,
+# where every tile has the same length and the same masked block. The excess grows with the
+# spread of tile lengths, not with the masked blocks: a schedule (tail) cost more than a mask
+# cost. New prediction for diag: no-mask within ~5% of the tree at s1024, mask-bounds ~0.
 source "$(dirname "$0")/session_common.sh"
 short() {  # LOG ARGS...: the benchmark, JIT, into $OUT/LOG
   local log=$1; shift

@@ -504,7 +504,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         ``(out, lse, None)`` with ``return_attn_probs``.
     """
     key = None
-    if alibi_slopes is not None or return_attn_probs is not False or softcap.__class__ not in _NUMBERS or softcap:
+    if (alibi_slopes is not None or return_attn_probs is not False or not isinstance(softcap, _NUMBERS)
+            or isinstance(softcap, bool) or softcap != 0):
         return_attn_probs = check_flash_attn_extras(softcap, alibi_slopes, return_attn_probs,
                                                     check_dropout("dropout_p", dropout_p))
         if return_attn_probs:
