@@ -139,7 +139,7 @@ def check_scale(name: str, scale: object, head_dim: int) -> float:
     """The softmax scale: ``1/sqrt(head_dim)`` for None, else a finite float. While
     ``torch.compile`` traces, the value is not checked here: a float argument of a function
     traced with ``dynamic=True`` is symbolic, and a trace cannot read it. The custom op
-    checks it when it runs (:mod:`.custom_ops`), with the same message."""
+    checks it when it runs (:mod:`.custom_ops`), naming it ``softmax_scale``."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -156,9 +156,14 @@ def check_scale(name: str, scale: object, head_dim: int) -> float:
 
 
 def check_dropout(name: str, dropout_p: object) -> float:
+    """``dropout_p`` as a float in [0, 1). While ``torch.compile`` traces, the range is
+    checked when the custom op runs, as :func:`check_scale`'s value (a symbolic float
+    cannot be put in the message)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"{name}: expected a float in [0, 1), got {type(dropout_p).__name__}")
     value = _real(name, dropout_p, "a float in [0, 1)")
+    if torch.compiler.is_compiling():
+        return value
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name}: expected a float in [0, 1), got {dropout_p}")
     return value
@@ -211,7 +216,8 @@ def check_flash_attn_extras(softcap: object, alibi_slopes: object, return_attn_p
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
     if softcap != 0:
-        raise ValueError(f"softcap: expected 0.0, got {softcap} (aotattn has no logit soft-capping: use "
+        shown = "a nonzero value" if torch.compiler.is_compiling() else softcap  # a symbolic float cannot be shown
+        raise ValueError(f"softcap: expected 0.0, got {shown} (aotattn has no logit soft-capping: use "
                          f"flash-attn or PyTorch's flex_attention for it)")
     if alibi_slopes is not None:
         raise ValueError("alibi_slopes: expected None (aotattn has no ALiBi slopes: pass the ALiBi bias, "

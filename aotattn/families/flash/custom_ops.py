@@ -8,9 +8,9 @@ instead: one opaque node with a shape-only fake, differentiable through
 run the same planning as the eager path (:func:`.planning.run_forward`,
 :func:`.planning.run_backward`).
 
-Varlen calls pass their offsets as tensors, and a scale given as a float argument of a
-function traced with ``dynamic=True`` is symbolic: their values are checked (on the
-host) when the op runs, since a trace cannot read them.
+Varlen calls pass their offsets as tensors, and a scale or dropout probability given as
+a float argument of a function traced with ``dynamic=True`` is symbolic: their values
+are checked (on the host) when the op runs, since a trace cannot read them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from aotattn.families.flash import planning
-from aotattn.families.flash.checks import Problem, check_offsets, check_scale
+from aotattn.families.flash.checks import Problem, check_dropout, check_offsets, check_scale
 
 
 def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
@@ -48,6 +48,7 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     if cu_seqlens_q is not None:
         check_offsets(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     softmax_scale = check_scale("softmax_scale", softmax_scale, q.shape[-1])
+    dropout_p = check_dropout("dropout_p", dropout_p)
     p = _problem(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, mask, window_left, window_right,
                  dropout_p)
     (q, k, v), _ = planning.servable(p, q, k, v)

@@ -9,6 +9,7 @@ plan the same way. This module adds the autograd Function and the plan cache.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 
@@ -509,6 +510,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
         return_attn_probs = check_flash_attn_extras(softcap, alibi_slopes, return_attn_probs,
                                                     check_dropout("dropout_p", dropout_p))
         if return_attn_probs:
+            check_bool("return_lse", return_lse)
             out, lse = flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic=deterministic,
                                        diagonal=diagonal, return_lse=True, bias=bias, backend=backend)
             return out, lse, None
@@ -636,11 +638,12 @@ def _sdpa_any_rank(query: torch.Tensor, key: object, value: object, attn_mask: o
         if any(tuple(t.shape[:-3]) != lead for t in tensors):
             raise ValueError(f"query, key, value: expected the same leading dims before (H, L, E), got shapes "
                              f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-        q4, k4, v4 = (t.reshape(-1, *t.shape[-3:]) for t in tensors)
+        batch = math.prod(lead)  # not -1: a reshape of 0 elements cannot infer it
+        q4, k4, v4 = (t.reshape(batch, *t.shape[-3:]) for t in tensors)
         if isinstance(attn_mask, torch.Tensor):
             full = (*lead, query.shape[-3], query.shape[-2], key.shape[-2])
             try:
-                attn_mask = torch.broadcast_to(attn_mask, full).reshape(-1, *full[-3:])
+                attn_mask = torch.broadcast_to(attn_mask, full).reshape(batch, *full[-3:])
             except RuntimeError:
                 raise ValueError(f"attn_mask: expected a shape broadcastable to {full}, got "
                                  f"{tuple(attn_mask.shape)}") from None

@@ -218,3 +218,21 @@ def test_a_scale_argument_compiles_whole_with_dynamic_shapes(request, api):
     for bad, match in ((math.inf, "finite"), (math.nan, "finite"), (1e39, "magnitude")):
         with pytest.raises(ValueError, match=match):
             passed_in(q, k, v, bad)
+
+
+@pytest.mark.parametrize("api", ["flash", "sdpa"])
+def test_a_bad_symbolic_dropout_is_refused_when_the_op_runs(api):
+    """A dropout probability passed into a function compiled with ``dynamic=True`` is
+    symbolic: its range is checked when the op runs, with the eager message (a message
+    formatted from it while tracing stopped the trace with an unrelated error)."""
+    q, k, v = make_qkv(1, 16, 16, 2, 2, 16, 16, torch.float32, "cpu")
+    if api == "sdpa":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        attend = lambda q, k, v, p: aotattn.scaled_dot_product_attention(q, k, v, dropout_p=p)  # noqa: E731
+    else:
+        attend = lambda q, k, v, p: aotattn.flash_attn_func(q, k, v, dropout_p=p)  # noqa: E731
+    fn = torch.compile(attend, backend="aot_eager", fullgraph=True, dynamic=True)
+    assert fn(q, k, v, 0.0).shape == q.shape
+    for bad in (1.5, -0.1):
+        with pytest.raises(ValueError, match=r"dropout_p: expected a float in \[0, 1\)"):
+            fn(q, k, v, bad)

@@ -54,6 +54,8 @@ FLASH_CASES = [
     ("attn probs type", lambda: _call(return_attn_probs=1), TypeError, "return_attn_probs: expected a bool"),
     ("attn probs dropout", lambda: _call(return_attn_probs=True, dropout_p=0.1), ValueError,
      "aotattn.dropout_mask(...) returns the keep-mask"),
+    ("attn probs, lse type", lambda: _call(return_attn_probs=True, return_lse="yes"), TypeError,
+     "return_lse: expected a bool"),
     ("window floats", lambda: _call(window_size=(1.0, 2)), TypeError, "window_size: expected a pair of ints"),
     ("window < -1", lambda: _call(window_size=(-2, 0)), ValueError, "window_size: expected sizes >= 0"),
     ("diagonal", lambda: _call(diagonal="middle"), ValueError, "diagonal: expected one of"),

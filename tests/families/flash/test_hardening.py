@@ -585,13 +585,16 @@ def test_sdpa_follows_autocast_as_pytorchs_does(device, mask, request):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["2-D", "2-D causal", "3-D mask", "3-D gqa", "5-D bool mask", "5-D gqa", "6-D causal"])
+@pytest.mark.parametrize("case", ["2-D", "2-D causal", "3-D mask", "3-D gqa", "5-D bool mask", "5-D gqa", "6-D causal",
+                                  "5-D no rows", "5-D no keys", "5-D no heads"])
 def test_sdpa_takes_the_ranks_pytorchs_does(device, case, request):
     """``(..., L, E)`` of rank 2, 3 or past 4, as PyTorch's SDPA: output shape, values and
     gradients against PyTorch's in float64, masks broadcast as it broadcasts them."""
     seed_from(request.node.name)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     sq, sk, d = (6, 9, 16) if device == "cpu" else (700, 901, 128)
+    sq = 0 if case == "5-D no rows" else sq
+    sk = 0 if case == "5-D no keys" else sk
     lead_q, lead_k, mask_shape, options = {
         "2-D": ((), (), None, {}),
         "2-D causal": ((), (), None, {"is_causal": True}),
@@ -600,7 +603,11 @@ def test_sdpa_takes_the_ranks_pytorchs_does(device, case, request):
         "5-D bool mask": ((3, 2, 2), (3, 2, 2), ("bool", (2, 1, sq, sk)), {}),
         "5-D gqa": ((3, 2, 4), (3, 2, 2), ("float", (3, 1, 1, sq, sk)), {"enable_gqa": True}),
         "6-D causal": ((2, 1, 2, 2), (2, 1, 2, 2), None, {"is_causal": True}),
+        "5-D no rows": ((2, 1, 2), (2, 1, 2), ("float", (2, 1, 1, sq, sk)), {}),
+        "5-D no keys": ((2, 1, 2), (2, 1, 2), None, {}),
+        "5-D no heads": ((2, 1, 0), (2, 1, 0), None, {}),
     }[case]
+
     query = torch.randn(*lead_q, sq, d, dtype=dtype, device=device, requires_grad=True)
     key, value = (torch.randn(*lead_k, sk, d, dtype=dtype, device=device, requires_grad=True) for _ in range(2))
     mask = None
