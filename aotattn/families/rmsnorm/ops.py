@@ -57,9 +57,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         weight = weight.resolve_neg().contiguous()
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps: expected a real number, got {type(eps).__name__}")
-    if not (eps == 0 or MIN_EPS <= eps <= MAX_EPS) or not math.isfinite(eps):  # a huge int fails the bound first
-        raise ValueError(f"eps: expected 0 or a number from {MIN_EPS:.3g} to {MAX_EPS:.3g} (float32's smallest and "
-                         f"largest: less rounds to 0 in the kernel), got {reprlib.repr(eps)}")
+    if not torch.compiler.is_compiling():  # traced (dynamic=True), eps may be symbolic: the op checks it
+        _check_eps(eps)
     if x.numel() and x.stride(-1) != 1:
         raise ValueError(f"x: expected a unit stride in the last dimension, got strides {x.stride()}")
     if torch.compiler.is_compiling():
@@ -106,9 +105,18 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y.reshape(x.shape)
 
 
+def _check_eps(eps: numbers.Real) -> None:
+    if not (eps == 0 or MIN_EPS <= eps <= MAX_EPS) or not math.isfinite(eps):  # a huge int fails the bound first
+        raise ValueError(f"eps: expected 0 or a number from {MIN_EPS:.3g} to {MAX_EPS:.3g} (float32's smallest and "
+                         f"largest: less rounds to 0 in the kernel), got {reprlib.repr(eps)}")
+
+
 @torch.library.custom_op("aotattn::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """:func:`rms_norm` under ``torch.compile``, its arguments checked while Dynamo traced it."""
+    """:func:`rms_norm` under ``torch.compile``, its tensors checked while Dynamo traced it;
+    eps here (a float argument of a function traced with ``dynamic=True`` is symbolic: the
+    trace cannot read it)."""
+    _check_eps(eps)
     return _forward(x, weight, eps)
 
 

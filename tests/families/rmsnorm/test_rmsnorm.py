@@ -146,3 +146,17 @@ def test_a_refused_compiled_call_leaves_later_compiled_calls_working(request):
     with pytest.raises(ValueError, match="eps"):
         compiled(x, None, -1.0)
     assert rel_err(compiled(x), rms_norm(x)) < TOLERANCE[torch.float32]
+
+
+def test_an_eps_argument_compiles_whole_with_dynamic_shapes(request):
+    """An eps passed into a function compiled with ``dynamic=True`` is symbolic: the trace
+    cannot read it (``math.isfinite`` of it stopped the trace, valid or not), so its value is
+    checked when the op runs, with the eager message."""
+    seed_from(request.node.nodeid)
+    compiled = torch.compile(lambda x, w, eps: aotattn.rms_norm(x, w, eps=eps), backend="aot_eager", fullgraph=True,
+                             dynamic=True)
+    x, w = torch.randn(5, 24), torch.randn(24)
+    for eps in (1e-5, 0.25):
+        assert rel_err(compiled(x, w, eps), rms_norm(x, w, eps=eps)) < TOLERANCE[torch.float32]
+    with pytest.raises(ValueError, match="eps: expected 0 or a number from"):
+        compiled(x, w, -1.0)
