@@ -98,14 +98,14 @@ def check_untransformed(name: str, t: torch.Tensor) -> None:
                          "torch.autograd.grad")
 
 
-def check_tensors(names: tuple[str, str, str], q: object, k: object, v: object, layout: str) -> None:
+def check_tensors(names: tuple[str, str, str], q: object, k: object, v: object, layout: str, rank: int = 4) -> None:
     """Types, ranks, dtypes, devices and strides shared by every operator."""
     tensors = [_tensor(n, t) for n, t in zip(names, (q, k, v))]
     for name, t in zip(names, tensors):
         if t.layout != torch.strided:
             raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-D tensor {layout}, got shape {tuple(t.shape)}")
+        if t.dim() != rank:
+            raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {tuple(t.shape)}")
     qn = names[0]
     if tensors[0].dtype not in DTYPES:
         raise TypeError(f"{qn}: expected dtype float16, bfloat16 or float32, got {tensors[0].dtype}")
@@ -361,10 +361,7 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqle
     ``torch.compile`` they are checked when the op runs, not while tracing)."""
     names = ("q", "k", "v")
     tensors = [_tensor(n, t) for n, t in zip(names, (q, k, v))]
-    for name, t in zip(names, tensors):
-        if t.dim() != 3:
-            raise ValueError(f"{name}: expected a 3-D tensor (total_tokens, heads, head_dim), got shape {tuple(t.shape)}")
-    check_tensors(names, *(t.unsqueeze(0) for t in tensors), "(total_tokens, heads, head_dim)")
+    check_tensors(names, *tensors, "(total_tokens, heads, head_dim)", rank=3)  # messages with the caller's strides
     _, _, _, heads_q, heads_k, head_dim, head_dim_v = check_shapes(
         names, *(t.unsqueeze(0) for t in tensors), batch_dim=0, seq_dim=1, heads_axis=2)
     cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, tensors[0].device)

@@ -104,6 +104,9 @@ def _varlen_args(**changes):
     (dict(max_seqlen_q=2**31), ValueError, "max_seqlen_q: expected at most 2147483647 (an int32), got 2147483648"),
     (dict(max_seqlen_k=2**40), ValueError, "max_seqlen_k: expected at most 2147483647"),
     (dict(q=torch.randn(1, 10, 2, 16)), ValueError, "q: expected a 3-D tensor"),
+    # the caller's strides in the message (a leading dim added for the shared checks showed 4)
+    (dict(q=torch.randn(10, 2, 16, 2)[..., 0]), ValueError,
+     "q: expected a unit stride in the last dimension, got strides (64, 32, 2)"),
     (dict(k=torch.randn(12, 3, 16), v=torch.randn(12, 3, 16)), ValueError, "multiple of k's 3"),
 ])
 def test_varlen_rejects(changes, exc, message):
