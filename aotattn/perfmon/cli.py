@@ -289,7 +289,7 @@ def images(arch: str = typer.Option("sm_90", help="target architecture"),
            jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", min=1, help="parallel compiler processes"),
            timeout: float = typer.Option(600.0, help="seconds before one kernel's compilation is abandoned"),
            dry_run: bool = typer.Option(False, "--dry-run", help="only list the kernels")) -> None:
-    """Compile exactly the kernels a run of these entries loads (forward, both backward backends)."""
+    """Compile exactly the kernels a run of these entries loads (forward, every backward backend)."""
     from aotattn.compiler.builder import DEFAULT_CACHE, DEFAULT_OUT
     from aotattn.perfmon import images as imaging
 
