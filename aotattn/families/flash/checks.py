@@ -66,7 +66,7 @@ class Problem:
         return left, right
 
 
-def _tensor(name: str, t: object) -> torch.Tensor:
+def check_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     check_untransformed(name, t)
@@ -100,7 +100,7 @@ def check_untransformed(name: str, t: torch.Tensor) -> None:
 
 def check_tensors(names: tuple[str, str, str], q: object, k: object, v: object, layout: str, rank: int = 4) -> None:
     """Types, ranks, dtypes, devices and strides shared by every operator."""
-    tensors = [_tensor(n, t) for n, t in zip(names, (q, k, v))]
+    tensors = [check_tensor(n, t) for n, t in zip(names, (q, k, v))]
     for name, t in zip(names, tensors):
         if t.layout != torch.strided:
             raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
@@ -176,7 +176,7 @@ def check_bias(name: str, bias: object, p: Problem, like: torch.Tensor, sdpa_mas
     """
     if bias is None:
         return None
-    bias = _tensor(name, bias)
+    bias = check_tensor(name, bias)
     if bias.device != like.device:
         raise ValueError(f"{name}: expected device {like.device} (the device of the inputs), got {bias.device}")
     if bias.dtype == torch.bool and sdpa_mask:
@@ -315,7 +315,7 @@ MAX_SEQLEN = 2**31 - 1  # max_seqlen_q/k are int32 arguments of the kernels
 
 def _check_cu_seqlens(name: str, cu: object, device: torch.device) -> torch.Tensor:
     """dtype, device and rank of one offsets tensor (its values: :func:`check_offsets`)."""
-    cu = _tensor(name, cu)
+    cu = check_tensor(name, cu)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name}: expected dtype torch.int32, got {cu.dtype}")
     if cu.device != device:
@@ -360,7 +360,7 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqle
     ``read_offsets=False`` leaves the offsets' values to :func:`check_offsets` (under
     ``torch.compile`` they are checked when the op runs, not while tracing)."""
     names = ("q", "k", "v")
-    tensors = [_tensor(n, t) for n, t in zip(names, (q, k, v))]
+    tensors = [check_tensor(n, t) for n, t in zip(names, (q, k, v))]
     check_tensors(names, *tensors, "(total_tokens, heads, head_dim)", rank=3)  # messages with the caller's strides
     _, _, _, heads_q, heads_k, head_dim, head_dim_v = check_shapes(
         names, *(t.unsqueeze(0) for t in tensors), batch_dim=0, seq_dim=1, heads_axis=2)

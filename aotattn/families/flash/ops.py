@@ -18,7 +18,7 @@ import torch
 from aotattn.families.flash import planning, rules
 from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_dropout,
                                            check_flash, check_flash_attn_extras, check_grid, check_sdpa,
-                                           check_varlen, forward_ad_active)
+                                           check_tensor, check_varlen, forward_ad_active)
 from aotattn.families.flash.planning import (Call, accumulated_dq_scale, backward_buffers, backward_dout,
                                              backward_plans, choose_backend, dropout_mask_plan, finish_dq,
                                              forward_plan, lse_shape, new_call, new_output, philox_state,
@@ -619,10 +619,7 @@ def _sdpa_any_rank(query: torch.Tensor, key: object, value: object, attn_mask: o
     into the batch (a float or boolean mask broadcast to them first), and the output
     takes the query's leading dims back. Unlike PyTorch's, q, k and v must share one rank
     and, past 4, one set of leading dims (no broadcasting between them)."""
-    tensors = (query, key, value)
-    for name, t in zip(("key", "value"), tensors[1:]):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    tensors = (query, check_tensor("key", key), check_tensor("value", value))
     ranks = [t.dim() for t in tensors]
     if ranks[0] < 2:
         raise ValueError(f"query: expected (..., L, E), at least 2 dimensions, got shape {tuple(query.shape)}")
