@@ -114,3 +114,22 @@ def interpreted_function(module: str, function: str) -> Any:
         raise ValueError(f"{module}.{function} is a Gluon kernel: Triton's interpreter cannot run it on CPU tensors "
                          "(plan the family's Triton kernel for them instead)")
     return getattr(interpreted_module(module), function)
+
+
+_WIDE = {"i64": np.int64, "u64": np.uint64}
+
+
+def typed_arguments(types: list[str], args: list[Any]) -> list[Any]:
+    """``args`` with each integer declared 64-bit (``types``: the kernel's signature types)
+    made the interpreter's 64-bit scalar. The interpreter types a Python int by its value,
+    an i32 below 2**31, so a kernel's ``row * stride`` wrapped in 32 bits where the compiled
+    kernels, which take the declared i64, do not (a key row stride of 2**29 elements read
+    far outside the tensor at key 4: a segmentation fault)."""
+    from triton.runtime.interpreter import TensorHandle
+
+    out = list(args)
+    for i, (type_, arg) in enumerate(zip(types, args)):
+        if type_ in _WIDE and isinstance(arg, int) and not isinstance(arg, bool):
+            dtype = tl.str_to_ty(type_, None)
+            out[i] = tl.tensor(TensorHandle(np.array([arg], dtype=_WIDE[type_]), dtype), dtype)
+    return out

@@ -70,15 +70,28 @@ def jit_function(kernel: KernelSpec) -> Any:
     JIT variant with, say, ``max_seqlen_q`` folded to 1 is another program: one of them
     (the padded d256-bucket dK/dV at one query row) carries a wgmma register hazard the
     images do not have (the launcher's scan refused it). So the integers that are not
-    declared aligned are passed to the JIT unspecialized, as the images take them."""
+    declared aligned are passed to the JIT unspecialized, as the images take them.
+
+    Integers also get the declared type rather than one picked by value: the JIT types a
+    stride that fits 32 bits as an i32, where the images take the declared i64, and a
+    kernel's ``row * stride`` then wrapped in 32 bits (a key row stride of 2**25 elements,
+    which an (S, B, H, D) layout with B H D = 2**25 has, wrapped from key 64 of a 128-key
+    block on: reads 2**31 elements before the tensor)."""
     from aotattn.runtime.interpreter import compiled_module  # not while another thread loads interpreted copies
 
     fn = getattr(compiled_module(kernel.module), kernel.function)
     if not getattr(fn, "_aotattn_specialized", False):
         params = {p.name: p for p in getattr(fn, "params", ())}
         for arg in kernel.arguments:
-            if not arg.aligned and not arg.type.startswith("*") and arg.name in params:
-                params[arg.name].do_not_specialize = True
+            param = params.get(arg.name)
+            if param is None or arg.type.startswith("*"):
+                continue
+            if not arg.aligned:
+                param.do_not_specialize = True
+            # KernelParam's annotation and annotation_type are cached properties, read
+            # when the JIT first builds its argument binder (at the first launch)
+            param.__dict__["annotation"] = param.__dict__["annotation_type"] = arg.type
+        fn.device_caches.clear()  # a binder built before (a launch outside the launcher) is rebuilt
         fn._aotattn_specialized = True
     return fn
 
@@ -163,9 +176,10 @@ def _launch_jit(plan: LaunchPlan, device: torch.device) -> None:
 
 
 def _interpret(kernel: KernelSpec, grid: tuple[int, ...], args: Sequence[Any], constexprs: dict[str, Any]) -> None:
-    from aotattn.runtime.interpreter import interpreted_function
+    from aotattn.runtime.interpreter import interpreted_function, typed_arguments
 
     fn = interpreted_function(kernel.module, kernel.function)
+    args = typed_arguments([arg.type for arg in kernel.arguments], args)
     # The interpreter's own warnings (numpy 2.3's array-to-scalar deprecation inside
     # Triton 3.6, numpy overflow notes from exp2 of masked scores) are not the caller's:
     # under `python -W error` or pytest's error filters they would fail every CPU call.

@@ -315,3 +315,36 @@ def test_a_kernel_module_first_imported_while_another_thread_interprets_stays_co
         thread.join()
         for name in names:
             sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("name", sorted(families.kernels()))
+def test_the_jit_types_each_integer_as_declared(name):
+    """Triton's JIT types an integer argument by its value (i32 below 2**31); the images
+    take the declared type. A stride declared i64 but JIT-typed i32 made ``key * stride``
+    wrap in 32 bits for row strides past 2**31 / BLOCK_N (tests/families/flash/
+    test_hardening.py). The JIT function's binder, built as Triton builds it at a first
+    launch, now gives every declared integer its declared type, whatever its value."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    spec = families.kernels()[name]
+    fn = launcher.jit_function(spec)
+    binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
+    declared = {arg.name: arg.type for arg in spec.arguments}
+    names = [p.name for p in fn.params]
+    args = {}
+    for param in fn.params:
+        kind = declared.get(param.name)
+        if kind is None:  # a constexpr: any value the binder takes
+            args[param.name] = 1
+        elif kind.startswith("*"):
+            args[param.name] = torch.empty(16, dtype=torch.float32)
+        else:
+            args[param.name] = 0.5 if kind.startswith("fp") else 448
+    _, specialization, _ = binder(**args)
+    for param_name, (type_, _) in zip(names, specialization):
+        kind = declared.get(param_name)
+        if kind is not None and not kind.startswith("*"):
+            assert type_ == kind, (param_name, type_, kind)
+    assert any(kind == "i64" for kind in declared.values()) or name.startswith("rmsnorm")

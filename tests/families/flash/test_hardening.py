@@ -655,3 +655,36 @@ def test_flash_attn_calls_run_unchanged(device, request):
     assert probs is None and rel_err(out, ref) < TOLERANCE[dtype]
     with pytest.raises(ValueError, match="block_table: expected None"):
         aotattn.flash_attn_varlen_func(*packed, offsets, offsets, 2 * sq, 2 * sq, block_table=offsets)
+
+
+# ------------------------------------------------------------------ offsets past 2**31 elements
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["split", "fused"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_past_2_31_elements_from_their_tensors_start(device, backend, causal, request):
+    """q, k and v are views of one 4 GiB buffer whose rows lie 2**28 elements apart (an
+    (S, B, H, D) layout with B H D = 2**28 has that row stride): row 8 starts 2**31 elements
+    in. The images take strides as the declared i64; Triton's JIT and interpreter typed them
+    by value (an i32), and ``key * stride`` wrapped in 32 bits: the interpreter read outside
+    the buffer (a segmentation fault) at key 8. The buffer is never written past the rows
+    used: a bare storage, whose pages the OS commits only where written (not torch.empty,
+    which the suite's poison_allocations fills with NaN)."""
+    seed_from(request.node.name)
+    seqlen, head_dim, stride = 9, 64, 2**28
+    storage = torch.UntypedStorage(((seqlen - 1) * stride + 4 * head_dim) * 2, device=device)
+    q, k, v = (torch.tensor([], dtype=torch.bfloat16, device=device).set_(
+        storage, i * head_dim, (1, seqlen, 1, head_dim), (seqlen * stride, stride, head_dim, 1)) for i in range(3))
+    for t in (q, k, v):
+        t.copy_(torch.randn(t.shape, dtype=t.dtype))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = aotattn.flash_attn_func(q, k, v, causal=causal, backend=backend)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference.attention(qd, kd, vd, causal=causal)[0]
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.double())
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    for got, want in zip(grads, ref_grads):
+        assert rel_err(got, want) < TOLERANCE[torch.bfloat16]
