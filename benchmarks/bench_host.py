@@ -4,9 +4,9 @@
 
 CPU tensors go through the same operators, checks, plan cache, autograd Function and
 prepared launches as CUDA ones; only the launch differs (the interpreter instead of the
-driver or Triton's JIT). With the interpreter's kernels replaced by no-ops, what is left
-is the Python and PyTorch work of a call: the part of issue 17's host time that does not
-depend on the GPU. B1 H1 S128 D64 bf16 causal, as ``bench_latency.py`` measures on the
+driver or Triton's JIT). With the interpreter's kernels (and its typing of their
+arguments) replaced by no-ops, what is left is the Python and PyTorch work of a call: the
+part of issue 17's host time that does not depend on the GPU. B1 H1 S128 D64 bf16 causal, as ``bench_latency.py`` measures on the
 GPU: inference (no grad), a training forward (inputs that require grad) and a training
 forward + backward. ``--profile`` prints where the forward + backward's time goes.
 
@@ -48,7 +48,10 @@ def main() -> None:
                          "kernels: no dQ zeroing and conversion)")
     args = ap.parse_args()
     if args.device == "cpu":
+        # the interpreter's work goes with the kernels: running them, and typing their
+        # integers as declared (interpreter.typed_arguments), which CUDA launches never do
         interpreter.interpreted_function = lambda module, function: _NoKernel()
+        interpreter.typed_arguments = lambda arguments, args: args
     q, k, v = (torch.randn(1, 128, 1, 64, dtype=torch.bfloat16, device=args.device, requires_grad=True)
                for _ in range(3))
     dout = torch.randn(1, 128, 1, 64, dtype=torch.bfloat16, device=args.device)

@@ -16,7 +16,7 @@ import importlib
 import importlib.util
 import threading
 from types import ModuleType
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import triton
@@ -116,20 +116,34 @@ def interpreted_function(module: str, function: str) -> Any:
     return getattr(interpreted_module(module), function)
 
 
-_WIDE = {"i64": np.int64, "u64": np.uint64}
+_WIDE = {"i64": (tl.int64, np.int64), "u64": (tl.uint64, np.uint64)}
+_positions: dict[int, tuple[Sequence[Any], tuple[tuple[int, Any, Any], ...]]] = {}
+_scalars: dict[tuple[str, int], Any] = {}
 
 
-def typed_arguments(types: list[str], args: list[Any]) -> list[Any]:
-    """``args`` with each integer declared 64-bit (``types``: the kernel's signature types)
-    made the interpreter's 64-bit scalar. The interpreter types a Python int by its value,
-    an i32 below 2**31, so a kernel's ``row * stride`` wrapped in 32 bits where the compiled
-    kernels, which take the declared i64, do not (a key row stride of 2**29 elements read
-    far outside the tensor at key 4: a segmentation fault)."""
+def typed_arguments(arguments: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """``args`` with each integer declared 64-bit (``arguments``: the kernel's
+    :class:`aotattn.spec.Arg` list) made the interpreter's 64-bit scalar. The interpreter
+    types a Python int by its value, an i32 below 2**31, so a kernel's ``row * stride``
+    wrapped in 32 bits where the compiled kernels, which take the declared i64, do not (a
+    key row stride of 2**28 elements read outside the tensor from key 8 on: a segmentation
+    fault). Scalars are kept by value (kernels never change their arguments in place): a
+    launch's strides cost a lookup each, not a conversion."""
     from triton.runtime.interpreter import TensorHandle
 
+    known = _positions.get(id(arguments))
+    if known is None or known[0] is not arguments:
+        wide = tuple((i, *_WIDE[a.type]) for i, a in enumerate(arguments) if a.type in _WIDE)
+        known = _positions[id(arguments)] = (arguments, wide)
     out = list(args)
-    for i, (type_, arg) in enumerate(zip(types, args)):
-        if type_ in _WIDE and isinstance(arg, int) and not isinstance(arg, bool):
-            dtype = tl.str_to_ty(type_, None)
-            out[i] = tl.tensor(TensorHandle(np.array([arg], dtype=_WIDE[type_]), dtype), dtype)
+    for i, dtype, np_dtype in known[1]:
+        value = out[i]
+        if isinstance(value, int) and not isinstance(value, bool):
+            key = (dtype.name, value)
+            scalar = _scalars.get(key)
+            if scalar is None:
+                if len(_scalars) > 4096:
+                    _scalars.clear()
+                scalar = _scalars[key] = tl.tensor(TensorHandle(np.array([value], dtype=np_dtype), dtype), dtype)
+            out[i] = scalar
     return out

@@ -179,7 +179,7 @@ def _interpret(kernel: KernelSpec, grid: tuple[int, ...], args: Sequence[Any], c
     from aotattn.runtime.interpreter import interpreted_function, typed_arguments
 
     fn = interpreted_function(kernel.module, kernel.function)
-    args = typed_arguments([arg.type for arg in kernel.arguments], args)
+    args = typed_arguments(kernel.arguments, args)
     # The interpreter's own warnings (numpy 2.3's array-to-scalar deprecation inside
     # Triton 3.6, numpy overflow notes from exp2 of masked scores) are not the caller's:
     # under `python -W error` or pytest's error filters they would fail every CPU call.
