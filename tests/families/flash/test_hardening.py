@@ -688,3 +688,28 @@ def test_rows_past_2_31_elements_from_their_tensors_start(device, backend, causa
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
     for got, want in zip(grads, ref_grads):
         assert rel_err(got, want) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", [None, "split", "fused"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_one_key_head_expanded_over_the_query_heads(device, backend, head_dim, request):
+    """MQA written as an expand: k and v of one head viewed as Hq heads (a head stride of
+    0, which the ws kernels' 4-D tensor descriptors step over), causal with fewer queries
+    than keys; dK and dV summed over the heads by autograd."""
+    seed_from(request.node.name)
+    batch, seqlen_q, seqlen_k, heads = 2, 200 if device == "cuda" else 40, 333 if device == "cuda" else 53, 4
+    q = torch.randn(batch, seqlen_q, heads, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k1, v1 = (torch.randn(batch, seqlen_k, 1, head_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+              for _ in range(2))
+    k, v = k1.expand(-1, -1, heads, -1), v1.expand(-1, -1, heads, -1)
+    assert k.stride(2) == 0
+    out = aotattn.flash_attn_func(q, k, v, causal=True, backend=backend)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k1, v1), dout)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k1, v1))
+    ref = reference.attention(qd, kd.expand(-1, -1, heads, -1), vd.expand(-1, -1, heads, -1), causal=True)[0]
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), dout.double())
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    for name, got, want in zip("qkv", grads, ref_grads):
+        assert rel_err(got, want) < TOLERANCE[torch.bfloat16], f"d{name}"
