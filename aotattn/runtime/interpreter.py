@@ -133,6 +133,8 @@ def typed_arguments(arguments: Sequence[Any], args: Sequence[Any]) -> list[Any]:
 
     known = _positions.get(id(arguments))
     if known is None or known[0] is not arguments:
+        if len(_positions) > 256:  # kernel declarations are module constants: a bound, not an eviction policy
+            _positions.clear()
         wide = tuple((i, *_WIDE[a.type]) for i, a in enumerate(arguments) if a.type in _WIDE)
         known = _positions[id(arguments)] = (arguments, wide)
     out = list(args)
