@@ -12,6 +12,7 @@ of one package.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import threading
@@ -117,35 +118,26 @@ def interpreted_function(module: str, function: str) -> Any:
 
 
 _WIDE = {"i64": (tl.int64, np.int64), "u64": (tl.uint64, np.uint64)}
-_positions: dict[int, tuple[Sequence[Any], tuple[tuple[int, Any, Any], ...]]] = {}
-_scalars: dict[tuple[str, int], Any] = {}
 
 
-def typed_arguments(arguments: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+@functools.cache
+def _wide(arguments: tuple[Any, ...]) -> tuple[tuple[int, Any, Any], ...]:
+    """(position, Triton dtype, numpy dtype) of each argument declared 64-bit."""
+    return tuple((i, *_WIDE[a.type]) for i, a in enumerate(arguments) if a.type in _WIDE)
+
+
+def typed_arguments(arguments: tuple[Any, ...], args: Sequence[Any]) -> list[Any]:
     """``args`` with each integer declared 64-bit (``arguments``: the kernel's
-    :class:`aotattn.spec.Arg` list) made the interpreter's 64-bit scalar. The interpreter
+    :class:`aotattn.spec.Arg` tuple) made the interpreter's 64-bit scalar. The interpreter
     types a Python int by its value, an i32 below 2**31, so a kernel's ``row * stride``
     wrapped in 32 bits where the compiled kernels, which take the declared i64, do not (a
     key row stride of 2**28 elements read outside the tensor from key 8 on: a segmentation
-    fault). Scalars are kept by value (kernels never change their arguments in place): a
-    launch's strides cost a lookup each, not a conversion."""
+    fault). The conversion is the one the interpreter would make of the int itself."""
     from triton.runtime.interpreter import TensorHandle
 
-    known = _positions.get(id(arguments))
-    if known is None or known[0] is not arguments:
-        if len(_positions) > 256:  # kernel declarations are module constants: a bound, not an eviction policy
-            _positions.clear()
-        wide = tuple((i, *_WIDE[a.type]) for i, a in enumerate(arguments) if a.type in _WIDE)
-        known = _positions[id(arguments)] = (arguments, wide)
     out = list(args)
-    for i, dtype, np_dtype in known[1]:
+    for i, dtype, np_dtype in _wide(arguments):
         value = out[i]
         if isinstance(value, int) and not isinstance(value, bool):
-            key = (dtype.name, value)
-            scalar = _scalars.get(key)
-            if scalar is None:
-                if len(_scalars) > 4096:
-                    _scalars.clear()
-                scalar = _scalars[key] = tl.tensor(TensorHandle(np.array([value], dtype=np_dtype), dtype), dtype)
-            out[i] = scalar
+            out[i] = tl.tensor(TensorHandle(np.array([value], dtype=np_dtype), dtype), dtype)
     return out
