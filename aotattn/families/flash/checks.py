@@ -368,12 +368,12 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqle
     if read_offsets:
         offsets_q = _offsets("cu_seqlens_q", cu_q, tensors[0].shape[0])
     cu_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, tensors[0].device)
+    if cu_q.numel() != cu_k.numel():  # before k's values, whose last offset would be named instead
+        raise ValueError(f"cu_seqlens_k: expected {cu_q.numel()} offsets (those of cu_seqlens_q), "
+                         f"got {cu_k.numel()}")
     if read_offsets:
         offsets_k = _offsets("cu_seqlens_k", cu_k, tensors[1].shape[0])
     check_grid(names[0], cu_q.numel() - 1, heads_q, tensors[0].device)
-    if cu_q.numel() != cu_k.numel():
-        raise ValueError(f"cu_seqlens_k: expected {cu_q.numel()} offsets (those of cu_seqlens_q), "
-                         f"got {cu_k.numel()}")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name}: expected an int, got {type(value).__name__}")

@@ -96,6 +96,8 @@ def _varlen_args(**changes):
     (dict(cu_seqlens_k=torch.tensor([0, 5, 11], dtype=torch.int32)), ValueError,
      "cu_seqlens_k: expected the last offset to equal the number of tokens 12"),
     (dict(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32)), ValueError, "cu_seqlens_k: expected 3 offsets"),
+    # a count that differs is named before a last offset that differs with it
+    (dict(cu_seqlens_k=torch.tensor([0, 5], dtype=torch.int32)), ValueError, "cu_seqlens_k: expected 3 offsets"),
     (dict(cu_seqlens_q=torch.tensor([[0, 4, 10]], dtype=torch.int32)), ValueError, "cu_seqlens_q: expected a 1-D"),
     (dict(cu_seqlens_q=[0, 4, 10]), TypeError, "cu_seqlens_q: expected a torch.Tensor"),
     (dict(max_seqlen_q=5), ValueError, "max_seqlen_q: expected at least the longest sequence, 6"),
