@@ -58,6 +58,7 @@ SHAPES = [
 ]
 
 PROVIDERS = {
+    "aotattn": None,  # the tuning database's backend (the ws kernels on Hopper where it chose them)
     "aotattn-fused": "fused",
     "aotattn-split": "split",
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -152,7 +153,7 @@ def print_table(rows: list[dict], passes: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passes", default="fwd", help="comma-separated: fwd, bwd")
-    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--providers", default=",".join(p for p in PROVIDERS if p != "aotattn"))
     parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     parser.add_argument("--json", default=None, help="write environment and rows here")
     args = parser.parse_args()

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 17's item 2 re-timed (written in the forty-fifth session), one device call (< 6 min):
+#
+#   bash benchmarks/s45_session.sh jitgap
+#
+# The sm_90 image subset (benchmarks/build_gpu_subset.sh: bf16 d128, every kernel of those
+# functionals), then benchmarks/bench_attention.py from those images, the tuning database's
+# backend (provider `aotattn`) beside cuDNN, forward and backward; then the same aotattn calls
+# through Triton's JIT. Why: the eleventh-session gap (images' split backward 9-10% slower than
+# the JIT's) was measured before the ws backward became the Hopper default and before the JIT
+# took i64 strides as the images do (forty-fourth session). Prediction: forward within 2%;
+# ws backward within 5% (its inner loops take no runtime divisibility: TMA descriptors carry
+# the strides), the rest of the old gap having been the split kernels' hints.
+source "$(dirname "$0")/session_common.sh"
+shapes=${SHAPES:-d128 s1024 full,d128 s4096 full,d128 s4096 causal,d128 s16384 full}
+bench() {  # LOG ARGS...: bench_attention.py, forward and backward, into $OUT/LOG
+  local log=$1; shift
+  timeout "${BENCH_S:-150}" python benchmarks/bench_attention.py --passes fwd,bwd --shapes "$shapes" "$@" 2>&1 \
+    | grep -v Warning | tee "$OUT/$log"
+}
+case ${1:-jitgap} in
+  jitgap)
+    stamp "building the image subset"
+    bash benchmarks/build_gpu_subset.sh /tmp/aot-images > "$OUT/build.log" 2>&1 || { tail -n 5 "$OUT/build.log"; exit 1; }
+    stamp "from images, beside cuDNN"
+    AOTATTN_MODE=aot AOTATTN_IMAGES=/tmp/aot-images bench images.log --providers aotattn,sdpa-cudnn \
+      --json "$OUT/images.json"
+    stamp "through the JIT"
+    AOTATTN_MODE=jit bench jit.log --providers aotattn,sdpa-cudnn --json "$OUT/jit.json" ;;
+  *) echo "usage: s45_session.sh jitgap" >&2; exit 2 ;;
+esac
+stamp "done"
