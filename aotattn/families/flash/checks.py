@@ -241,6 +241,20 @@ def check_window(window_size: object) -> tuple[int, int]:
     return left, right
 
 
+# Sequence lengths (and max_seqlen_q/k) are int32 arguments of the kernels, which round them
+# up to whole blocks (``(seqlen + BLOCK - 1) // BLOCK``) and index a block past a row: the
+# limit leaves 2**16 below 2**31 for that arithmetic.
+MAX_SEQLEN = 2**31 - 2**16
+
+
+def check_seqlen(name: str, seqlen: int) -> None:
+    """Past the limit (rows of stride 0 reach it: ``expand``) the GPU launch failed packing
+    the length or its block count wrapped, and the interpreter ran without end."""
+    if seqlen > MAX_SEQLEN:
+        raise ValueError(f"{name}: expected a sequence length of at most {MAX_SEQLEN} (2**31 - 2**16: int32 "
+                         f"block arithmetic in the kernels), got {seqlen}")
+
+
 def check_shapes(names: tuple[str, str, str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  batch_dim: int, seq_dim: int, heads_axis: int) -> tuple[int, ...]:
     """Shape agreement; returns (B, Sq, Sk, Hq, Hk, D, Dv)."""
@@ -264,6 +278,8 @@ def check_shapes(names: tuple[str, str, str], q: torch.Tensor, k: torch.Tensor, 
     for name, d in ((qn, head_dim), (vn, head_dim_v)):
         if not 1 <= d <= MAX_HEAD_DIM:
             raise ValueError(f"{name}: expected a head dim in 1..{MAX_HEAD_DIM}, got {d}")
+    check_seqlen(qn, q.shape[seq_dim])
+    check_seqlen(kn, k.shape[seq_dim])
     check_grid(qn, batch, heads_q, q.device)
     return batch, q.shape[seq_dim], k.shape[seq_dim], heads_q, heads_k, head_dim, head_dim_v
 
@@ -308,9 +324,6 @@ def check_flash(q: object, k: object, v: object, *, dropout_p: object, softmax_s
     mask, left, right = mask_mode(causal, window, diagonal)
     return Problem(*dims, dtype=q.dtype, softmax_scale=scale, mask=mask, window_left=left, window_right=right,
                    dropout_p=dropout_p)
-
-
-MAX_SEQLEN = 2**31 - 1  # max_seqlen_q/k are int32 arguments of the kernels
 
 
 def _check_cu_seqlens(name: str, cu: object, device: torch.device) -> torch.Tensor:
@@ -380,7 +393,8 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqle
         if value > MAX_SEQLEN:
             # the kernels take it as an int32: beyond, the GPU launch failed packing it and the
             # interpreter ran a program per block of 2**31 rows (no error, no end)
-            raise ValueError(f"{name}: expected at most {MAX_SEQLEN} (an int32), got {value}")
+            raise ValueError(f"{name}: expected at most {MAX_SEQLEN} (2**31 - 2**16: int32 block arithmetic in "
+                             f"the kernels), got {value}")
         if read_offsets:
             _check_longest(name, offsets_q if name == "max_seqlen_q" else offsets_k, int(value))
     dropout_p = check_dropout("dropout_p", dropout_p)

@@ -17,7 +17,7 @@ import torch
 
 from aotattn.families.flash import planning, rules
 from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_dropout,
-                                           check_flash, check_flash_attn_extras, check_grid, check_sdpa,
+                                           check_flash, check_flash_attn_extras, check_grid, check_sdpa, check_seqlen,
                                            check_tensor, check_varlen, forward_ad_active)
 from aotattn.families.flash.planning import (Call, accumulated_dq_scale, backward_buffers, backward_dout,
                                              backward_plans, choose_backend, dropout_mask_plan, finish_dq,
@@ -683,7 +683,9 @@ def dropout_mask(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, dropout
         raise ValueError(f"device: expected a CPU or CUDA device, got {device!r}") from exc
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device: expected a CPU or CUDA device, got {device}")
-    check_grid("batch", batch, heads_q, device)  # the attention calls' limit: the mask's kernel has their grid
+    check_grid("batch", batch, heads_q, device)  # the attention calls' limits: the mask's kernel has their grid
+    check_seqlen("seqlen_q", seqlen_q)
+    check_seqlen("seqlen_k", seqlen_k)
     dropout_p = check_dropout("dropout_p", dropout_p)
     if dropout_p == 0.0:
         raise ValueError("dropout_p: expected a float in (0, 1), got 0.0 (a call without dropout keeps everything)")

@@ -244,6 +244,42 @@ def test_sequences_or_heads_past_cudas_grid_limit_are_refused_on_cuda_only():
         aotattn.dropout_mask(65536, 1, 1, 1, 0.5, device="cuda")
 
 
+def test_sequences_past_the_kernels_int32_block_arithmetic_are_refused():
+    """Rows of stride 0 (``expand``) make any length cheap; the kernels round lengths up to
+    blocks in int32, so a length within a block of 2**31 wrapped (the GPU launch of 2**31
+    failed packing it; the interpreter ran without end)."""
+    from aotattn.families.flash.checks import MAX_SEQLEN
+
+    q = torch.randn(1, 4, 2, 8)
+    for length in (MAX_SEQLEN + 1, 2**31 - 1, 2**31, 2**40):
+        long = torch.randn(1, 1, 2, 8).expand(1, length, 2, 8)
+        message = f"expected a sequence length of at most {MAX_SEQLEN} .*got {length}"
+        with pytest.raises(ValueError, match="k: " + message):
+            aotattn.flash_attn_func(q, long, long)
+        with pytest.raises(ValueError, match="q: " + message):
+            aotattn.flash_attn_func(long, q, q)
+        with pytest.raises(ValueError, match="key: " + message):
+            aotattn.scaled_dot_product_attention(q.transpose(1, 2), long.transpose(1, 2), long.transpose(1, 2))
+        with pytest.raises(ValueError, match="seqlen_k: " + message):
+            aotattn.dropout_mask(1, 1, 1, length, 0.5)
+
+
+@pytest.mark.gpu
+def test_keys_up_to_the_longest_length_accepted_are_attended():
+    """The longest length accepted, as rows of stride 0: every key has the same score and
+    the same v row. A block count that wrapped in int32 would run no key block (output 0
+    or NaN). v's entries are signed powers of two, so the float32 sums of p and of p * v
+    round alike and the output is v's row exactly, however many keys are summed."""
+    from aotattn.families.flash.checks import MAX_SEQLEN
+
+    q = torch.randn(1, 3, 1, 8, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 1, 1, 8, device="cuda", dtype=torch.bfloat16).expand(1, MAX_SEQLEN, 1, 8)
+    row = torch.randint(-2, 3, (8,)).float().exp2() * (torch.randint(0, 2, (8,)) * 2 - 1)
+    v = row.to("cuda", torch.bfloat16).view(1, 1, 1, 8).expand(1, MAX_SEQLEN, 1, 8)
+    out = aotattn.flash_attn_func(q, k, v)
+    assert torch.equal(out, v[:, :1].expand(1, 3, 1, 8))
+
+
 @pytest.mark.gpu
 def test_a_batch_past_the_grid_limit_is_refused_on_the_gpu():
     q = torch.randn(65536, 1, 1, 8, device="cuda", dtype=torch.bfloat16)

@@ -103,8 +103,10 @@ def _varlen_args(**changes):
     (dict(max_seqlen_q=5), ValueError, "max_seqlen_q: expected at least the longest sequence, 6"),
     (dict(max_seqlen_k=7.0), TypeError, "max_seqlen_k: expected an int"),
     # int32 arguments of the kernels: beyond, the interpreter looped over 2**31 rows without end
-    (dict(max_seqlen_q=2**31), ValueError, "max_seqlen_q: expected at most 2147483647 (an int32), got 2147483648"),
-    (dict(max_seqlen_k=2**40), ValueError, "max_seqlen_k: expected at most 2147483647"),
+    (dict(max_seqlen_q=2**31), ValueError, "max_seqlen_q: expected at most 2147418112 (2**31 - 2**16"),
+    (dict(max_seqlen_k=2**40), ValueError, "max_seqlen_k: expected at most 2147418112"),
+    # rounded up to blocks in int32, a length within a block of 2**31 wrapped
+    (dict(max_seqlen_q=2**31 - 1), ValueError, "max_seqlen_q: expected at most 2147418112"),
     (dict(q=torch.randn(1, 10, 2, 16)), ValueError, "q: expected a 3-D tensor"),
     # the caller's strides in the message (a leading dim added for the shared checks showed 4)
     (dict(q=torch.randn(10, 2, 16, 2)[..., 0]), ValueError,
