@@ -297,6 +297,9 @@ def check_grid(qn: str, batch: int, heads: int, device: torch.device) -> None:
         if n > MAX_GRID_YZ:
             raise ValueError(f"{qn}: expected at most {MAX_GRID_YZ} {what} on a CUDA device (a grid dimension of the "
                              f"kernels), got {n}: split the call")
+    if batch * heads > 2**31 - 1:  # the kernels number (sequence, head) pairs in int32
+        raise ValueError(f"{qn}: expected at most 2**31 - 1 (sequence, head) pairs on a CUDA device (int32 in the "
+                         f"kernels), got {batch} x {heads}: split the call")
 
 
 def mask_mode(causal: bool, window: tuple[int, int], diagonal: str) -> tuple[int, int, int]:

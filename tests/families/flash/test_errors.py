@@ -239,7 +239,10 @@ def test_sequences_or_heads_past_cudas_grid_limit_are_refused_on_cuda_only():
         with pytest.raises(ValueError, match=f"q: expected at most 65535 {what}.*got 65536: split the call"):
             checks.check_grid("q", batch, heads, cuda)
         checks.check_grid("q", batch, heads, cpu)
-    checks.check_grid("q", 65535, 65535, cuda)
+    checks.check_grid("q", 65535, 32768, cuda)
+    with pytest.raises(ValueError, match=r"q: expected at most 2\*\*31 - 1 \(sequence, head\) pairs.*65535 x 32769"):
+        checks.check_grid("q", 65535, 32769, cuda)  # the kernels' pair index, batch * Hq, is an int32
+    checks.check_grid("q", 65535, 65535, cpu)
     with pytest.raises(ValueError, match="batch: expected at most 65535 sequences"):  # before any CUDA call
         aotattn.dropout_mask(65536, 1, 1, 1, 0.5, device="cuda")
 
