@@ -18,3 +18,11 @@ class AotattnError(Exception):
 class AotattnWarning(UserWarning):
     """Base of the warnings aotattn issues (for example a kernel compiled at run time
     because its image is missing); filter them with ``warnings.filterwarnings``."""
+
+
+def type_name(value: object) -> str:
+    """The type of ``value`` as a message names it: ``float`` for a builtin, else with its
+    module (``numpy.bool``, ``torch.Tensor``), where the bare name could read as a builtin's
+    ("causal: expected a bool, got bool")."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"

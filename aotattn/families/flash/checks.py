@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd import forward_ad
 
+from aotattn.errors import type_name
 from aotattn.families.flash.rules import (BACKENDS, DTYPES, MASK_BOTTOM_RIGHT, MASK_NONE, MASK_TOP_LEFT,
                                           MAX_HEAD_DIM)
 
@@ -68,7 +69,7 @@ class Problem:
 
 def check_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type_name(t)}")
     check_untransformed(name, t)
     return t
 
@@ -127,6 +128,14 @@ MAX_SCALE = 2.35e38
 _SCALE_RANGE = f"a magnitude up to {MAX_SCALE:.3g}"
 
 
+def _scalar(value: object) -> object:
+    """A 0-d real tensor as its Python number, as PyTorch's float arguments take one (SDPA's
+    ``scale`` and ``dropout_p``); anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool and not value.is_complex():
+        return value.item()
+    return value
+
+
 def _real(name: str, value: numbers.Real, expected: str) -> float:
     """``value`` as a float; an int or fraction too large for one is refused as out of range."""
     try:
@@ -142,8 +151,9 @@ def check_scale(name: str, scale: object, head_dim: int) -> float:
     checks it when it runs (:mod:`.custom_ops`), naming it ``softmax_scale``."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
+    scale = _scalar(scale)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"{name}: expected a real number or None, got {type(scale).__name__}")
+        raise TypeError(f"{name}: expected a real number or None, got {type_name(scale)}")
     value = _real(name, scale, _SCALE_RANGE)
     if torch.compiler.is_compiling():
         return value
@@ -159,8 +169,9 @@ def check_dropout(name: str, dropout_p: object) -> float:
     """``dropout_p`` as a float in [0, 1). While ``torch.compile`` traces, the range is
     checked when the custom op runs, as :func:`check_scale`'s value (a symbolic float
     cannot be put in the message)."""
+    dropout_p = _scalar(dropout_p)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"{name}: expected a float in [0, 1), got {type(dropout_p).__name__}")
+        raise TypeError(f"{name}: expected a float in [0, 1), got {type_name(dropout_p)}")
     value = _real(name, dropout_p, "a float in [0, 1)")
     if torch.compiler.is_compiling():
         return value
@@ -204,7 +215,7 @@ def check_backend(backend: object) -> str | None:
 
 def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+        raise TypeError(f"{name}: expected a bool, got {type_name(value)}")
     return value
 
 
@@ -214,7 +225,7 @@ def check_flash_attn_extras(softcap: object, alibi_slopes: object, return_attn_p
     refusal says what to do instead); ``return_attn_probs`` is checked and returned: without
     dropout flash-attn returns no probabilities (``S_dmask`` None), and neither does aotattn."""
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
+        raise TypeError(f"softcap: expected a float, got {type_name(softcap)}")
     if softcap != 0:
         shown = "a nonzero value" if torch.compiler.is_compiling() else softcap  # a symbolic float cannot be shown
         raise ValueError(f"softcap: expected 0.0, got {shown} (aotattn has no logit soft-capping: use "
@@ -392,7 +403,7 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqle
     check_grid(names[0], cu_q.numel() - 1, heads_q, tensors[0].device)
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+            raise TypeError(f"{name}: expected an int, got {type_name(value)}")
         if value > MAX_SEQLEN:
             # the kernels take it as an int32: beyond, the GPU launch failed packing it and the
             # interpreter ran a program per block of 2**31 rows (no error, no end)

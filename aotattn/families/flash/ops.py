@@ -15,6 +15,7 @@ import threading
 
 import torch
 
+from aotattn.errors import type_name
 from aotattn.families.flash import planning, rules
 from aotattn.families.flash.checks import (Problem, check_backend, check_bias, check_bool, check_dropout,
                                            check_flash, check_flash_attn_extras, check_grid, check_sdpa, check_seqlen,
@@ -674,7 +675,7 @@ def dropout_mask(batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, dropout
     sizes = {"batch": batch, "heads_q": heads_q, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}: expected an int >= 0, got {type(value).__name__}")
+            raise TypeError(f"{name}: expected an int >= 0, got {type_name(value)}")
         if value < 0:
             raise ValueError(f"{name}: expected an int >= 0, got {value}")
     try:

@@ -9,6 +9,7 @@ import reprlib
 import torch
 from torch.autograd import forward_ad
 
+from aotattn.errors import type_name
 from aotattn.families.rmsnorm import rules
 from aotattn.runtime import launch
 from aotattn.spec import Functional, LaunchPlan
@@ -36,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         that underflows with eps 0 gives inf.
     """
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"x: expected a torch.Tensor, got {type_name(x)}")
     _check_dense("x", x)
     x = x.resolve_neg()  # the kernel reads memory: a view with the negative bit set (conj().imag) came out negated
     if x.dtype not in rules.DTYPES:
@@ -47,7 +48,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         raise ValueError(f"x: expected a CUDA or CPU tensor, got device {x.device}")
     if weight is not None:
         if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"weight: expected a torch.Tensor or None, got {type(weight).__name__}")
+            raise TypeError(f"weight: expected a torch.Tensor or None, got {type_name(weight)}")
         _check_dense("weight", weight)
         if weight.dtype != x.dtype:
             raise TypeError(f"weight: expected dtype {x.dtype} (the dtype of x), got {weight.dtype}")
@@ -56,7 +57,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
                              f"{tuple(weight.shape)} on {weight.device}")
         weight = weight.resolve_neg().contiguous()
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps: expected a real number, got {type(eps).__name__}")
+        raise TypeError(f"eps: expected a real number, got {type_name(eps)}")
     if not torch.compiler.is_compiling():  # traced (dynamic=True), eps may be symbolic: the op checks it
         _check_eps(eps)
     if x.numel() and x.stride(-1) != 1:

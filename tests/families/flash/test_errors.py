@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fractions
 
+import numpy as np
 import pytest
 import torch
 
@@ -113,6 +114,12 @@ SDPA_CASES = [
     ("scale nan", lambda: _sdpa(scale=float("nan")), ValueError, "scale: expected a finite"),
     ("int scale beyond floats", lambda: _sdpa(scale=-10**400), ValueError, "scale: expected a magnitude"),
     ("is_causal", lambda: _sdpa(is_causal=None), TypeError, "is_causal: expected a bool"),
+    # a bare "got bool" read as a contradiction: types outside builtins are named with their module
+    ("is_causal numpy", lambda: _sdpa(is_causal=np.bool_(True)), TypeError,
+     "is_causal: expected a bool, got numpy.bool"),
+    ("scale 1-D tensor", lambda: _sdpa(scale=torch.tensor([0.3])), TypeError,
+     "scale: expected a real number or None, got torch.Tensor"),
+    ("scale bool tensor", lambda: _sdpa(scale=torch.tensor(True)), TypeError, "scale: expected a real number"),
     ("value dtype", lambda: _sdpa(value=torch.randn(1, 2, 8, 16)), TypeError, "value: expected dtype torch.float16"),
 ]
 
@@ -123,6 +130,22 @@ def test_sdpa_rejects(case):
     with pytest.raises(exc) as info:
         call()
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_scale_and_dropout_p_take_0_d_tensors_as_pytorch_does(dtype):
+    """PyTorch's float arguments take a 0-d real tensor (SDPA's scale and dropout_p), so
+    model code may hold its scale as one; the value is what a float would give."""
+    q, k, v = (torch.randn(2, 3, 9, 16) for _ in range(3))
+    value = 3 if dtype == torch.int64 else 0.3
+    out = aotattn.scaled_dot_product_attention(q, k, v, scale=torch.tensor(value, dtype=dtype),
+                                               dropout_p=torch.tensor(0, dtype=dtype))
+    ref, _ = reference.attention(*(t.transpose(1, 2).double() for t in (q, k, v)), softmax_scale=value)
+    assert rel_err(out.transpose(1, 2), ref) < 1e-5
+    out = aotattn.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), softmax_scale=torch.tensor(value, dtype=dtype))
+    assert rel_err(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="scale: expected a finite number, got nan"):
+        aotattn.scaled_dot_product_attention(q, k, v, scale=torch.tensor(float("nan")))
 
 
 def test_the_largest_scale_accepted_gives_the_float64_answer():
