@@ -395,6 +395,9 @@ class _PlanCache:
         tensors without a data pointer (a ``torch.func`` transform's: the checks refuse
         them; catching here costs the hot path nothing, a test of each tensor would not).
 
+        A tensor flag (a 0-d ``scale``) misses: a key would hold the tensor by identity, and a
+        value changed in place (a learned temperature) would hit the old value's entry.
+
         Each flag is keyed with its type (and a window's sides with theirs): ``True == 1``
         and ``2.0 == 2`` in Python, so a value-only key would let ``causal=1`` hit the
         entry of a valid ``causal=True`` call and skip the check that rejects it. Only
@@ -407,6 +410,8 @@ class _PlanCache:
         typed = []
         for f in flags:
             kind = type(f)
+            if isinstance(f, torch.Tensor):  # a 0-d scale: hashed by identity, its value may change in place
+                return None
             typed.append((kind, tuple([(type(x), x) for x in f])) if kind is tuple or kind is list else (kind, f))
         return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
                 q.device, k.device, v.device, aligned, _environment(), tuple(typed))

@@ -121,8 +121,28 @@ BAD_AFTER_GOOD = [
     (dict(window_size=[2.0, 0]), TypeError, "window_size"),
     (dict(return_lse=1), TypeError, "return_lse"),
     (dict(dropout_p=False), TypeError, "dropout_p"),
-    (dict(dropout_p=torch.tensor(0.0)), TypeError, "dropout_p"),
+    (dict(dropout_p=torch.tensor([0.0])), TypeError, "dropout_p"),  # 0-d tensors are taken, as PyTorch's
+    (dict(softmax_scale=torch.tensor([1.0])), TypeError, "softmax_scale"),
 ]
+
+
+@pytest.mark.parametrize("api", ["flash", "sdpa"])
+def test_a_0_d_scale_changed_in_place_is_read_again(api):
+    """A 0-d tensor scale (a learned temperature, say) changed in place between two calls:
+    the plan cache must not serve the first value again."""
+    q, k, v = (torch.randn(1, 9, 2, 16) for _ in range(3))
+    scale = torch.tensor(0.25)
+    if api == "flash":
+        call = lambda: aotattn.flash_attn_func(q, k, v, softmax_scale=scale, causal=True)  # noqa: E731
+    else:
+        call = lambda: aotattn.scaled_dot_product_attention(  # noqa: E731
+            *(t.transpose(1, 2) for t in (q, k, v)), scale=scale, is_causal=True).transpose(1, 2)
+    for value in (0.25, 0.25, 2.0, 2.0, -1.0):
+        scale.fill_(value)
+        out = call()
+        ref, _ = reference.attention(q.double(), k.double(), v.double(), softmax_scale=value,
+                                     causal=True, diagonal="bottom_right" if api == "flash" else "top_left")
+        assert rel_err(out, ref) < 1e-5, value
 
 
 @pytest.mark.parametrize("bad,error,match", BAD_AFTER_GOOD, ids=[str(b) for b, _, _ in BAD_AFTER_GOOD])
