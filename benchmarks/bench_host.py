@@ -8,7 +8,8 @@ driver or Triton's JIT). With the interpreter's kernels (and its typing of their
 arguments) replaced by no-ops, what is left is the Python and PyTorch work of a call: the
 part of issue 17's host time that does not depend on the GPU. B1 H1 S128 D64 bf16 causal,
 as ``bench_latency.py`` measures on the GPU: inference (no grad), a training forward
-(inputs that require grad) and a training forward + backward. ``--profile`` prints where the forward + backward's time goes.
+(inputs that require grad) and a training forward + backward. ``--profile`` prints where
+the forward + backward's time goes.
 
 ``--device cuda`` runs the real kernels on the GPU instead (images or the JIT, as
 ``AOTATTN_MODE`` says), beside PyTorch's SDPA on the same tensors, timed the same way

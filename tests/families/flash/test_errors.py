@@ -142,7 +142,8 @@ def test_scale_and_dropout_p_take_0_d_tensors_as_pytorch_does(dtype):
                                                dropout_p=torch.tensor(0, dtype=dtype))
     ref, _ = reference.attention(*(t.transpose(1, 2).double() for t in (q, k, v)), softmax_scale=value)
     assert rel_err(out.transpose(1, 2), ref) < 1e-5
-    out = aotattn.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), softmax_scale=torch.tensor(value, dtype=dtype))
+    out = aotattn.flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)),
+                                  softmax_scale=torch.tensor(value, dtype=dtype))
     assert rel_err(out, ref) < 1e-5
     with pytest.raises(ValueError, match="scale: expected a finite number, got nan"):
         aotattn.scaled_dot_product_attention(q, k, v, scale=torch.tensor(float("nan")))
