@@ -42,8 +42,12 @@ def check(b, s, hq, hk, d, **kw):
     torch.use_deterministic_algorithms(True)  # torch.empty fills NaN: an unwritten row fails
     out = aotattn.flash_attn_func(q, k, v, **kw)
     torch.use_deterministic_algorithms(False)
+    left, right = kw.get("window_size", (-1, -1))
+    right = 0 if kw.get("causal") else right
+    i, j = torch.arange(s, device="cuda")[:, None], torch.arange(s, device="cuda")  # Sq = Sk: no diagonal shift
+    seen = ((left < 0) | (j >= i - left)) & ((right < 0) | (j <= i + right))
     ref = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k.transpose(1, 2).float(),
-                                         v.transpose(1, 2).float(), is_causal=kw.get("causal", False),
+                                         v.transpose(1, 2).float(), attn_mask=seen,
                                          enable_gqa=hq != hk).transpose(1, 2)
     err = (out.float() - ref).abs().max().item()
     print(f"check B{b} S{s} Hq{hq} Hk{hk} D{d} {kw}: max |err| {err:.2e}, NaN {out.isnan().any().item()}", flush=True)

@@ -17,18 +17,13 @@
 #                                           # cells with it among the knobs (UNMASK=1: hand patch
 #                                           # 0003's one cell timed as the current choice); tuned.tgz
 #                                           # lands only with the patch (its tables name PERSISTENT=2)
-#   bash benchmarks/s42_session.sh order    # < 8 min: fwd-ws-program-order (the one-tile grid under a mask
-#                                           # through common.program_order, as the Triton forward and the
-#                                           # ws backward: heads in groups, rank by rank) against the tree,
-#                                           # bench_short_causal on causal shapes whose cells run the one-tile
-#                                           # grid, then the ws forward's masked GPU tests with the patch;
-#                                           # land it (git apply, commit) if it gains and the tests pass
 #   bash benchmarks/s42_session.sh mask-bwd # < 9 min: bwd-ws-mask-bounds (the same per-key bounds in the
 #                                           # ws backward's P; SASS 4288 instructions against 4432 at d128
 #                                           # causal: a small gain at most) applied, the ws backward's masked
 #                                           # GPU tests, then bench_ws_backward's causal shapes with it;
 #                                           # compare with the same shapes of a run without (BASE=1)
 #
+# (The order step landed in the forty-sixth session: fwd-ws-program-order is in forward_ws.py.)
 # Why (RESULTS.md, forty-second session): on an H100 the d128 s1024 causal forward took as long as
 # the full one (0.2658 vs 0.2634 ms, B16 H16; cuDNN 0.1595 vs 0.2281), and every ws knob was within
 # 2%. The tables' times fit "a causal tile costs its blocks plus 2.8 more" from s1024 to s16384
@@ -63,17 +58,6 @@ case ${1:-diag} in
     stamp "masked blocks unmasked (timing only)"
     with_patch fwd-ws-no-mask-timing-only.patch short no-mask.log --no-check --shapes "$shapes"
     stamp "per-row mask bounds"; with_patch fwd-ws-mask-bounds.patch short mask-bounds.log --shapes "$shapes" ;;
-  order)
-    # d128 s2048/s8192/s16384 and d64 s8192 causal run the one-tile grid in the tables (H200);
-    # s1024 runs the persistent list there, a control. Prediction (forty-third session,
-    # program_order_model.py): 1.06-1.12x at s1024-s8192, ~1.0 at s16384 B1 H8 (a group is one head)
-    shapes=${SHAPES:-4x2048x16x128,1x8192x16x128,1x16384x8x128,2x8192x32x64,16x1024x16x128}
-    stamp "the tree as it is"; short order-base.log --no-check --shapes "$shapes"
-    stamp "program order on the one-tile grid"
-    with_patch fwd-ws-program-order.patch short order.log --shapes "$shapes"
-    stamp "program order: the ws forward's masked cases with every knob value (JIT)"
-    with_patch fwd-ws-program-order.patch gpu_tests forward-ws-order.log "${TEST_S:-300}" -n 8 \
-      tests/families/flash/test_forward_ws.py -k "reference and (causal or window or one-key or one-query)" ;;
   mask)
     stamp "per-row mask bounds: the ws forward's masked cases with every knob value (JIT)"
     with_patch fwd-ws-mask-bounds.patch gpu_tests forward-ws-masked.log "${TEST_S:-450}" -n 8 \

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fractions
+import math
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -293,18 +295,34 @@ def test_sequences_past_the_kernels_int32_block_arithmetic_are_refused():
 
 @pytest.mark.gpu
 def test_keys_up_to_the_longest_length_accepted_are_attended():
-    """The longest length accepted, as rows of stride 0: every key has the same score and
-    the same v row. A block count that wrapped in int32 would run no key block (output 0
-    or NaN). v's entries are signed powers of two, so the float32 sums of p and of p * v
-    round alike and the output is v's row exactly, however many keys are summed."""
+    """Rows of stride 0: every key has the same score and the same v row, whose entries are
+    signed powers of two. A block count that wrapped in int32 would run no key block (output
+    0, log-sum-exp -inf) or a few (log-sum-exp far below score + log(n)).
+
+    Up to 2**24 keys the float32 sums are exact: the output is v's row and the log-sum-exp
+    score + log(n). Past ~2**26 keys of equal weight the tensor cores' float32 accumulator of
+    P @ V stops growing (measured on an H100: the output is v * 2**26 / n at D 128), and at
+    BLOCK_N 64 the row sum stops at 2**30 (docs/semantics.md); at the longest length the
+    output is v times one factor in (0, 1] and every key block still counts in the row sum."""
     from aotattn.families.flash.checks import MAX_SEQLEN
 
-    q = torch.randn(1, 3, 1, 8, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 1, 1, 8, device="cuda", dtype=torch.bfloat16).expand(1, MAX_SEQLEN, 1, 8)
-    row = torch.randint(-2, 3, (8,)).float().exp2() * (torch.randint(0, 2, (8,)) * 2 - 1)
-    v = row.to("cuda", torch.bfloat16).view(1, 1, 1, 8).expand(1, MAX_SEQLEN, 1, 8)
-    out = aotattn.flash_attn_func(q, k, v)
-    assert torch.equal(out, v[:, :1].expand(1, 3, 1, 8))
+    for n in (2**24, MAX_SEQLEN):
+        for d in (8, 128):
+            q = torch.randn(1, 3, 1, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, 1, 1, d, device="cuda", dtype=torch.bfloat16)
+            row = torch.randint(-2, 3, (d,)).float().exp2() * (torch.randint(0, 2, (d,)) * 2 - 1)
+            v = row.to("cuda", torch.bfloat16).view(1, 1, 1, d)
+            out, lse = aotattn.flash_attn_func(q, k.expand(1, n, 1, d), v.expand(1, n, 1, d), return_lse=True)
+            score = (q[0, :, 0].double() @ k[0, 0, 0].double()) / d**0.5
+            excess = lse[0, 0].double() - score - math.log(n)  # log(row sum / n)
+            factor = out[0, :, 0].float() / v[0, 0, 0].float()  # (3, d)
+            if n <= 2**24:
+                assert torch.equal(out, v.expand(1, 3, 1, d)), (n, d)
+                assert excess.abs().max() < 1e-5, (n, d, excess)
+            else:
+                assert torch.equal(factor, factor[0, 0].expand_as(factor)), (d, factor)
+                assert 0 < factor[0, 0] <= 1, (d, factor)
+                assert (excess >= math.log(2**26 / n) - 1e-5).all() and (excess < 1e-5).all(), (d, excess)
 
 
 @pytest.mark.gpu
