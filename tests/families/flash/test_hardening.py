@@ -495,6 +495,54 @@ def test_large_scores_keep_the_documented_gradient_accuracy(backend, request):
         assert rel_err(got, want) < 2e-4
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["split", "fused"])
+def test_values_near_the_fp16_limit(device, backend, request):
+    """v entries up to 65000 (fp16's largest is 65504): the forward is exact to fp16's
+    tolerance and never overflows (a weighted mean of v). The backward rounds
+    dS = P * (dP - delta) to the input dtype for the tensor cores, as flash-attn and
+    PyTorch's flash backend do (docs/semantics.md, "Gradients in float16"):
+    in fp16 a gradient may be inf where some |dS| of its row or column passes 65504 (or the
+    gradient itself does), and only there; bf16 keeps every gradient finite and within its
+    tolerance."""
+    seed_from(request.node.name)
+    b, s, h, d = 1, 37, 2, 16
+    q, k = (torch.randn(b, s, h, d, device=device) for _ in range(2))
+    v = (torch.rand(b, s, h, d, device=device) * 2 - 1) * 65000
+    v[..., 0] = 65504  # every key: column 0 of the output is 65504 exactly
+    dout = torch.randn(b, s, h, d, device=device) * 4  # |dS| passes 65504 somewhere (~3e5 at most)
+    for dtype in (torch.float16, torch.bfloat16):
+        qd, kd, vd = (t.to(dtype).double().requires_grad_() for t in (q, k, v))
+        ref_out, _ = reference.attention(qd, kd, vd)
+        ref_grads = torch.autograd.grad(ref_out, (qd, kd, vd), dout.to(dtype).double())
+        # dS of the reference, (B, H, Sq, Sk): rows are queries (dQ), columns keys (dK)
+        scores = torch.einsum("bqhd,bkhd->bhqk", qd, kd) / d**0.5
+        p = scores.softmax(-1)
+        dp = torch.einsum("bqhd,bkhd->bhqk", dout.to(dtype).double(), vd)
+        ds = (p * (dp - (p * dp).sum(-1, keepdim=True))).detach()
+        past = ds.abs() > 65504
+
+        x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = aotattn.flash_attn_func(*x, backend=backend)
+        assert out.isfinite().all() and (out[..., 0] == 65504).all()
+        assert rel_err(out, ref_out) < TOLERANCE[dtype]
+        grads = torch.autograd.grad(out, x, dout.to(dtype))
+        if dtype == torch.bfloat16:
+            for got, want in zip(grads, ref_grads):
+                assert got.isfinite().all() and rel_err(got, want) < TOLERANCE[dtype]
+            continue
+        assert past.any()  # the case exercises the limit
+        may_overflow = {0: past.any(-1).transpose(1, 2), 1: past.any(-2).transpose(1, 2)}  # (B, S, H) rows of dQ, dK
+        for i, (got, want) in enumerate(zip(grads, ref_grads)):
+            bad = ~got.isfinite()
+            allowed = want.abs() >= 65504  # the exact gradient itself is past fp16's range
+            if i < 2:  # dV = P^T dO takes no dS
+                allowed = allowed | may_overflow[i][..., None]
+            assert not (bad & ~allowed).any(), i
+            ok = ~bad & (want.abs() < 65504)
+            assert rel_err(got[ok], want[ok]) < TOLERANCE[dtype], i
+
+
 # ------------------------------------------------------------------ checkpointing and in-place changes
 
 
