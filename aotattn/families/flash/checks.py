@@ -115,8 +115,8 @@ def check_tensors(names: tuple[str, str, str], q: object, k: object, v: object, 
             raise TypeError(f"{name}: expected dtype {tensors[0].dtype} (the dtype of {qn}), got {t.dtype}")
         if t.device != tensors[0].device:
             raise ValueError(f"{name}: expected device {tensors[0].device} (the device of {qn}), got {t.device}")
-    if tensors[0].device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{qn}: expected a CUDA or CPU tensor, got device {tensors[0].device}")
+    if tensors[0].device.type not in ("cpu", "cuda", "meta"):  # meta: shapes only (ops._attend)
+        raise ValueError(f"{qn}: expected a CUDA, CPU or meta tensor, got device {tensors[0].device}")
     for name, t in zip(names, tensors):
         if t.numel() > 0 and t.stride(-1) != 1:
             raise ValueError(f"{name}: expected a unit stride in the last dimension, got strides {t.stride()}")

@@ -237,7 +237,7 @@ def _attend(p: Problem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias:
                            backend, deterministic, None, cu_seqlens_q, cu_seqlens_k)
         return out[..., :p.head_dim_v], lse
     backend, deterministic = check_backend(backend), _deterministic(deterministic)
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and not q.is_meta:  # meta: the custom op's fake, shapes only
         (q, k, v), copied = planning.servable(p, q, k, v)
         if copied:  # the plan cache keys the caller's tensors; a hit would skip the copies
             cache_key = None
@@ -257,7 +257,7 @@ def _cacheable(q: object, k: object, v: object, dropout_p: object, extra: object
     if (torch.compiler.is_compiling() or forward_ad_active()  # a dual input must meet check_untransformed
             or not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)
                     and q.dim() and k.dim() and v.dim()
-                    and q.layout is strided and k.layout is strided and v.layout is strided)
+                    and q.layout is strided and k.layout is strided and v.layout is strided and not q.is_meta)
             # a plain 0 only: the cache key leaves dropout_p out, so a hit must not skip its check
             or extra is not None or (type(dropout_p) is not float and type(dropout_p) is not int)
             or dropout_p != 0.0):
@@ -565,7 +565,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                                                 check_dropout("dropout_p", dropout_p), block_table)
     p = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p,
                      softmax_scale=softmax_scale, causal=causal, window_size=window_size, diagonal=diagonal,
-                     read_offsets=not torch.compiler.is_compiling())
+                     read_offsets=not (torch.compiler.is_compiling() or getattr(q, "is_meta", False)))
     return_lse = check_bool("return_lse", return_lse)
     out, lse = _attend(p, q, k, v, None, False, backend, deterministic, None, cu_seqlens_q, cu_seqlens_k)
     if return_attn_probs:

@@ -44,8 +44,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {x.dtype}")
     if x.dim() < 1 or not 1 <= x.shape[-1] <= rules.MAX_COLS:
         raise ValueError(f"x: expected a last dimension of 1..{rules.MAX_COLS}, got shape {tuple(x.shape)}")
-    if x.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"x: expected a CUDA or CPU tensor, got device {x.device}")
+    if x.device.type not in ("cpu", "cuda", "meta"):  # meta: shapes only, through the op's fake
+        raise ValueError(f"x: expected a CUDA, CPU or meta tensor, got device {x.device}")
     if weight is not None:
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"weight: expected a torch.Tensor or None, got {type_name(weight)}")
@@ -62,7 +62,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         _check_eps(eps)
     if x.numel() and x.stride(-1) != 1:
         raise ValueError(f"x: expected a unit stride in the last dimension, got strides {x.stride()}")
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or x.is_meta:
         # one opaque node with a shape-only fake: Dynamo traced into the launch (on CPU into
         # Triton's interpreter) and failed on fake tensors. No autograd formula is registered,
         # so differentiating through it raises, as the eager result below does.

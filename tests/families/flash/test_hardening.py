@@ -781,3 +781,54 @@ def test_one_key_head_expanded_over_the_query_heads(device, backend, head_dim, r
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
     for name, got, want in zip("qkv", grads, ref_grads):
         assert rel_err(got, want) < TOLERANCE[torch.bfloat16], f"d{name}"
+
+
+# ------------------------------------------------------------------ meta tensors
+
+_META_CALLS = {
+    "flash causal": lambda q, k, v, cu: aotattn.flash_attn_func(q, k, v, causal=True),
+    "flash lse": lambda q, k, v, cu: aotattn.flash_attn_func(q, k, v, return_lse=True)[1],
+    "flash gqa window": lambda q, k, v, cu: aotattn.flash_attn_func(q, k[:, :, :1], v[:, :, :1], window_size=(3, 1)),
+    "flash d57": lambda q, k, v, cu: aotattn.flash_attn_func(q[..., :57], k[..., :57], v[..., :40]),
+    "flash dropout": lambda q, k, v, cu: aotattn.flash_attn_func(q, k, v, dropout_p=0.3),
+    "sdpa bool mask": lambda q, k, v, cu: aotattn.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=torch.ones(19, 19, dtype=torch.bool,
+                                                                                      device=q.device).tril()),
+    "sdpa 3-D": lambda q, k, v, cu: aotattn.scaled_dot_product_attention(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                                                          v[0].transpose(0, 1), is_causal=True),
+    "varlen": lambda q, k, v, cu: aotattn.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                                                 cu, cu, 19, 19, causal=True),
+    "rms_norm": lambda q, k, v, cu: aotattn.rms_norm(q, torch.ones(q.shape[-1], dtype=q.dtype, device=q.device)),
+}
+
+
+@pytest.mark.parametrize("name", list(_META_CALLS))
+def test_meta_tensors_give_the_shapes_dtypes_and_strides_of_a_real_call(name):
+    """Shape inference on ``device="meta"`` (docs/semantics.md, Devices): the result of the
+    same call on CPU tensors, less the values; gradients too where the call has them."""
+    call = _META_CALLS[name]
+    results = {}
+    for device in ("cpu", "meta"):
+        q, k, v = (torch.randn(2, 19, 3, 64, device=device, dtype=torch.bfloat16,
+                               requires_grad=name != "rms_norm") for _ in range(3))
+        cu = torch.tensor([0, 19, 38], dtype=torch.int32, device=device)
+        out = call(q, k, v, cu)
+        grads = ()
+        if out.requires_grad:
+            grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out), allow_unused=True)
+        results[device] = [(t.shape, t.dtype, t.stride()) for t in (out, *grads) if t is not None]
+        assert all(t.device.type == device for t in (out, *grads) if t is not None)
+    assert results["meta"] == results["cpu"]
+
+
+def test_meta_tensors_are_checked_as_any_other():
+    q = torch.randn(1, 8, 2, 16, device="meta", dtype=torch.float16)
+    with pytest.raises(ValueError, match="k: expected device meta"):
+        aotattn.flash_attn_func(q, torch.randn(1, 8, 2, 16, dtype=torch.float16), q)
+    with pytest.raises(ValueError, match="q: expected a head dim in 1..256"):
+        bad = torch.randn(1, 8, 2, 300, device="meta", dtype=torch.float16)
+        aotattn.flash_attn_func(bad, bad, bad)
+    with pytest.raises(ValueError, match="window_size"):
+        aotattn.flash_attn_func(q, q, q, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="device"):
+        aotattn.dropout_mask(1, 2, 8, 8, 0.5, device="meta")
