@@ -16,6 +16,8 @@
 # call. With runtime or latency the image build (~40 s) comes first and runtime's 150 s after
 # the suite, so `SUITE_S=560 ... suite runtime` overran the call's 600 s with the suite at 98%
 # and runtime never ran (forty-second session); a step that cannot fit is now left out, said.
+# Forty-sixth session: the suite took 556 s on an H100 with 8 jobs (--durations=30 now names the
+# slowest tests, to split it or raise SUITE_JOBS before it outgrows the call).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -41,7 +43,7 @@ if has suite; then
   stamp "GPU suite on GPU 0"
   # -v names every result as it lands and SIGINT at the deadline still prints the summary,
   # so a suite cut short says which tests failed
-  ( CUDA_VISIBLE_DEVICES=0 AOTATTN_MODE=jit timeout -s INT -k 20 "${SUITE_S:-480}" python -m pytest -m gpu -v -rfE \
+  ( CUDA_VISIBLE_DEVICES=0 AOTATTN_MODE=jit timeout -s INT -k 20 "${SUITE_S:-480}" python -m pytest -m gpu -v -rfE --durations=30 \
       -n "${SUITE_JOBS:-8}" -p no:cacheprovider tests --ignore=tests/runtime --ignore=tests/pgdef --ignore=tests/tune \
       --ignore=tests/perfmon/test_app.py > "$OUT/suite.log" 2>&1
     echo "suite rc=$?" >> "$OUT/suite.log" ) &
