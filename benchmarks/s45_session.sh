@@ -14,7 +14,7 @@
 # Forty-sixth session (H100, one round; RESULTS.md): forward within 1% but s4096 causal (4%),
 # backward 1-4% but s16384 full 8% (images slower). The JIT's extra hints (lengths, heads and
 # head dims divisible by 16) leave the ws backward's inner loops as long as the images' (SASS
-# compiled here on CPU: 468 and 457 instructions, 32 HGMMA each, both ways), so the next run
+# compiled here on CPU: 457 and 468 instructions, 32 HGMMA each, both ways), so the next run
 # is ROUNDS=3 (~5 min with the build) to tell a gap from the spread.
 source "$(dirname "$0")/session_common.sh"
 shapes=${SHAPES:-d128 s1024 full,d128 s4096 full,d128 s4096 causal,d128 s16384 full}

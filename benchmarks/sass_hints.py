@@ -13,10 +13,8 @@ hot loops are the same length both ways, the hints do not explain an images-vs-J
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
-import tempfile
+import sys
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -25,38 +23,13 @@ from aotattn import families, tuning
 from aotattn.compiler import jobs
 from aotattn.spec import parse_where
 
-_INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+([^;]*);")
-_LABEL = re.compile(r"^\.(L_x_\d+):")
-_BRANCH = re.compile(r"BRA\S*\s+`?\(?\.?(L_x_\d+)")
+sys.path.insert(0, str(Path(__file__).parent))
+from sass_loops import _cuobjdump, loops  # noqa: E402  (the SASS reader of benchmarks/sass_loops.py)
 
 
-def sass(cubin: bytes) -> str:
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-
-
-def mma_loops(text: str) -> list[tuple[int, int]]:
-    """(instructions, MMA instructions) of each backward branch's span that holds an MMA."""
-    instructions, labels, pending = [], {}, None
-    for line in text.splitlines():
-        if m := _LABEL.match(line.strip()):
-            pending = m.group(1)
-        elif m := _INSTRUCTION.match(line):
-            if pending:
-                labels[pending], pending = len(instructions), None
-            instructions.append(m.group(2))
-    loops = []
-    for end, text_ in enumerate(instructions):
-        m = _BRANCH.search(text_)
-        if m and labels.get(m.group(1), end + 1) <= end:
-            body = instructions[labels[m.group(1)]:end + 1]
-            mma = sum("GMMA" in x or "HMMA" in x for x in body)
-            if mma:
-                loops.append((len(body), mma))
-    return sorted(loops)
+def mma_loops(sass: str) -> list[tuple[int, int]]:
+    """(instructions, HGMMA) of each loop that holds a wgmma, shortest first."""
+    return sorted((loop["instructions"], loop["HGMMA"]) for loop in loops(sass) if loop["HGMMA"])
 
 
 def main() -> None:
@@ -90,9 +63,9 @@ def main() -> None:
         build_attrs.update({(names.index(n),): [["tt.divisibility", 16]] for n in extra})
         compiled = triton.compile(jobs._source(spec.language)(fn, signature, constexprs, build_attrs),
                                   target=target, options=options)
-        text = sass(compiled.asm["cubin"])
-        count = sum(1 for line in text.splitlines() if _INSTRUCTION.match(line))
-        print(f"{label:10s} {count} instructions; loops with MMA (instructions, MMA): {mma_loops(text)[:6]}")
+        text = _cuobjdump(compiled.asm["cubin"], "--dump-sass")
+        count = sum(1 for line in text.splitlines() if line.lstrip().startswith("/*") and ";" in line)
+        print(f"{label:10s} {count} instructions; loops with wgmma (instructions, HGMMA): {mma_loops(text)[:6]}")
 
 
 def _target(arch: str) -> tuple[str, int, int]:
