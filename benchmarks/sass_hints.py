@@ -2,11 +2,11 @@
 JIT would add for a call (integers divisible by 16), compared in SASS: no GPU needed.
 
     python benchmarks/sass_hints.py --kernel flash.attn_bwd_ws \
-        --where "dtype=bf16 BLOCK_D=128 BLOCK_DV=128 PAD_HEAD=False MASK=0 VARLEN=False DROPOUT=False BIAS=0" \
+        --where "dtype=bf16 BLOCK_D=128 BLOCK_DV=128 PAD_HEAD=False MASK=0 VARLEN=False DROPOUT=False BIAS=0 GROUPED=False" \
         --seqlen 16384 --hint max_seqlen_q,max_seqlen_k,num_heads_q,head_dim,head_dim_v
 
-Prints the tuned configuration, each build's instruction count and the loops that hold MMA
-instructions (instructions, MMA instructions), innermost first. Issue 17's item 2: if the
+Prints the tuned configuration, each build's instruction count and the loops that hold wgmma
+instructions (instructions, HGMMA), shortest first (benchmarks/sass_loops.py's loops). Issue 17's item 2: if the
 hot loops are the same length both ways, the hints do not explain an images-vs-JIT gap.
 """
 
