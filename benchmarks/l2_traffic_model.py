@@ -6,7 +6,8 @@ round_tile: back and forth over costliest-first tiles), one key block a step; al
 step together. A block read is a hit when that (head, key block) is in the L2, an LRU of
 whole K+V blocks. Printed per order: HBM bytes of K and V, their ratio to the bytes of K
 and V themselves (1.0: every block read once from HBM), and the steps (the makespan in
-key blocks).
+key blocks), and the HBM bandwidth the order would need at full speed; then the same
+for the causal shape grid of bench_attention.py (hidden 2048, 16k tokens).
 
 Why (RESULTS.md, forty-sixth session): a d128 block does 128 FLOP per byte of K and V,
 under the H100's ridge (~295), so a tile order that reads each block from HBM once per
@@ -75,6 +76,32 @@ def simulate(tiles: list, block_bytes: int, programs: int = PROGRAMS) -> tuple[f
         steps += 1
 
 
+# A key block does 2 * 2 * 128 * 128 * d FLOP on 2 * 128 * d * 2 bytes of K and V: 128 FLOP a byte
+# at any d. At the forward's ~630 TFLOP/s (H100, d128 s16384) a block read from HBM every time
+# needs ~4.9 TB/s; the HBM gives ~3.35 (H100) or 4.8 (H200) at most.
+PEAK_TFLOPS = 630.0
+
+
+def needed_tbps(hbm: float, steps: int, d: int) -> float:
+    """The HBM bandwidth the order needs to run at PEAK_TFLOPS: its bytes over its steps' time."""
+    step_s = PROGRAMS * 2 * 2 * 128 * 128 * d / (PEAK_TFLOPS * 1e12)  # every program one key block
+    return hbm / (steps * step_s) / 1e12
+
+
+def grid() -> None:
+    """The hidden-2048 shape grid (B = 16384 / S), causal, one list against quarter sections."""
+    print(f"causal, B = 16384 / S, hidden 2048: TB/s needed at {PEAK_TFLOPS:.0f} TFLOP/s (one list / quarter sections)")
+    for d in (64, 128, 256):
+        row = []
+        for seqlen in (512, 1024, 2048, 4096, 8192, 16384):
+            heads, n_m = (16384 // seqlen) * (2048 // d), seqlen // 128
+            block_bytes = 2 * 128 * d * 2
+            one = simulate(tile_list(heads, n_m, heads, True), block_bytes)
+            quarter = simulate(tile_list(heads, n_m, max(PROGRAMS // (4 * n_m), 1), True), block_bytes)
+            row.append(f"s{seqlen} {needed_tbps(*one, d):.1f}/{needed_tbps(*quarter, d):.1f}")
+        print(f"d{d:<4} " + "  ".join(row))
+
+
 def main() -> None:
     print(f"{PROGRAMS} programs, L2 {L2_BYTES >> 20} MB (LRU of K+V blocks), BLOCK 128")
     for name, heads, seqlen, d in (("d128 s1024 B8 H16", 128, 1024, 128), ("d128 s1024 B16 H16", 256, 1024, 128),
@@ -91,7 +118,9 @@ def main() -> None:
                 (f"causal, quarter sections ({quarter})", tile_list(heads, n_m, quarter, True))]
         for label, tiles in rows:
             hbm, steps = simulate(tiles, block_bytes)
-            print(f"{name:20} {label:32} HBM {hbm / 2**20:7.0f} MB ({hbm / kv_bytes:4.2f}x K+V), {steps} steps")
+            print(f"{name:20} {label:32} HBM {hbm / 2**20:7.0f} MB ({hbm / kv_bytes:4.2f}x K+V), {steps} steps, "
+                  f"{needed_tbps(hbm, steps, d):.1f} TB/s needed")
+    grid()
 
 
 if __name__ == "__main__":
