@@ -17,6 +17,11 @@
 #                                           # cells with it among the knobs (UNMASK=1: hand patch
 #                                           # 0003's one cell timed as the current choice); tuned.tgz
 #                                           # lands only with the patch (its tables name PERSISTENT=2)
+#   bash benchmarks/s42_session.sh sections-ab # < 7 min: fwd-ws-short-sections applied; the tables against a
+#                                           # copy whose short masked ws-forward cells run PERSISTENT=2
+#                                           # (benchmarks/sections_ab.py), bench_short_causal alternating
+#                                           # (ROUNDS=2), then the patch's GPU tests. Run it before `sections`
+#                                           # (whose tuning takes two stages of TUNE_S each: give it its own call)
 #   bash benchmarks/s42_session.sh mask-bwd # < 9 min: bwd-ws-mask-bounds (the same per-key bounds in the
 #                                           # ws backward's P; SASS 4288 instructions against 4432 at d128
 #                                           # causal: a small gain at most) applied, the ws backward's masked
@@ -62,6 +67,25 @@ case ${1:-diag} in
     stamp "per-row mask bounds: the ws forward's masked cases with every knob value (JIT)"
     with_patch fwd-ws-mask-bounds.patch gpu_tests forward-ws-masked.log "${TEST_S:-450}" -n 8 \
       tests/families/flash/test_forward_ws.py -k "reference and (causal or window or one-key or one-query)" ;;
+  sections-ab)
+    # the tables as they are against the same tiles with PERSISTENT=2 (benchmarks/sections_ab.py:
+    # a copy of the database), alternating, each in its own process; bench_short_causal's checks
+    # run on the copy too. Prediction (forty-sixth session, l2_traffic_model.py): 1.45-1.8x at
+    # d128 and d64 s1024 B16 causal (H100), less on the H200; s2048 d128 (one-tile grid: not
+    # switched) and s4096 (no sections past programs / 8 query blocks) are controls, ~1.0
+    git apply benchmarks/patches/fwd-ws-short-sections.patch || exit 1
+    python benchmarks/sections_ab.py build/sections-ab/tuning | tail -n 1
+    shapes=${SHAPES:-16x1024x16x128,16x1024x32x64,32x512x16x128,8x2048x16x128,4x4096x16x128}
+    for r in $(seq 1 "${ROUNDS:-2}"); do
+      stamp "round $r: the tables as they are"; short "ab-tree-$r.log" --no-check --shapes "$shapes"
+      stamp "round $r: PERSISTENT=2 on the short masked cells"
+      AOTATTN_TUNING_DB=$PWD/build/sections-ab/tuning short "ab-sections-$r.log" $( [ "$r" = 1 ] || echo --no-check ) \
+        --shapes "$shapes"
+    done
+    stamp "PERSISTENT=2: the short-section cases with every knob value (JIT)"
+    gpu_tests forward-ws-short.log "${SHORT_S:-200}" -n 3 tests/families/flash/test_forward_ws.py \
+      -k "reference and short-sections"
+    git apply -R benchmarks/patches/fwd-ws-short-sections.patch ;;
   sections)
     git apply benchmarks/patches/fwd-ws-short-sections.patch || exit 1
     stamp "PERSISTENT=2: the short-section cases with every knob value (JIT)"
@@ -86,6 +110,6 @@ case ${1:-diag} in
       stamp "bench_ws_backward with the patch"; bench_ws_backward "${BENCH_S:-200}" "$shapes"
       git apply -R benchmarks/patches/bwd-ws-mask-bounds.patch
     fi ;;
-  *) echo "usage: s42_session.sh diag|mask|mask-bwd|sections" >&2; exit 2 ;;
+  *) echo "usage: s42_session.sh diag|mask|mask-bwd|sections-ab|sections" >&2; exit 2 ;;
 esac
 stamp "done"
