@@ -111,7 +111,7 @@ def main() -> None:
         block_bytes = 2 * 128 * d * 2  # K and V of one key block, 16-bit
         kv_bytes = heads * n_m * block_bytes
         kv_heads = max((24 << 20) // (4 * d) // seqlen, 1)  # forward_ws.KV_L2_BYTES' sections, unmasked
-        quarter = max(PROGRAMS // (4 * n_m), 1)  # fwd-ws-short-sections.patch (PERSISTENT=2)
+        quarter = max(PROGRAMS // (4 * n_m), 1)  # PERSISTENT=2 (forward_ws._decode)
         rows = [("full, L2 sections", tile_list(heads, n_m, min(kv_heads, heads), False)),
                 ("causal, one list", tile_list(heads, n_m, heads, True)),
                 (f"causal, sections of {min(kv_heads, heads)}", tile_list(heads, n_m, min(kv_heads, heads), True)),

@@ -72,7 +72,7 @@ def aligned(heads: int, n_m: int, group: int, programs: int) -> float | None:
 
 def sweep(min_rounds: float) -> None:
     """The worst makespan over the one list's, for sections of programs // (4 n_m) heads dealt
-    back and forth (PERSISTENT=2 as first written, benchmarks/patches/fwd-ws-short-sections.patch)
+    back and forth (PERSISTENT=2, forward_ws._decode, landed in the forty-sixth session)
     and for :func:`aligned`, over n_m 1-32 and 1-1200 heads where the call has min_rounds rounds
     or more."""
     worst = {"quarter sections": (0.0,), "aligned": (0.0,)}

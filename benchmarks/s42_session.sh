@@ -12,12 +12,11 @@
 #   bash benchmarks/s42_session.sh mask     # < 8 min: fwd-ws-mask-bounds applied, the ws forward's masked
 #                                           # GPU tests with every knob value; if they pass and diag
 #                                           # showed a gain, land the patch (git apply, commit)
-#   bash benchmarks/s42_session.sh sections # < 10 min: fwd-ws-short-sections applied (PERSISTENT=2),
+#   bash benchmarks/s42_session.sh sections # < 10 min: PERSISTENT=2 (landed in the forty-sixth session),
 #                                           # its GPU tests, then the tuner on the masked s512-s2048
 #                                           # cells with it among the knobs (UNMASK=1: hand patch
-#                                           # 0003's one cell timed as the current choice); tuned.tgz
-#                                           # lands only with the patch (its tables name PERSISTENT=2)
-#   bash benchmarks/s42_session.sh sections-ab # < 7 min: fwd-ws-short-sections applied; the tables against a
+#                                           # 0003's and 0004's cells timed as the current choice)
+#   bash benchmarks/s42_session.sh sections-ab # < 7 min: the tables against a
 #                                           # copy whose short masked ws-forward cells run PERSISTENT=2
 #                                           # (benchmarks/sections_ab.py), bench_short_causal alternating
 #                                           # (ROUNDS=2), then the patch's GPU tests. Run it before `sections`
@@ -73,7 +72,6 @@ case ${1:-diag} in
     # run on the copy too. Prediction (forty-sixth session, l2_traffic_model.py): 1.45-1.8x at
     # d128 and d64 s1024 B16 causal (H100), less on the H200; s2048 d128 (one-tile grid: not
     # switched) and s4096 (no sections past programs / 8 query blocks) are controls, ~1.0
-    git apply benchmarks/patches/fwd-ws-short-sections.patch || exit 1
     python benchmarks/sections_ab.py build/sections-ab/tuning | tail -n 1
     shapes=${SHAPES:-16x1024x16x128,16x1024x32x64,32x512x16x128,8x2048x16x128,4x4096x16x128}
     for r in $(seq 1 "${ROUNDS:-2}"); do
@@ -84,10 +82,8 @@ case ${1:-diag} in
     done
     stamp "PERSISTENT=2: the short-section cases with every knob value (JIT)"
     gpu_tests forward-ws-short.log "${SHORT_S:-200}" -n 3 tests/families/flash/test_forward_ws.py \
-      -k "reference and short-sections"
-    git apply -R benchmarks/patches/fwd-ws-short-sections.patch ;;
+      -k "reference and short-sections" ;;
   sections)
-    git apply benchmarks/patches/fwd-ws-short-sections.patch || exit 1
     stamp "PERSISTENT=2: the short-section cases with every knob value (JIT)"
     gpu_tests forward-ws-short.log "${SHORT_S:-200}" -n 3 tests/families/flash/test_forward_ws.py \
       -k "reference and short-sections"
@@ -96,8 +92,7 @@ case ${1:-diag} in
       -- -c flash,attn_fwd_ws --dtype bf16,fp16 --head-dim 64,128,256 --where "MASK=2" \
       --cells 512x512,1024x1024,2048x2048 --limit 24 \
       --then -c flash,forward --dtype bf16,fp16 --head-dim 64,128,256 --where "MASK=2" \
-      --cells 512x512,1024x1024,2048x2048
-    git apply -R benchmarks/patches/fwd-ws-short-sections.patch ;;
+      --cells 512x512,1024x1024,2048x2048 ;;
   mask-bwd)
     shapes=${SHAPES:-d128-q1024-k1024-causal,d128-q4096-k4096-causal,d256-q4096-k4096-causal,d64-q1024-k1024-causal}
     if [ -n "${BASE:-}" ]; then

@@ -1,6 +1,5 @@
 """Write a copy of the tuning database whose short masked ws-forward cells run PERSISTENT=2
-(benchmarks/patches/fwd-ws-short-sections.patch must be applied: it adds the value), each
-cell's tuned configuration otherwise unchanged, so that one process can time the tables
+(sections of a few heads, forward_ws._decode), each cell's tuned configuration otherwise unchanged, so that one process can time the tables
 as they are (AOTATTN_TUNING_DB unset) against the same tiles in sections of a few heads
 (AOTATTN_TUNING_DB=OUT). No GPU needed to write it.
 
@@ -36,8 +35,7 @@ def main() -> None:
     spec = families.kernels()["flash.attn_fwd_ws"]
     knobs = dict(spec.tuning_space)
     if 2 not in knobs["PERSISTENT"]:
-        parser.error("PERSISTENT=2 is not a value of flash.attn_fwd_ws: apply "
-                     "benchmarks/patches/fwd-ws-short-sections.patch first")
+        parser.error("PERSISTENT=2 is not a value of flash.attn_fwd_ws in this checkout")
     if args.out.exists():
         shutil.rmtree(args.out)
     shutil.copytree(default_root(), args.out)

@@ -55,6 +55,8 @@ def _ws_registers(values: Mapping[str, Any]) -> str | None:
 
     if values.get("Q_SLOTS", 1) == 2 and not values.get("PERSISTENT", 0):
         return "Q_SLOTS=2 loads the next tile's Q ahead: one tile per program has none (PERSISTENT=1)"
+    if values.get("PERSISTENT", 0) == 2 and values.get("MASK", 0) == rules.MASK_NONE:
+        return "PERSISTENT=2 orders masked tiles only: without a mask it is PERSISTENT=1"
     held = (64 * values["BLOCK_D"] + 64 * values["BLOCK_N"] * 3 // 2) // 128
     budget = consumer_regs(values["BLOCK_M"] // 64) - 32
     if held > budget:

@@ -236,7 +236,8 @@ def _ws_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
 # The warp-specialized forward (Gluon, sm_90 only): BLOCK_M rows per program, 64 per
 # consumer warpgroup (128: two, 192: three); BLOCK_N keys per step; STAGES slots in each
 # of the K and V rings; PINGPONG, the consumers take turns issuing their products;
-# PERSISTENT, one program per SM walks the tiles, costliest first (planning.forward_plan's grid);
+# PERSISTENT, one program per SM walks the tiles, costliest first (planning.forward_plan's grid;
+# 2: under a mask, short sequences in sections of a few heads, kernels/forward_ws._decode);
 # Q_SLOTS, the Q tiles a consumer holds (2: the next tile's Q loads a tile ahead; PERSISTENT only);
 # TMA_STORE, the output leaves through a shared staging tile and a bulk copy.
 _WS_TUNING = (
@@ -244,7 +245,7 @@ _WS_TUNING = (
     ("BLOCK_N", (32, 64, 128)),
     ("STAGES", (2, 3, 4)),
     ("PINGPONG", (0, 1)),
-    ("PERSISTENT", (0, 1)),
+    ("PERSISTENT", (0, 1, 2)),
     ("Q_SLOTS", (1, 2)),
     ("TMA_STORE", (0, 1)),
     ("num_warps", (4,)),

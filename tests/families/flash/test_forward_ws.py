@@ -38,16 +38,17 @@ SM_90 = candidates.target("sm_90")
 functional = dense_functional
 
 
-def fitting(d: int, dtype: str = "bf16") -> list[Config]:
+def fitting(d: int, dtype: str = "bf16", mask: int = rules.MASK_NONE) -> list[Config]:
     """Every configuration of the tuning space the tuner's pruning keeps at head dim d."""
-    kept, _ = candidates.candidates(rules.ATTN_FWD_WS, Functional.of(functional(dtype, d)), "sm_90",
+    kept, _ = candidates.candidates(rules.ATTN_FWD_WS, Functional.of(functional(dtype, d, mask)), "sm_90",
                                     tune_flash.footprint(TABLE))
     return kept
 
 
-def covering(d: int) -> list[Config]:
-    """Few fitting configurations that together take every value of every knob that fits at d."""
-    kept = fitting(d)
+def covering(d: int, mask: int = rules.MASK_NONE) -> list[Config]:
+    """Few fitting configurations that together take every value of every knob that fits at d
+    (under a mask, PERSISTENT=2's sections too)."""
+    kept = fitting(d, mask=mask)
     chosen: list[Config] = []
 
     def knob_of(c: Config, knob: str):  # configurations leave knobs at their default out
@@ -175,7 +176,7 @@ def test_the_tuners_pruning_follows_the_rings_and_register_budgets():
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton package carries no cuobjdump")
-@pytest.mark.parametrize("persistent, q_slots, tma_store", [(0, 1, 0), (1, 1, 0), (1, 2, 0), (1, 1, 1)])
+@pytest.mark.parametrize("persistent, q_slots, tma_store", [(0, 1, 0), (1, 1, 0), (1, 2, 0), (1, 1, 1), (2, 1, 1)])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies(d, persistent, q_slots, tma_store):
     """What makes it the kernel it is, in the sm_90 machine code: more warps than it was
@@ -188,7 +189,8 @@ def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies(d, persistent
     if q_slots == 2 or tma_store:  # room for the second Q tile or the staging tiles: a small K/V ring
         base.update(BLOCK_N=min(base["BLOCK_N"], 64 if d < 256 else 32), STAGES=2)
     config = Config.of(base)
-    assert candidates.why_pruned(tune_flash.footprint(TABLE), Functional.of(functional(d=d)), config, SM_90) is None
+    assert candidates.why_pruned(tune_flash.footprint(TABLE), Functional.of(functional(d=d, mask=rules.MASK_BOTTOM_RIGHT)),
+                                 config, SM_90) is None
     entry, cubin = compile_job(Job("sm_90", TABLE, Functional.of(functional(d=d, mask=rules.MASK_BOTTOM_RIGHT)),
                                    config))
     assert entry.num_warps == 4 * (config["BLOCK_M"] // 64 + 1)  # consumers and the loader's warpgroup
@@ -250,6 +252,11 @@ CASES = [
     # the groups of three, the first section spanning both sequences)
     Case("l2-sections", (1, 700, 8192, 8, 8, 256)),
     Case("l2-sections-gqa", (2, 1500, 8192, 6, 2, 256), dtype=torch.float16),
+    # PERSISTENT=2 under a mask with few query blocks (at most programs / 8): sections of
+    # programs // (4 query blocks) query heads, whole groups; the last one narrower
+    Case("causal-short-sections", (3, 512, 512, 11, 11, 64), {"causal": True}),
+    Case("causal-short-sections-gqa", (3, 1000, 1000, 12, 4, 128), {"causal": True}),
+    Case("window-short-sections", (4, 1024, 1024, 12, 12, 64), {"window_size": (100, 20)}),
     # padded heads (PAD_HEAD): zero columns from the bulk copies past the real head dims
     Case("padded-d72-causal", (2, 1024, 1024, 8, 8, 72), {"causal": True}),
     Case("padded-d96-dv64", (2, 1000, 1777, 8, 4, 96), head_dim_v=64),
@@ -270,7 +277,8 @@ def engine(monkeypatch):
 
 
 def _configs(case: Case) -> list[Config]:
-    return covering(case.bucket)
+    masked = case.kwargs.get("causal") or "window_size" in case.kwargs
+    return covering(case.bucket, rules.MASK_BOTTOM_RIGHT if masked else rules.MASK_NONE)
 
 
 def _name(config: Config) -> str:

@@ -30,12 +30,14 @@ edges are masked, the interior is not (the ranges of :func:`.common.key_blocks`,
 computed over the whole program's rows). Under a mask programs start costliest first
 (:func:`.common.program_order` on the one-tile grid).
 
-``PERSISTENT``: a grid of at most one program per SM (planning.forward_plan), each taking
+``PERSISTENT`` (1 or 2): a grid of at most one program per SM (planning.forward_plan), each taking
 one *tile* (one ``BLOCK_M`` block of one head of one sequence) per round of ``programs``
 tiles, the rounds dealt back and forth over the programs, of a list
 in sections of heads whose K and V fit in L2 together, each section's tiles query
 blocks slowest (under a mask one section, costliest first, so the short causal tiles
-fill the end of the run instead of a tail wave of idle SMs). The
+fill the end of the run instead of a tail wave of idle SMs; with ``PERSISTENT=2`` and
+short sequences, sections of a few heads, costliest first inside each, whose K and V stay
+in L2 while every query block of the section reads them). The
 rings' and barriers' phases run on across tiles, and the loader brings a tile's Q
 as soon as the consumers have computed the last scores of the tile before (a
 ``q_empty`` barrier), overlapping its last ``P V`` product and epilogue. Without it
@@ -120,12 +122,23 @@ def _decode(t, n_m, batch, heads_q, group_size, seqlen_q, seqlen_k, window_left,
     together (KV_L2_BYTES; whole groups of query heads sharing a key head), a section
     after another. Under a mask the last query block, the costliest, first, over all the
     heads: sections would deal each program about one tile of a section, a heavy one to
-    some and a light one to others (0.55x the one-tile grid at d256 s16384 causal)."""
+    some and a light one to others (0.55x the one-tile grid at d256 s16384 causal); with
+    PERSISTENT=2, where a round holds 8 query blocks or more (short sequences), sections of
+    a few heads, costliest first inside each."""
     if PERSISTENT:
         heads = batch * heads_q
         if MASK == MASK_NONE:
             kv_heads = gl.maximum((KV_L2_BYTES // (4 * BLOCK_D)) // gl.maximum(seqlen_k, 1), 1)
             width = gl.minimum(kv_heads, heads // group_size) * group_size
+        elif PERSISTENT == 2 and n_m * 8 <= gl.num_programs(0):
+            # short tiles: sections of a few whole groups, each a quarter of a round or less, to
+            # keep the K and V in flight in L2; one list puts a round's tiles on ~programs heads
+            # (d128 s1024 causal: 66 MB of K and V, read again by every query block; the causal
+            # forward took as long as the full one, H100 2026-12-05). Sections this small still
+            # balance (benchmarks/persistent_schedule_model.py); the one list read K and V up to 4x
+            # from HBM (benchmarks/l2_traffic_model.py). d128 s1024 B16 H16 causal on an H200: 1.22x
+            # (forty-sixth session; d64 0.93x: the tuner chooses per cell).
+            width = gl.maximum(gl.num_programs(0) // (4 * n_m) // group_size, 1) * group_size
         else:  # one section: a static round robin over costliest-first tiles stays balanced
             width = heads
         first = (t // (width * n_m)) * width
