@@ -19,7 +19,7 @@ from pathlib import Path
 from aotattn import families, tuning
 from aotattn.tuning.database import default_root
 from aotattn.tune.candidates import config_name
-from aotattn.tuning.format import format_config
+from aotattn.tuning.format import format_config, format_functional
 
 PATCH = "flash.attn_fwd_ws.0099-sections-ab.dbpatch"
 
@@ -57,8 +57,7 @@ def main() -> None:
             switched = type(config).of(values)
             name = config_name(switched)
             configs[name] = format_config(switched, spec)
-            header = "[" + " ".join(f"{k}={v}" for k, v in sorted(functional.as_dict().items(), key=_axis_order)) + "]"
-            blocks.setdefault(header, []).append(f"seqlen_q={seqlen} seqlen_k={seqlen}: {name}")
+            blocks.setdefault(format_functional(spec, functional), []).append(f"seqlen_q={seqlen} seqlen_k={seqlen}: {name}")
     lines = ["# benchmarks/sections_ab.py: the short masked cells' tuned tiles with PERSISTENT=2 (an A/B copy,",
              "# never landed)", "#! aotattn-patch 1", "#! table flash.attn_fwd_ws", "", "[configs]"]
     lines += [f"{name} = {values}" for name, values in sorted(configs.items())]
@@ -67,13 +66,6 @@ def main() -> None:
     path = args.out / "nvidia" / "sm_90" / PATCH
     path.write_text("\n".join(lines) + "\n")
     print(f"{path}: {sum(len(c) for c in blocks.values())} cells switched to PERSISTENT=2")
-
-
-_AXES = ("dtype", "BLOCK_D", "BLOCK_DV", "PAD_HEAD", "MASK", "VARLEN", "DROPOUT", "BIAS")
-
-
-def _axis_order(item: tuple[str, object]) -> int:
-    return _AXES.index(item[0]) if item[0] in _AXES else len(_AXES)
 
 
 if __name__ == "__main__":
