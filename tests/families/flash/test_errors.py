@@ -6,7 +6,6 @@ import fractions
 import math
 
 import numpy as np
-
 import pytest
 import torch
 
