@@ -18,6 +18,8 @@
 # and runtime never ran (forty-second session); a step that cannot fit is now left out, said.
 # Forty-sixth session: the suite took 556 s on an H100 with 8 jobs (--durations=30 now names the
 # slowest tests, to split it or raise SUITE_JOBS before it outgrows the call).
+# Forty-seventh session: SUITE_PART=1 (the backward and dropout files) or SUITE_PART=2 (the rest)
+# runs half of it, each in its own call on a warm machine (SUITE_S=400 each).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -43,8 +45,15 @@ if has suite; then
   stamp "GPU suite on GPU 0"
   # -v names every result as it lands and SIGINT at the deadline still prints the summary,
   # so a suite cut short says which tests failed
+  heavy="tests/families/flash/test_backward.py tests/families/flash/test_backward_ws.py
+    tests/families/flash/test_backward_knobs.py tests/families/flash/test_dropout.py"
+  case ${SUITE_PART:-} in
+    1) paths=$heavy ;;
+    2) paths="tests $(printf -- '--ignore=%s ' $heavy)" ;;
+    *) paths=tests ;;
+  esac
   ( CUDA_VISIBLE_DEVICES=0 AOTATTN_MODE=jit timeout -s INT -k 20 "${SUITE_S:-480}" python -m pytest -m gpu -v -rfE --durations=30 \
-      -n "${SUITE_JOBS:-8}" -p no:cacheprovider tests --ignore=tests/runtime --ignore=tests/pgdef --ignore=tests/tune \
+      -n "${SUITE_JOBS:-8}" -p no:cacheprovider $paths --ignore=tests/runtime --ignore=tests/pgdef --ignore=tests/tune \
       --ignore=tests/perfmon/test_app.py > "$OUT/suite.log" 2>&1
     echo "suite rc=$?" >> "$OUT/suite.log" ) &
 fi

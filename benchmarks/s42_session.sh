@@ -84,9 +84,11 @@ case ${1:-diag} in
     gpu_tests forward-ws-short.log "${SHORT_S:-200}" -n 3 tests/families/flash/test_forward_ws.py \
       -k "reference and short-sections" ;;
   sections)
-    stamp "PERSISTENT=2: the short-section cases with every knob value (JIT)"
-    gpu_tests forward-ws-short.log "${SHORT_S:-200}" -n 3 tests/families/flash/test_forward_ws.py \
-      -k "reference and short-sections"
+    if [ -z "${NO_TESTS:-}" ]; then  # NO_TESTS=1: the suite ran them (gpu_verify.sh suite)
+      stamp "PERSISTENT=2: the short-section cases with every knob value (JIT)"
+      gpu_tests forward-ws-short.log "${SHORT_S:-200}" -n 3 tests/families/flash/test_forward_ws.py \
+        -k "reference and short-sections"
+    fi
     stamp "tune the ws forward's short masked cells (PERSISTENT=2 among the knobs; patch 0003's choice timed)"
     UNMASK=1 TUNE_S=${TUNE_S:-260} SELECT= bash benchmarks/tune_cells_session.sh \
       -- -c flash,attn_fwd_ws --dtype bf16,fp16 --head-dim 64,128,256 --where "MASK=2" \
