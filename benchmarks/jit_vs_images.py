@@ -6,10 +6,17 @@ modes' SASS can be compared on any machine (benchmarks/sass_loops.py).
     AOTATTN_MODE=aot AOTATTN_IMAGES=/tmp/aot-images python benchmarks/jit_vs_images.py --out $OUT/img
     AOTATTN_MODE=jit python benchmarks/jit_vs_images.py --out $OUT/jit
 
+--time also times the backward as bench_attention does and lists each kernel's own GPU time
+(torch.profiler), which tells a slower kernel from time spent between kernels.
+
 Why: the forty-seventh session's three alternating rounds (H100) put the images' ws backward
 4% (s4096 full) to 9-13% (s16384 full) behind the JIT's, every round, while the same kernel
-compiled here on CPU both ways had equal hot loops: the difference is in what runs, not in
-the hints.
+compiled here on CPU both ways had equal hot loops. Its first run (H100, d128 s16384 and s4096
+full) found the same configurations, warps, shared memory and scratch both ways, and the ws
+backward's SASS identical instruction for instruction (the JIT's cubin adds line tables): the
+gap is not in the code. What differs is the launch: Triton's loader also sets
+cuFuncSetCacheConfig(PREFER_SHARED) on kernels over 48 KB (--prefer-shared does it for images)
+and launches with cuLaunchKernelEx.
 """
 
 from __future__ import annotations
@@ -66,6 +73,19 @@ def main() -> None:
             ms = do_bench(lambda: torch.autograd.grad(out, (qt, kt, vt), dout, retain_graph=True), warmup=50, rep=200,
                           return_mode="median")
             print(f"{mode} prefer_shared={args.prefer_shared} {shape} backward {ms:.4f} ms", flush=True)
+            # each kernel's own GPU time (the profiler's CUDA activity): equal kernel times with
+            # unequal do_bench times put the gap outside the kernels (host work, idle gaps)
+            backward = lambda: torch.autograd.grad(out, (qt, kt, vt), dout, retain_graph=True)  # noqa: E731
+            for _ in range(5):
+                backward()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    backward()
+                torch.cuda.synchronize()
+            for event in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]:
+                print(f"  {event.key[:60]:60s} {event.count:4d} calls {event.device_time_total / event.count / 1e3:8.4f} ms"
+                      " each", flush=True)
     if mode == "jit":  # every kernel the JIT compiled: its specialization and its cubin
         for table, spec in families.kernels().items():
             for cache in launcher.jit_function(spec).device_caches.values():

@@ -2,6 +2,7 @@
 # Issue 17's item 2 re-timed (written in the forty-fifth session), one device call (< 6 min):
 #
 #   [ROUNDS=3] [SHAPES=...] bash benchmarks/s45_session.sh jitgap
+#   [ROUNDS=2] bash benchmarks/s45_session.sh cause   # (~3 min) why the images' backward is slower
 #
 # The sm_90 image subset (benchmarks/build_gpu_subset.sh: bf16 d128, every kernel of those
 # functionals), then benchmarks/bench_attention.py from those images, the tuning database's
@@ -36,6 +37,27 @@ case ${1:-jitgap} in
       stamp "round $r: through the JIT"
       AOTATTN_MODE=jit bench "jit-$r.log" --providers aotattn,sdpa-cudnn --json "$OUT/jit-$r.json"
     done ;;
-  *) echo "usage: s45_session.sh jitgap" >&2; exit 2 ;;
+  cause)
+    # forty-seventh session: same SASS both ways (benchmarks/jit_vs_images.py); images without and with
+    # Triton's PREFER_SHARED cache config, and the JIT, alternating, each timed and profiled per kernel.
+    # Prediction: kernel times equal in all three; if the images' bwd_ws kernel time itself is
+    # longer, the cache config (or the plain cuLaunchKernel) is the lead
+    stamp "building the image subset"
+    bash benchmarks/build_gpu_subset.sh /tmp/aot-images > "$OUT/build.log" 2>&1 || { tail -n 5 "$OUT/build.log"; exit 1; }
+    for r in $(seq 1 "${ROUNDS:-2}"); do
+      for m in images prefer jit; do
+        stamp "round $r: $m"
+        case $m in
+          images) AOTATTN_MODE=aot AOTATTN_IMAGES=/tmp/aot-images ;;
+          prefer) AOTATTN_MODE=aot AOTATTN_IMAGES=/tmp/aot-images; extra=--prefer-shared ;;
+          jit) AOTATTN_MODE=jit ;;
+        esac
+        AOTATTN_MODE=$AOTATTN_MODE AOTATTN_IMAGES=${AOTATTN_IMAGES:-} timeout 120 python benchmarks/jit_vs_images.py \
+          --out "/tmp/cause-$m" --time --shapes "${CAUSE_SHAPES:-1x16384x16x128,4x4096x16x128}" ${extra:-} 2>&1 \
+          | grep -E "backward|calls" | tee -a "$OUT/cause.log"
+        unset AOTATTN_MODE AOTATTN_IMAGES extra
+      done
+    done ;;
+  *) echo "usage: s45_session.sh jitgap|cause" >&2; exit 2 ;;
 esac
 stamp "done"
