@@ -331,6 +331,68 @@ def test_the_backward_runs_on_its_log_sum_exp(case, engine, request):
         assert rel_err(g, r) < 2 * TOLERANCE[case.dtype], f"d{name}"
 
 
+def _tuned_choices() -> list[tuple[Functional, str, tuple[int, int]]]:
+    """(functional, configuration name, its first cell) for each configuration the sm_90 table
+    chooses, once per (masked or not, padded or not, head-dim block): the tuner times each cell at one size
+    with random inputs; these calls add odd lengths, grouped heads and the other mask sides."""
+    table = tuning.database().effective("sm_90", TABLE)
+    (_, rows), (_, cols) = table.keys
+    first: dict[tuple, tuple[Functional, str, tuple[int, int]]] = {}
+    for f, grid in table.blocks.items():
+        axes = f.as_dict()
+        for i, row in enumerate(grid):
+            for j, name in enumerate(row):
+                key = (name, axes["MASK"] > 0, axes["PAD_HEAD"], axes["BLOCK_D"])
+                first.setdefault(key, (f, name, (rows[i], cols[j])))
+    return list(first.values())
+
+
+TUNED = _tuned_choices()
+
+
+def _tuned_case(f: Functional, cell: tuple[int, int]) -> Case:
+    """A call the table sends to ``f`` near ``cell``: lengths off the cell (capped at 2048: eight
+    float64 references at once stay under 4 GB of scores), 6 query heads on 3 key heads, head
+    dims that bucket into ``f``."""
+    axes = f.as_dict()
+    assert not (axes["VARLEN"] or axes["DROPOUT"] or axes["BIAS"]), f"{f}: a functional this test cannot call yet"
+    mask = {0: {}, 1: {"causal": True, "diagonal": "top_left"}, 2: {"causal": True}}[axes["MASK"]]
+    sq, sk = max(1, min(cell[0], 2048) - 7), min(cell[1], 2048) + 13  # never equal: top-left stays top-left
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[axes["dtype"]]
+    pads = (8, 24, 40) if axes["PAD_HEAD"] else (0,)
+    for d, dv in itertools.product([axes["BLOCK_D"] - p for p in pads], [axes["BLOCK_DV"] - p for p in pads]):
+        case = Case(f"{f}", (2, sq, sk, 6, 3, d), mask, dtype, dv)
+        q, k, v = make_qkv(1, 2, 3, 6, 3, d, dv, dtype, "cpu")
+        if Functional.of(planning.new_call(problem(q, k, v, **mask), q, k, v).functional()) == f:
+            return case
+    raise AssertionError(f"no head dims near {axes['BLOCK_D']}/{axes['BLOCK_DV']} plan {f}")
+
+
+def test_each_tuned_choice_has_a_call_that_plans_it():
+    """The GPU test below covers every configuration the table chooses (one call each)."""
+    table = tuning.database().effective("sm_90", TABLE)
+    assert {name for _, name, _ in TUNED} == {name for grid in table.blocks.values() for row in grid for name in row}
+    for f, _, cell in TUNED:
+        case = _tuned_case(f, cell)
+        assert case.shape[1] != case.shape[2] and 1 <= case.shape[1] <= 2041, case
+        assert _served(case), case
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("choice", TUNED, ids=lambda c: f"{c[1]}-mask{c[0].as_dict()['MASK']}-d{c[0].as_dict()['BLOCK_D']}"
+                         f"{'-pad' if c[0].as_dict()['PAD_HEAD'] else ''}")
+def test_every_tuned_choice_matches_the_reference_off_its_cell(choice, engine, request):
+    f, name, cell = choice
+    case = _tuned_case(f, cell)
+    seed_from(request.node.name)
+    q, k, v = make_qkv(*case.shape[:5], *case.dims, case.dtype, "cuda")
+    engine(tuning.database().effective("sm_90", TABLE).configs[name])
+    c = planning.new_call(problem(q, k, v, **case.kwargs), q, k, v)
+    assert Functional.of(c.functional()) == f and planning.choose_engine(c, q.device) == "ws"
+    out, lse = aotattn.flash_attn_func(q, k, v, return_lse=True, **case.kwargs)
+    assert_forward_matches(out, lse, q, k, v, **case.kwargs)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 256])
 def test_keys_shared_by_every_sequence_stride_0_views(d, engine, request):
