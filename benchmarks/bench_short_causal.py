@@ -13,25 +13,27 @@ cuDNN causal 0.1595, full 0.2281.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import aotattn
-from aotattn.tune import timing
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_ws_backward import timed as perfmon_timed  # noqa: E402  (the L2 flushed, the host's launch work hidden)
 
 
 def timed(fn, reps=30):
-    """Median ms of ``reps`` calls after warm-up, timed as perfmon times them
-    (:func:`aotattn.tune.timing.measure`: the L2 flushed before each call, the host's launch
-    work hidden behind a GPU wait). Until the forty-seventh session this bench synchronized
-    after every call and recorded its start event on an idle GPU, so each figure also counted
-    the host work before the launch, larger through the JIT than SDPA's. It put d64 s512
-    causal B16 H32 at 0.1595 ms (0.83x SDPA-flash), where the tuner's timing of the same
-    tile at the same size gave 0.0942 ms (H100, forty-seventh session)."""
-    return timing.measure(lambda _: fn(), lambda: None, device="cuda", warmup=3, repeats=reps,
-                          hide_host_ms=1.0).median_ms
+    """Median ms, timed as perfmon times calls (bench_ws_backward.timed). Until the
+    forty-seventh session this bench synchronized after every call and recorded its start
+    event on an idle GPU, so each figure also counted the host work before the launch,
+    larger through the JIT than SDPA's. It put d64 s512 causal B16 H32 at 0.1595 ms (0.83x
+    SDPA-flash), where the tuner's timing of the same tile at the same size gave 0.0942 ms
+    (H100, forty-seventh session)."""
+    return perfmon_timed(fn, reps)
 
 
 def check(b, s, hq, hk, d, **kw):

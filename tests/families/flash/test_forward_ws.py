@@ -331,11 +331,11 @@ def test_the_backward_runs_on_its_log_sum_exp(case, engine, request):
         assert rel_err(g, r) < 2 * TOLERANCE[case.dtype], f"d{name}"
 
 
-def _tuned_choices() -> list[tuple[Functional, str, tuple[int, int]]]:
+def _tuned_choices(table) -> list[tuple[Functional, str, tuple[int, int]]]:
     """(functional, configuration name, its first cell) for each configuration the sm_90 table
-    chooses, once per (masked or not, padded or not, head-dim block): the tuner times each cell at one size
-    with random inputs; these calls add odd lengths, grouped heads and the other mask sides."""
-    table = tuning.database().effective("sm_90", TABLE)
+    chooses, once per (masked or not, padded or not, head-dim block): the tuner times each cell
+    at one size with random inputs; these calls add odd lengths, grouped heads and the other
+    mask sides."""
     (_, rows), (_, cols) = table.keys
     first: dict[tuple, tuple[Functional, str, tuple[int, int]]] = {}
     for f, grid in table.blocks.items():
@@ -347,7 +347,8 @@ def _tuned_choices() -> list[tuple[Functional, str, tuple[int, int]]]:
     return list(first.values())
 
 
-TUNED = _tuned_choices()
+TUNED_TABLE = tuning.database().effective("sm_90", TABLE)
+TUNED = _tuned_choices(TUNED_TABLE)
 
 
 def _tuned_case(f: Functional, cell: tuple[int, int]) -> Case:
@@ -370,8 +371,8 @@ def _tuned_case(f: Functional, cell: tuple[int, int]) -> Case:
 
 def test_each_tuned_choice_has_a_call_that_plans_it():
     """The GPU test below covers every configuration the table chooses (one call each)."""
-    table = tuning.database().effective("sm_90", TABLE)
-    assert {name for _, name, _ in TUNED} == {name for grid in table.blocks.values() for row in grid for name in row}
+    chosen = {name for grid in TUNED_TABLE.blocks.values() for row in grid for name in row}
+    assert {name for _, name, _ in TUNED} == chosen
     for f, _, cell in TUNED:
         case = _tuned_case(f, cell)
         assert case.shape[1] != case.shape[2] and 1 <= case.shape[1] <= 2041, case
@@ -386,7 +387,7 @@ def test_every_tuned_choice_matches_the_reference_off_its_cell(choice, engine, r
     case = _tuned_case(f, cell)
     seed_from(request.node.name)
     q, k, v = make_qkv(*case.shape[:5], *case.dims, case.dtype, "cuda")
-    engine(tuning.database().effective("sm_90", TABLE).configs[name])
+    engine(TUNED_TABLE.configs[name])
     c = planning.new_call(problem(q, k, v, **case.kwargs), q, k, v)
     assert Functional.of(c.functional()) == f and planning.choose_engine(c, q.device) == "ws"
     out, lse = aotattn.flash_attn_func(q, k, v, return_lse=True, **case.kwargs)
