@@ -81,14 +81,26 @@ def diff_command(
     rev: str = typer.Option(None, help="compare with the database at this git revision (tag, branch, commit)"),
     without_patches: bool = typer.Option(False, "--without-patches",
                                          help="compare the table before its patches with after them"),
+    after_patches: int = typer.Option(None, "--after-patches", min=0,
+                                      help="compare the table after its first N patches with after all of them "
+                                           "(1: the cells later patches still override over 0001-tuned)"),
     tuning_db: Path = TUNING_DB,
 ) -> None:
     """Cell-by-cell differences: two archs, two revisions, or before and after the patches."""
     db = _db(tuning_db)
     spec = db.spec(table)
+    if (without_patches and after_patches is not None) or ((without_patches or after_patches is not None)
+                                                          and (rev or against)):
+        raise TuningError("tuning diff: --without-patches and --after-patches compare one table's layers; "
+                          "give neither --against nor --rev with them, nor both")
+    if without_patches:
+        after_patches = 0
     try:
-        if without_patches:
-            a, b = db.effective(arch, table, patches=0), db.effective(arch, table)
+        if after_patches is not None:
+            count = len(db.patch_paths(arch, table))
+            if after_patches > count:
+                raise TuningError(f"--after-patches {after_patches}: {arch} {table} has {count} patch(es)")
+            a, b = db.effective(arch, table, patches=after_patches), db.effective(arch, table)
         elif rev:
             with tempfile.TemporaryDirectory() as tmp:
                 root = db.root.resolve()

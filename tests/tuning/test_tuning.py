@@ -293,6 +293,32 @@ def test_cli_diff_against_a_git_revision(tmp_path, monkeypatch):
     assert "1 difference(s)" in result.output
 
 
+def test_cli_diff_after_some_patches_lists_what_later_patches_override(tmp_path, monkeypatch):
+    """--after-patches 1: a later patch that sets a cell back masks the first patch's (the tuner's) choice."""
+    monkeypatch.setattr(families, "tables", lambda: SPECS)
+    root = tmp_path / "tuning"
+    make_db(root, {
+        "nvidia/sm_90/toy.k.txt": TABLE,
+        "nvidia/sm_90/toy.k.0001-tuned.dbpatch":
+            "#! aotattn-patch 1\n#! table toy.k\n[dtype=fp16 PAD=False]\nseqlen_q=16 seqlen_k=16: big\n"
+            "seqlen_q=32 seqlen_k=16: big\n",
+        "nvidia/sm_90/toy.k.0002-old-faults.dbpatch":
+            "#! aotattn-patch 1\n#! table toy.k\n[dtype=fp16 PAD=False]\nseqlen_q=16 seqlen_k=16: small\n"})
+    run = lambda *args: CliRunner().invoke(app, ["tuning", "diff", "--arch", "sm_90", "--table", "toy.k",  # noqa: E731
+                                                 "--tuning-db", str(root), *args])
+    result = run("--after-patches", "1")
+    assert result.exit_code == 0, result.output
+    assert "1 difference(s)" in result.output and "seqlen_q=16 seqlen_k=16: big" in result.output
+    assert "seqlen_q=32" not in result.output
+    assert "0 difference(s)" in run("--after-patches", "2").output
+    before = run("--after-patches", "0").output  # == --without-patches: 0002 put q16/k16 back as it was
+    assert "1 difference(s)" in before and "seqlen_q=32 seqlen_k=16: small" in before
+    for bad in (["--after-patches", "3"], ["--after-patches", "1", "--without-patches"],
+                ["--after-patches", "1", "--against", "sm_80"], ["--after-patches", "-1"]):
+        result = run(*bad)
+        assert result.exit_code != 0 and "Traceback" not in result.output, (bad, result.output)
+
+
 def test_the_tuning_package_imports_no_family():
     """Specs are passed down (issue 12): no module of aotattn/tuning but its command line
     (which sits above the families and hands their tables down) imports aotattn.families."""
