@@ -8,8 +8,19 @@ from pathlib import Path
 from aotattn.perfmon.perfdb import Perfdb, PerfdbError
 from aotattn.perfmon.providers import ALL
 
-_COLORS = {"aotattn": "#d62728", "aotattn:split": "#ff9896", "aotattn:fused": "#9467bd", "sdpa-flash": "#1f77b4",
-           "sdpa-cudnn": "#2ca02c", "sdpa-efficient": "#7f7f7f", "flex": "#ff7f0e"}
+_COLORS = {"aotattn": "#d62728", "aotattn:split": "#ff9896", "aotattn:fused": "#9467bd", "aotattn:ws": "#8c564b",
+           "sdpa-flash": "#1f77b4", "sdpa-cudnn": "#2ca02c", "sdpa-efficient": "#7f7f7f", "flex": "#ff7f0e"}
+_SPARE = ("#e377c2", "#bcbd22", "#17becf", "#000000")  # a provider named nowhere above, in order of appearance
+
+
+def colors(providers) -> dict[str, str]:
+    """One color per provider, the same for its causal and unmasked lines, none shared."""
+    spare = iter(c for c in _SPARE if c not in _COLORS.values())
+    found = {}
+    for provider in providers:
+        if provider not in found:
+            found[provider] = _COLORS.get(provider) or next(spare, "#000000")
+    return found
 _STYLES = {"none": "-", "causal": "--"}
 
 
@@ -38,6 +49,8 @@ def plot(db: Perfdb, out: Path | str, group: str = "dense", dtype: str = "bf16",
         raise PerfdbError(f"nothing to plot: no measured square {group} entries in {dtype} "
                           f"(pick another with --group/--dtype)")
     dims = sorted({d for d, _ in data})
+    color = colors(sorted({provider for lines in data.values() for provider, _ in lines},
+                          key=lambda p: (ALL.index(p) if p in ALL else len(ALL), p)))
     passes = [p for p in ("fwd", "bwd", "fwdbwd") if any(q == p for _, q in data)]
     # at least 8.5 inches wide: the title and the legend's four columns fit one head dim's panel too
     fig = Figure(figsize=(max(4.2 * len(dims), 8.5), 3.4 * len(passes) + 0.8), layout="constrained")
@@ -49,7 +62,7 @@ def plot(db: Perfdb, out: Path | str, group: str = "dense", dtype: str = "bf16",
                                                    key=lambda item: (ALL.index(item[0][0])
                                                                      if item[0][0] in ALL else 99, item[0][1])):
                 xs, ys = zip(*points)
-                ax.plot(xs, ys, _STYLES[mask], marker="o", markersize=3, color=_COLORS.get(provider),
+                ax.plot(xs, ys, _STYLES[mask], marker="o", markersize=3, color=color[provider],
                         linewidth=2.2 if provider == "aotattn" else 1.2, label=f"{provider} ({mask})")
             ax.set_xscale("log", base=2)
             ax.set_ylim(bottom=0)

@@ -268,6 +268,32 @@ def test_cli_faults_compare_summary_and_plot(tuning_copy, tmp_path):
     assert nothing.exit_code != 0 and "nothing to plot" in nothing.output
 
 
+def test_plot_gives_each_provider_one_color_of_its_own(tuning_copy, tmp_path, monkeypatch):
+    """Every provider (forced backends included) keeps one color over its causal and unmasked
+    lines, and no two providers share one (the ws lines once took the color cycle's blue and
+    orange, sdpa-flash's and flex's)."""
+    from matplotlib.colors import to_hex
+    from matplotlib.figure import Figure
+
+    from aotattn.perfmon import plot
+    from aotattn.perfmon.providers import ALL
+
+    names = [*ALL, "some-new-peer", "another-peer"]
+    assigned = plot.colors(random.sample(names, len(names)))
+    assert set(assigned) == set(names) and len(set(assigned.values())) == len(names)
+    drawn: list[Figure] = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: drawn.append(self))
+    plot.plot(fabricate(Database(tuning_copy), 1, "run"), tmp_path / "x.png")
+    by_provider: dict[str, set[str]] = {}
+    for ax in drawn[0].axes:
+        for line in ax.get_lines():
+            provider = line.get_label().rsplit(" (", 1)[0]
+            by_provider.setdefault(provider, set()).add(to_hex(line.get_color()))
+    assert {"aotattn", "aotattn:split", "sdpa-flash"} <= set(by_provider), sorted(by_provider)
+    assert all(len(c) == 1 for c in by_provider.values()), by_provider
+    assert len({c for (c,) in by_provider.values()}) == len(by_provider), by_provider
+
+
 def test_a_fault_on_a_refinement_patches_the_refinement_not_its_fallback(tuning_copy):
     """A dropout call reads the dense block (the seeded operator table has only roots): its
     fault names the dropout cell, and the suggested patch adds the dropout block, leaving
