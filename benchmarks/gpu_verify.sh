@@ -21,7 +21,8 @@
 # Forty-seventh session: SUITE_PART=1 (the backward and dropout files) or SUITE_PART=2 (the rest)
 # runs half of it, each in its own call on a warm machine: 280 tests in 350 s and 479 in 288 s
 # on an H100 (SUITE_S=430 and 400). Part 2 has since grown by 119 tests (every configuration the
-# ws forward's table chooses, off its cell: ~119 Gluon compiles): give it SUITE_S=500.
+# ws forward's table chooses, off its cell: ~119 Gluon compiles): 598 tests in 310 s on an H100
+# (forty-eighth session, SUITE_S=520; 120 tuned-choice tests since the d64 forward re-tune).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
