@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 from aotattn.perfmon.perfdb import Perfdb, PerfdbError
@@ -11,17 +12,17 @@ from aotattn.perfmon.providers import ALL
 _COLORS = {"aotattn": "#d62728", "aotattn:split": "#ff9896", "aotattn:fused": "#9467bd", "aotattn:ws": "#8c564b",
            "sdpa-flash": "#1f77b4", "sdpa-cudnn": "#2ca02c", "sdpa-efficient": "#7f7f7f", "flex": "#ff7f0e"}
 _SPARE = ("#e377c2", "#bcbd22", "#17becf", "#000000")  # a provider named nowhere above, in order of appearance
+_STYLES = {"none": "-", "causal": "--"}
 
 
-def colors(providers) -> dict[str, str]:
-    """One color per provider, the same for its causal and unmasked lines, none shared."""
+def colors(providers: Iterable[str]) -> dict[str, str]:
+    """One color per provider, the same for its causal and unmasked lines; none shared while the spares last."""
     spare = iter(c for c in _SPARE if c not in _COLORS.values())
     found = {}
     for provider in providers:
         if provider not in found:
             found[provider] = _COLORS.get(provider) or next(spare, "#000000")
     return found
-_STYLES = {"none": "-", "causal": "--"}
 
 
 def series(db: Perfdb, group: str, dtype: str) -> dict[tuple[int, str], dict[tuple[str, str], list[tuple[int, float]]]]:
