@@ -638,9 +638,11 @@ def standing(peer: str = typer.Option("flex", "--peer", "-p", help="the provider
              match: list[str] = MATCH, group: list[str] = GROUP,
              floor: float = typer.Option(1.0, "--floor", help="list the entries below this peer/aotattn ratio"),
              all_rows: bool = typer.Option(False, "--all", help="list every entry, not only those below the floor"),
-             fail: bool = typer.Option(False, "--fail", help="exit 1 when an entry is below the floor")) -> None:
+             fail: bool = typer.Option(False, "--fail", help="exit 1 when an entry is below the floor"),
+             gpu: str = typer.Option(None, "--gpu", help="only runs on this GPU (a part of the run's `gpu` "
+                                     "header, any case: H200)")) -> None:
     """Every entry against one peer, from the latest run that timed both: where the
-    repository stands (e.g. --peer sdpa-cudnn --floor 0.9 -m '*d128*')."""
+    repository stands (e.g. --peer sdpa-cudnn --floor 0.9 -m '*d128*' --gpu H200)."""
     from aotattn import tuning
     from aotattn.perfmon.analysis import standing as stand
     from aotattn.perfmon.entries import select
@@ -654,6 +656,12 @@ def standing(peer: str = typer.Option("flex", "--peer", "-p", help="the provider
     if not paths:
         raise _fail(f"no perfdb runs under {folder}: run `aotattn perfmon run --tag TAG` first")
     runs = [(path.stem, _read(str(path), arch, root)[0]) for path in paths]
+    if gpu is not None:
+        on = [(tag, db) for tag, db in runs if gpu.strip().lower() in db.header.get("gpu", "").lower()]
+        if not gpu.strip() or not on:
+            seen = sorted({db.header.get("gpu", "?").split(",")[0] for _, db in runs})
+            raise _fail(f"--gpu {gpu!r}: no run under {folder} on such a GPU (its runs' GPUs: {', '.join(seen)})")
+        runs = on
     chosen = {e.name for e in select((e for _, db in runs for e in db.entries.values()), match or (), group or ())}
     found = [s for s in stand(runs, peer) if s.entry in chosen]
     if not found:

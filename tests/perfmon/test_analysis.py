@@ -522,6 +522,19 @@ def test_standing_takes_each_entrys_latest_side_by_side_figure(tmp_path, monkeyp
     assert "expected one of" in invoke("--peer", "nosuch").output
     assert invoke("--peer", "sdpa-cudnn").exit_code != 0  # no run timed it
 
+    # --gpu: runs on other GPUs do not count (mid, b's latest, was on an H100)
+    for tag, run, name in (("old", old, "NVIDIA H200"), ("mid", mid, "NVIDIA H100 80GB HBM3"),
+                           ("new", new, "NVIDIA H200")):
+        run.header["gpu"] = f"{name}, sm_90, 132 SMs"
+        _write(run, root, tag)
+    h200 = invoke("--peer", "flex", "--all", "--floor", "0.1", "--gpu", "h200")
+    assert h200.exit_code == 0, h200.output
+    assert f"{2.0 * flex_b / 2.0:.3f}" in h200.output and "│ mid" not in h200.output  # b from "old" now
+    assert "1.250" in invoke("--peer", "flex", "--all", "--floor", "0.1", "--gpu", "H100").output
+    for bad in ("A100", " "):
+        refused = invoke("--peer", "flex", "--gpu", bad)
+        assert refused.exit_code != 0 and "--gpu" in refused.output and "NVIDIA H100 80GB HBM3" in refused.output
+
 
 @pytest.mark.parametrize("args, option", [
     (["perfdb", "compare", "a", "b", "--threshold", "nan"], "--threshold"),
