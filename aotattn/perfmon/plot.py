@@ -15,6 +15,11 @@ _SPARE = ("#e377c2", "#bcbd22", "#17becf", "#000000")  # a provider named nowher
 _STYLES = {"none": "-", "causal": "--"}
 
 
+def _order(provider: str) -> int:
+    """Where a provider's lines and legend entries go: providers.ALL's order, others after."""
+    return ALL.index(provider) if provider in ALL else len(ALL)
+
+
 def colors(providers: Iterable[str]) -> dict[str, str]:
     """One color per provider, the same for its causal and unmasked lines; none shared while the spares last."""
     spare = iter(c for c in _SPARE if c not in _COLORS.values())
@@ -50,8 +55,7 @@ def plot(db: Perfdb, out: Path | str, group: str = "dense", dtype: str = "bf16",
         raise PerfdbError(f"nothing to plot: no measured square {group} entries in {dtype} "
                           f"(pick another with --group/--dtype)")
     dims = sorted({d for d, _ in data})
-    color = colors(sorted({provider for lines in data.values() for provider, _ in lines},
-                          key=lambda p: (ALL.index(p) if p in ALL else len(ALL), p)))
+    color = colors(sorted({provider for lines in data.values() for provider, _ in lines}, key=lambda p: (_order(p), p)))
     passes = [p for p in ("fwd", "bwd", "fwdbwd") if any(q == p for _, q in data)]
     # at least 8.5 inches wide: the title and the legend's four columns fit one head dim's panel too
     fig = Figure(figsize=(max(4.2 * len(dims), 8.5), 3.4 * len(passes) + 0.8), layout="constrained")
@@ -60,8 +64,7 @@ def plot(db: Perfdb, out: Path | str, group: str = "dense", dtype: str = "bf16",
         for col, dim in enumerate(dims):
             ax = axes[row][col]
             for (provider, mask), points in sorted(data.get((dim, pass_), {}).items(),
-                                                   key=lambda item: (ALL.index(item[0][0])
-                                                                     if item[0][0] in ALL else 99, item[0][1])):
+                                                   key=lambda item: (_order(item[0][0]), item[0][1])):
                 xs, ys = zip(*points)
                 ax.plot(xs, ys, _STYLES[mask], marker="o", markersize=3, color=color[provider],
                         linewidth=2.2 if provider == "aotattn" else 1.2, label=f"{provider} ({mask})")

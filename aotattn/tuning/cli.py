@@ -89,8 +89,8 @@ def diff_command(
     """Cell-by-cell differences: two archs, two revisions, or before and after the patches."""
     db = _db(tuning_db)
     spec = db.spec(table)
-    if (without_patches and after_patches is not None) or ((without_patches or after_patches is not None)
-                                                          and (rev or against)):
+    layers = without_patches or after_patches is not None
+    if (without_patches and after_patches is not None) or (layers and (rev or against)):
         raise TuningError("tuning diff: --without-patches and --after-patches compare one table's layers; "
                           "give neither --against nor --rev with them, nor both")
     if without_patches:

@@ -189,10 +189,9 @@ def test_it_compiles_to_warp_partitions_with_wgmma_and_bulk_copies(d, persistent
     if q_slots == 2 or tma_store:  # room for the second Q tile or the staging tiles: a small K/V ring
         base.update(BLOCK_N=min(base["BLOCK_N"], 64 if d < 256 else 32), STAGES=2)
     config = Config.of(base)
-    assert candidates.why_pruned(tune_flash.footprint(TABLE), Functional.of(functional(d=d, mask=rules.MASK_BOTTOM_RIGHT)),
-                                 config, SM_90) is None
-    entry, cubin = compile_job(Job("sm_90", TABLE, Functional.of(functional(d=d, mask=rules.MASK_BOTTOM_RIGHT)),
-                                   config))
+    masked = Functional.of(functional(d=d, mask=rules.MASK_BOTTOM_RIGHT))
+    assert candidates.why_pruned(tune_flash.footprint(TABLE), masked, config, SM_90) is None
+    entry, cubin = compile_job(Job("sm_90", TABLE, masked, config))
     assert entry.num_warps == 4 * (config["BLOCK_M"] // 64 + 1)  # consumers and the loader's warpgroup
     assert entry.shared <= SM_90.shared_memory and entry.global_scratch_size > 0  # descriptors made on the device
     code = sass(cubin)
