@@ -158,7 +158,7 @@ class Database:
         spec = self.spec(table)
         added: dict[Functional, set[tuple[int, int]]] = {}  # refinement blocks the patches add
         for patch_path in self.patch_paths(arch, table)[:patches]:
-            patch = parse_patch(spec, read_text(patch_path), str(patch_path))
+            patch = parse_patch(spec, read_text(patch_path), str(patch_path), only=only)
             merged = apply_patch(merged, patch, str(patch_path), only, spec.fallback, added, errors)
         follow_fallbacks(merged, added, spec.fallback)
         if errors is None:

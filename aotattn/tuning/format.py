@@ -475,9 +475,13 @@ def _cells(spec: Any, text: str, width: int, where: str) -> list[str]:
     return [name for name, n in runs for _ in range(n)]
 
 
-def parse_patch(spec: Any, text: str, path: str = "<patch>", errors: list[TuningError] | None = None) -> Patch:
-    """Parse a patch; ``errors`` as in :func:`parse_table` (edits in error are left out)."""
+def parse_patch(spec: Any, text: str, path: str = "<patch>", errors: list[TuningError] | None = None,
+                only: Collection[Functional] | None = None) -> Patch:
+    """Parse a patch; ``errors`` and ``only`` as in :func:`parse_table` (edits in error are
+    left out; with ``only``, the edits of other functionals are skipped unread)."""
     report = _Report(errors)
+    if only is not None:
+        text = _blank_other_sections(text, {functional_key(f) for f in only}, spec)
     _, _, comments, rest = _header(spec, text, path, "patch", report)
     patch = Patch(spec.qualname, comments=comments)
     broken: set[str] = set()

@@ -238,7 +238,8 @@ def test_lookup_reads_only_the_blocks_it_needs(tmp_path):
     lint's to report, not the lookup's."""
     broken = TABLE.replace("seqlen_q=16: small .*2", "seqlen_q=16: small nosuch .")
     patch = ("#! aotattn-patch 1\n#! table toy.k\n\n[dtype=fp16 PAD=False]\nseqlen_q=64 seqlen_k=16: small\n"
-             "[dtype=bf16 PAD=False]\nseqlen_q=64 seqlen_k=64: small\n")
+             "[dtype=bf16 PAD=False]\nseqlen_q=64 seqlen_k=64: small\n"
+             "[dtype=bf16 PAD=True]\nseqlen_q=48 seqlen_k=16: small\n")  # not a bucket: lint's, unread here
     derived = HEADER.format(arch="sm_80", base="#! base sm_90\n") + "\n[configs]\n"
     db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": broken, "nvidia/sm_90/toy.k.0001-p.dbpatch": patch,
                             "nvidia/sm_80/toy.k.txt": derived})
@@ -247,7 +248,11 @@ def test_lookup_reads_only_the_blocks_it_needs(tmp_path):
         assert db.lookup(arch, TOY, f(pad=True), {"seqlen_q": 16, "seqlen_k": 64}) == Config.of(BLOCK=64, num_warps=8)
         with pytest.raises(TuningError, match="unknown configuration 'nosuch'"):
             db.lookup(arch, TOY, f("bf16"), {"seqlen_q": 16, "seqlen_k": 16})
-    assert any("unknown configuration 'nosuch'" in str(e) for e in db.lint())
+    problems = [str(e) for e in db.lint()]
+    assert any("unknown configuration 'nosuch'" in p for p in problems)
+    assert any("seqlen_q=48 is not a bucket" in p for p in problems), problems
+    with pytest.raises(TuningError, match="nosuch|seqlen_q=48"):  # a call that needs those blocks fails
+        Database(tmp_path, SPECS).lookup("sm_90", TOY, f("bf16", pad=True), {"seqlen_q": 64, "seqlen_k": 64})
 
 
 def test_lookup_agrees_with_the_fully_resolved_project_tables():
@@ -259,7 +264,10 @@ def test_lookup_agrees_with_the_fully_resolved_project_tables():
         for arch in filter(spec.runs_on, db.archs()):
             full = db.effective(arch, spec.qualname)
             functionals = list(full.blocks)
-            for functional in rng.sample(functionals, min(3, len(functionals))):
+            edited = sorted({edit.functional for path in db.patch_paths(arch, spec.qualname)  # the patches'
+                             for edit in parse_patch(spec, path.read_text(), str(path)).edits}, key=str)
+            for functional in (rng.sample(functionals, min(3, len(functionals)))
+                               + rng.sample(edited, min(3, len(edited)))):
                 sizes = {name: rng.choice(buckets) for name, buckets in spec.tuning_keys}
                 expected = full.configs[tuning.format.cell(full, functional, sizes)]
                 assert db.lookup(arch, spec, functional, sizes) == expected, (arch, spec.qualname, functional)
