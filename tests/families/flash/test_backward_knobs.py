@@ -20,7 +20,7 @@ import aotattn
 from aotattn.families.flash import ops, rules
 from aotattn.spec import Config
 from tests.families.flash.helpers import config_override, make_qkv, seed_from
-from tests.families.flash.test_forward_knobs import CASES, Case, _call, _reference
+from tests.families.flash.test_forward_knobs import CASES, Case, _reference
 from tests.helpers import TOLERANCE, rel_err
 
 KERNELS = (rules.ATTN_BWD_DQ.name, rules.ATTN_BWD_DKDV.name)
