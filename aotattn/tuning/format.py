@@ -210,9 +210,12 @@ def _lines(text: str, path: str):
             yield number, line, f"{path}:{number}"
 
 
-def _blank_other_sections(text: str, wanted: set[tuple[str, ...]], spec: Any = None) -> str:
-    """``text`` with the lines of functional sections not in ``wanted`` blanked (line
-    numbers kept): a lookup then neither parses nor numbers them."""
+def _blank_other_sections(text: str, only: Collection[Functional] | None, spec: Any = None) -> str:
+    """``text`` with the lines of functional sections not of ``only`` blanked (line
+    numbers kept): a lookup then neither parses nor numbers them. ``only`` None: ``text``."""
+    if only is None:
+        return text
+    wanted = {functional_key(f) for f in only}
     lines = text_lines(text)
     keep = True
     for i, line in enumerate(lines):
@@ -386,9 +389,7 @@ def parse_table(spec: Any, text: str, path: str = "<table>", only: Collection[Fu
     errors always raise.
     """
     report = _Report(errors)
-    wanted = None if only is None else {functional_key(f) for f in only}
-    if wanted is not None:
-        text = _blank_other_sections(text, wanted, spec)
+    text = _blank_other_sections(text, only, spec)
     directives, given, comments, rest = _header(spec, text, path, "tuning", report)
     table_arch = directives.get("arch")
     if not table_arch:
@@ -480,8 +481,7 @@ def parse_patch(spec: Any, text: str, path: str = "<patch>", errors: list[Tuning
     """Parse a patch; ``errors`` and ``only`` as in :func:`parse_table` (edits in error are
     left out; with ``only``, the edits of other functionals are skipped unread)."""
     report = _Report(errors)
-    if only is not None:
-        text = _blank_other_sections(text, {functional_key(f) for f in only}, spec)
+    text = _blank_other_sections(text, only, spec)
     _, _, comments, rest = _header(spec, text, path, "patch", report)
     patch = Patch(spec.qualname, comments=comments)
     broken: set[str] = set()
