@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The fiftieth session's last device call (< 5 min), written for whichever card comes:
+# The fiftieth session's last device call, written for whichever card comes:
 #
-#   CALL_S=280 bash benchmarks/s50_session.sh
+#   CALL_S=450 bash benchmarks/s50_session.sh   # run's timeout_s at least CALL_S
 #
+# CALL_S is the call's length: the before/after runs take what is left after the host time
+# (~170 s on an H100: the image subset 80 s, the latency benchmark 90 s), and are left out
+# below 140 s. On an H100 the fiftieth session ran it with CALL_S=270 (158 s, no host time).
 # On an H200: issue 17's item 3 first (the image subset, then benchmarks/bench_latency.py: the
 # first call and the host time per tiny call, which no H200 has measured since the eighteenth
 # session). On any card, while the call has time: the d128/d256 forward tiles re-tuned on an H100
