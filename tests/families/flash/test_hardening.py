@@ -464,6 +464,47 @@ def test_cached_training_call_with_a_strided_dout():
             assert rel_err(got, want) < TOLERANCE[torch.float32]
 
 
+def _douts(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict:
+    """Output gradients of one shape in every layout a caller may hand the backward."""
+    b, h, s, d = shape
+    n = b * h * s * d
+    return {
+        "contiguous": lambda: torch.randn(shape, dtype=dtype, device=device),
+        "transposed": lambda: torch.randn(b, s, h, d, dtype=dtype, device=device).transpose(1, 2),
+        "last stride 2": lambda: torch.randn(b, h, s, 2 * d, dtype=dtype, device=device)[..., ::2],
+        "odd offset": lambda: torch.randn(n + 1, dtype=dtype, device=device)[1:].view(shape),
+        "expanded (a sum's)": lambda: torch.randn((), dtype=dtype, device=device).expand(shape),
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", [None, "split", "fused"])
+def test_cached_sdpa_backward_in_every_dout_layout_twice(device, backend):
+    """A warm backward picks its launches, and whether dout is copied first, by dout's
+    layout as it comes: each layout twice (the second a hit), interleaved, on fresh
+    inputs, against the float64 reference; one prepared backward per layout."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    shape = (2, 4, 29, 32) if device == "cpu" else (2, 8, 1031, 128)
+    ops._PLANS.entries.clear()
+    layouts = _douts(shape, dtype, device)
+    for name in [*layouts, *layouts]:
+        q, k, v = (torch.randn(shape, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+        out = aotattn.scaled_dot_product_attention(q, k, v, is_causal=True, backend=backend)
+        dout = layouts[name]()
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True)
+        ref_grads = torch.autograd.grad(ref, ref_in, dout.double())
+        for got, want in zip(grads, ref_grads):
+            assert got.shape == want.shape and rel_err(got, want) < TOLERANCE[dtype], name
+    (entry,) = ops._PLANS.entries.values()
+    assert len(entry.backwards) == len(layouts)
+    keys = {name: (t.stride(), t.data_ptr() % 16 == 0) for name, t in ((n, make()) for n, make in layouts.items())}
+    copied = sorted(name for name, key in keys.items()
+                    for choice, (*_, copy) in entry.backwards.items() if choice[:2] == key and copy)
+    assert copied == ["expanded (a sum's)", "last stride 2", "odd offset"]
+
+
 @pytest.mark.parametrize("bad,error", [(dict(backend="bogus"), ValueError), (dict(deterministic=1), TypeError)])
 def test_plan_cache_checks_backward_options_when_warm(bad, error):
     q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
