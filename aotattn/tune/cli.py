@@ -37,6 +37,9 @@ KNOBS = typer.Option(True, "--knobs/--no-knobs", help="also time every knob vari
                      "tile (the speed model ranks tiles, not knobs; --no-knobs: fewer kernels to compile)")
 TOKENS = typer.Option(None, "--tokens", help="batch x heads x seqlen_q of the timed problem (default: the "
                       "harness's per table: 2^17 for kernel tables, 2^19 for flash.backward)")
+STALE = typer.Option(False, "--stale", help="only cells the tuner timed on another problem than these settings time "
+                     "(older settings, such as before the 128 MiB floor, timed smaller ones) or found nothing "
+                     "eligible in; cells it never timed are left out")
 TUNING_DB = typer.Option(None, "--tuning-db", help="tuning database root (default: $AOTATTN_TUNING_DB or tuning/)")
 DSN = typer.Option(None, "--dsn", envvar="AOTATTN_PGDEF_DSN", help="pgdef database (default: the embedded server)")
 HOME = typer.Option(None, "--home", envvar="AOTATTN_PGDEF_HOME", help="work folder of pgdef's embedded server")
@@ -85,6 +88,21 @@ def _select(category: list[str], where: str | None, dtype: str, head_dim: str | 
     return chosen, len(found)
 
 
+def _only_stale(chosen, limit: int | None, tokens: int | None, knobs: bool, db):
+    """The tasks of ``chosen`` whose cells are stale (``--stale``), said on the console."""
+    from aotattn.tune import export
+    from aotattn.tune.runner import timed_problem
+
+    settings = _settings_by_table(chosen, limit, tokens, knobs)
+    now = {t: str(timed_problem(t, settings[t.table])) for t in chosen}
+    stale, never = export.stale(chosen, now, db)
+    console.print(f"--stale: {len(stale)} of {len(chosen)} cells timed on other problems than these settings time "
+                  f"({never} never timed by the tuner, {len(chosen) - len(stale) - never} up to date)")
+    if not stale:
+        raise typer.Exit(0)
+    return stale
+
+
 def _settings(limit: int | None, tokens: int | None, table: str, knobs: bool = True):
     """A task's settings: ``limit`` and ``tokens`` when given, else its table's harness defaults."""
     from aotattn.tune.runner import Settings
@@ -97,7 +115,7 @@ def _settings_by_table(chosen, limit: int, tokens: int | None, knobs: bool = Tru
     return {table: _settings(limit, tokens, table, knobs) for table in {t.table for t in chosen}}
 
 
-def _summary(chosen, total: int, limit: int, tokens: int | None, db, knobs: bool = True) -> None:
+def _summary(chosen, unsupported: int, limit: int, tokens: int | None, db, knobs: bool = True) -> None:
     from aotattn.tune import ahead
     from aotattn.tune.estimate import gpu_seconds
 
@@ -105,21 +123,25 @@ def _summary(chosen, total: int, limit: int, tokens: int | None, db, knobs: bool
     jobs = ahead.plan([(t, settings[t.table]) for t in chosen], db)
     functionals = {(t.table, t.functional) for t in chosen}
     seconds = sum(gpu_seconds(t, settings[t.table], db) for t in chosen)
-    console.print(f"{len(chosen)} tasks ({total - len(chosen)} unsupported left out) over {len(functionals)} "
+    console.print(f"{len(chosen)} tasks ({unsupported} unsupported left out) over {len(functionals)} "
                   f"functionals; {len(jobs)} kernels to compile; about {seconds / 60:.1f} GPU-minutes")
 
 
 @app.command()
 def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE, head_dim: str = HEAD_DIM,
          seqlen: str = SEQLEN, cells: str = CELLS, arch: str = ARCH, all_functionals: bool = ALL,
-         limit: int = LIMIT, knobs: bool = KNOBS, tokens: int = TOKENS, tuning_db: Path = TUNING_DB,
+         limit: int = LIMIT, knobs: bool = KNOBS, tokens: int = TOKENS, stale: bool = STALE,
+         tuning_db: Path = TUNING_DB,
          out: Path = typer.Option(None, "--out", help="write the tasks as JSON lines (a batch for `tune run`)")) -> None:
     """Show what a selection holds (tasks, kernels to compile, GPU time); optionally write it as a batch."""
     from aotattn.files import write_atomically
     from aotattn.tune.tasks import write_batch
 
     chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
-    _summary(chosen, total, limit, tokens, _db(tuning_db), knobs)
+    db, unsupported = _db(tuning_db), total - len(chosen)
+    if stale:
+        chosen = _only_stale(chosen, limit, tokens, knobs, db)
+    _summary(chosen, unsupported, limit, tokens, db, knobs)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         settings = _settings_by_table(chosen, limit, tokens, knobs)
@@ -130,7 +152,8 @@ def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE,
 @app.command()
 def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE, head_dim: str = HEAD_DIM,
              seqlen: str = SEQLEN, cells: str = CELLS, arch: str = ARCH, all_functionals: bool = ALL,
-             limit: int = LIMIT, knobs: bool = KNOBS, tokens: int = TOKENS,
+             limit: int = LIMIT, knobs: bool = KNOBS, tokens: int = TOKENS, stale: bool = STALE,
+             tuning_db: Path = TUNING_DB,
              rerun: str = typer.Option(None, "--rerun", help="any label: queue tasks again even if done before"),
              priority: int = typer.Option(0, help="higher runs first"),
              dsn: str = DSN, home: Path = HOME) -> None:
@@ -140,6 +163,9 @@ def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DT
     from aotattn.tune.app import task_spec
 
     chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
+    unsupported = total - len(chosen)
+    if stale:
+        chosen = _only_stale(chosen, limit, tokens, knobs, _db(tuning_db))
     settings = _settings_by_table(chosen, limit, tokens, knobs)
     by_table: dict[str, list] = {}
     for task in chosen:
@@ -149,8 +175,8 @@ def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DT
         for table, specs in by_table.items():
             report = client.dispatch(category_of(table), arch, specs, app="aotattn.tune.app")
             console.print(f"{category_of(table)} on {arch}: {report.inserted} queued, {report.existing} already there")
-    if total > len(chosen):
-        console.print(f"{total - len(chosen)} selected tasks left out (bias, varlen: not tuned yet)")
+    if unsupported:
+        console.print(f"{unsupported} selected tasks left out (bias, varlen: not tuned yet)")
 
 
 @app.command()

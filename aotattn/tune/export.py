@@ -184,6 +184,39 @@ def _label_of_comment(line: str) -> str:
     return body[:close + 1] + rest
 
 
+def timed_problems(db: Database, arch: str, table: str) -> dict[str, str | None]:
+    """What the tuner timed each cell of its patch on, from the cells' comments: the cell's
+    ``[functional] seqlen_q=.. seqlen_k=..`` label -> the timed problem as the result
+    recorded it (the harness's shape, e.g. ``B4 H32 G4 Sq1024 Sk1024 D64``), None for a
+    cell where no candidate was eligible (nothing timed to compare)."""
+    path = _patch_path(db, arch, table)
+    if not path.is_file():
+        return {}
+    problems: dict[str, str | None] = {}
+    for line in parse_patch(table_spec(table), path.read_text(), str(path)).comments:
+        if line.startswith(_CELL_PREFIX):
+            tail = line.rsplit("; ", 1)[-1]
+            problems[_label_of_comment(line)] = None if ": no eligible candidate" in line else tail.split(", ", 1)[0]
+    return problems
+
+
+def stale(tasks: Iterable[Task], problems: Mapping[Task, str], db: Database) -> tuple[list[Task], int]:
+    """The tasks whose cell the tuner timed on another problem than ``problems`` names (the
+    problem each would be timed on now: older settings, such as the 128 MiB floor on what a
+    timed problem moves, chose smaller ones), and how many cells it never timed (left out)."""
+    recorded: dict[tuple[str, str], dict[str, str | None]] = {}
+    chosen, never = [], 0
+    for task in tasks:
+        if (task.arch, task.table) not in recorded:
+            recorded[(task.arch, task.table)] = timed_problems(db, task.arch, task.table)
+        label = _cell_label(table_spec(task.table), task.functional, task.cell)
+        if label not in recorded[(task.arch, task.table)]:
+            never += 1
+        elif recorded[(task.arch, task.table)][label] != problems[task]:
+            chosen.append(task)
+    return chosen, never
+
+
 def _header(results: list[Mapping[str, Any]], cells: int) -> list[str]:
     devices = sorted({r["device"] for r in results})
     dates = sorted(r["date"][:10] for r in results)

@@ -295,6 +295,14 @@ def _harness(table: str) -> Any:
     return harnesses.harness(table)
 
 
+def timed_problem(task: Task, settings: Settings, device_type: str = "cuda") -> Any:
+    """The problem a task is timed on (its harness's shape; ``str`` of it is the result's
+    ``shape``). The floor on what it moves is for a GPU's bandwidth: the interpreter's clock
+    says nothing of it, and 128 MiB of interpreted rows took hours a task."""
+    return _harness(task.table).timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes,
+                                             settings.min_traffic_bytes if device_type == "cuda" else 0)
+
+
 def _device_ok(device: torch.device) -> bool:
     if device.type != "cuda":
         return True
@@ -437,10 +445,7 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
                 for shape in h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch,
                                                settings.accuracy_heads)]
     references = [p.reference() for p in problems]
-    # the floor on what a timed problem moves is for a GPU's bandwidth: the interpreter's
-    # clock says nothing of it, and 128 MiB of interpreted rows took hours a task
-    timed_shape = h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes,
-                                   settings.min_traffic_bytes if device.type == "cuda" else 0)
+    timed_shape = timed_problem(task, settings, device.type)
     timed = h.Problem(task.table, task.functional, timed_shape, device, run.generator)
 
     # 1-2: images, accuracy; 3a: the probe

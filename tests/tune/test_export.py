@@ -194,3 +194,71 @@ def test_unmask_takes_the_tuned_cells_out_of_later_patches(forward_results, tuni
                                              f"seqlen_q=* seqlen_k={t1.cell[1]}"))
     again = export.export([first], tuning_copy, allow_cpu_clock=True, unmask=True)[0]
     assert not again.unmasked and again.masked == {t1.describe(): hand.name}
+
+
+def test_stale_cells_are_those_timed_on_another_problem(forward_results, tuning_copy):
+    """``export.stale``: a tuned cell whose comment records another problem than the one its
+    task would be timed on now is stale; the same problem is up to date; a cell the tuner never
+    timed is counted apart; a cell where nothing was eligible is stale (its record names no
+    problem). The GQA backward cells timed at 40 MiB before the 128 MiB floor were 1.3x off at
+    the perfmon size on an H100 (benchmarks/RESULTS.md, fifty-first session)."""
+    from aotattn.tune.runner import Settings, timed_problem
+    from tests.tune.conftest import TINY
+
+    results, _ = forward_results
+    first, second = results
+    export.export(results, tuning_copy, allow_cpu_clock=True)
+    t1, t2 = Task.from_json(first["task"]), Task.from_json(second["task"])
+    assert export.timed_problems(tuning_copy, "sm_90", "flash.attn_fwd") == {
+        f"{format_functional(rules.ATTN_FWD, t.functional)} seqlen_q={t.cell[0]} seqlen_k={t.cell[1]}": r["shape"]
+        for t, r in ((t1, first), (t2, second))}
+    never = Task(t1.arch, t1.table, t1.functional, (64, 64))
+    recorded = {t1: first["shape"], t2: second["shape"], never: "B1 H1 Sq64 Sk64 D16"}
+    assert export.stale([t1, t2, never], recorded, tuning_copy) == ([], 1)
+    # today's settings on a GPU: more batch than the interpreter's 64 tokens, so both cells are stale
+    now = {t: str(timed_problem(t, Settings.for_table(t.table))) for t in (t1, t2, never)}
+    assert now[t1] != first["shape"] and now[t2] != second["shape"]
+    assert export.stale([t1, t2, never], now, tuning_copy) == ([t1, t2], 1)
+    # the same shape computed on the CPU (no traffic floor, the results' own settings): up to date
+    cpu = {t: str(timed_problem(t, TINY, "cpu")) for t in (t1, t2)}
+    assert cpu == {t1: first["shape"], t2: second["shape"]}
+    assert export.stale([t1, t2], cpu, tuning_copy) == ([], 0)
+    # no eligible candidate: its comment names no problem, so it is stale whatever the settings
+    empty = copy.deepcopy(first)
+    empty.update(winner=None, winner_config=None, date="2999-01-01T00:00:00+00:00")
+    export.export([empty], tuning_copy, allow_cpu_clock=True)
+    assert export.stale([t1, t2], recorded, tuning_copy) == ([t1], 0)
+    # a database without the tuner's patch: every cell was never timed
+    fresh = Database(tuning_copy.root)
+    for path in fresh.patch_paths("sm_90", "flash.attn_fwd"):
+        if path.name.endswith("-tuned.dbpatch"):
+            path.unlink()
+    assert export.stale([t1, t2], recorded, fresh) == ([], 2)
+
+
+def test_plan_stale_selects_the_cells_timed_on_other_problems(forward_results, tuning_copy, tmp_path):
+    """``tune plan --stale``: the interpreter-timed cells (64 tokens, no traffic floor) are stale
+    for the GPU settings, the selection's other cells were never timed; --out writes only the
+    stale ones; a selection with none stale says so and writes nothing."""
+    from typer.testing import CliRunner
+
+    from aotattn.cli import app
+    from aotattn.tune.tasks import read_batch
+
+    results, _ = forward_results
+    export.export(results, tuning_copy, allow_cpu_clock=True)
+    out = tmp_path / "stale.jsonl"
+    args = ["tune", "plan", "-c", "flash,attn_fwd", "--dtype", "bf16", "--head-dim", "16", "--where", "MASK=2",
+            "--seqlen", "16,32,64", "--tuning-db", str(tuning_copy.root), "--stale"]
+    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "--stale: 2 of 3 cells timed on other problems than these settings time (1 never timed" in result.output
+    tasks = read_batch(out.read_text())
+    assert sorted(tuple(t.cell) for t in tasks) == sorted(tuple(Task.from_json(r["task"]).cell) for r in results)
+    # only a cell the tuner never timed: nothing stale, nothing written
+    none = tmp_path / "none.jsonl"
+    result = CliRunner().invoke(app, [*args[:-5], "--seqlen", "64", "--tuning-db", str(tuning_copy.root), "--stale",
+                                      "--out", str(none)])
+    assert result.exit_code == 0, result.output
+    assert "--stale: 0 of 1 cells timed on other problems than these settings time (1 never timed" in result.output
+    assert not none.exists()
