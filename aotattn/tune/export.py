@@ -203,7 +203,8 @@ def timed_problems(db: Database, arch: str, table: str) -> dict[str, str | None]
 def stale(tasks: Iterable[Task], problems: Mapping[Task, str], db: Database) -> tuple[list[Task], int]:
     """The tasks whose cell the tuner timed on another problem than ``problems`` names (the
     problem each would be timed on now: older settings, such as the 128 MiB floor on what a
-    timed problem moves, chose smaller ones), and how many cells it never timed (left out)."""
+    timed problem moves, chose smaller ones) or where it found no eligible candidate (its
+    record names no problem), and how many cells it never timed (left out)."""
     recorded: dict[tuple[str, str], dict[str, str | None]] = {}
     chosen, never = [], 0
     for task in tasks:

@@ -262,3 +262,23 @@ def test_plan_stale_selects_the_cells_timed_on_other_problems(forward_results, t
     assert result.exit_code == 0, result.output
     assert "--stale: 0 of 1 cells timed on other problems than these settings time (1 never timed" in result.output
     assert not none.exists()
+
+
+def test_dispatch_stale_queues_only_the_stale_cells(forward_results, tuning_copy, dsn):
+    """``tune dispatch --stale --rerun``: the two cells timed on other problems are queued again
+    (a new label, since their tasks are keyed by id), the never-timed one is not."""
+    from typer.testing import CliRunner
+
+    from aotattn.cli import app
+    from aotattn.pgdef import Client
+
+    results, _ = forward_results
+    export.export(results, tuning_copy, allow_cpu_clock=True)
+    result = CliRunner().invoke(app, ["tune", "dispatch", "-c", "flash,attn_fwd", "--dtype", "bf16", "--head-dim", "16",
+                                      "--where", "MASK=2", "--seqlen", "16,32,64", "--tuning-db", str(tuning_copy.root),
+                                      "--stale", "--rerun", "stale-1", "--dsn", dsn])
+    assert result.exit_code == 0, result.output
+    assert "--stale: 2 of 3 cells" in result.output and "tune,flash.attn_fwd on sm_90: 2 queued" in result.output
+    with Client(dsn) as client:
+        cells = sorted(tuple(t.payload["task"]["cell"]) for t in client.tasks("tune"))
+    assert cells == sorted(tuple(Task.from_json(r["task"]).cell) for r in results)
