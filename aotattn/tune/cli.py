@@ -40,6 +40,8 @@ TOKENS = typer.Option(None, "--tokens", help="batch x heads x seqlen_q of the ti
 STALE = typer.Option(False, "--stale", help="only cells the tuner timed on another problem than these settings time "
                      "(older settings, such as before the 128 MiB floor, timed smaller ones) or found nothing "
                      "eligible in; cells it never timed are left out")
+STALE_GPU = typer.Option(None, "--gpu", help="with --stale: also the cells timed on a device whose name does not "
+                         "hold this text (any case), e.g. H200 to re-time on the H200 what an H100 tuned")
 TUNING_DB = typer.Option(None, "--tuning-db", help="tuning database root (default: $AOTATTN_TUNING_DB or tuning/)")
 DSN = typer.Option(None, "--dsn", envvar="AOTATTN_PGDEF_DSN", help="pgdef database (default: the embedded server)")
 HOME = typer.Option(None, "--home", envvar="AOTATTN_PGDEF_HOME", help="work folder of pgdef's embedded server")
@@ -88,16 +90,24 @@ def _select(category: list[str], where: str | None, dtype: str, head_dim: str | 
     return chosen, len(found)
 
 
-def _only_stale(chosen, limit: int | None, tokens: int | None, knobs: bool, db):
-    """The tasks of ``chosen`` whose cells are stale (``--stale``), said on the console."""
+def _check_gpu(stale: bool, gpu: str | None) -> None:
+    if gpu is not None and not stale:
+        raise typer.BadParameter("--gpu selects among stale cells: give --stale with it", param_hint="--gpu")
+    if gpu is not None and not gpu.strip():
+        raise typer.BadParameter("expected part of a GPU's name, e.g. H200", param_hint="--gpu")
+
+
+def _only_stale(chosen, limit: int | None, tokens: int | None, knobs: bool, db, gpu: str | None):
+    """The tasks of ``chosen`` whose cells are stale (``--stale [--gpu]``), said on the console."""
     from aotattn.tune import export
     from aotattn.tune.runner import timed_problem
 
     settings = _settings_by_table(chosen, limit, tokens, knobs)
     now = {t: str(timed_problem(t, settings[t.table])) for t in chosen}
-    stale, never = export.stale(chosen, now, db)
-    console.print(f"--stale: {len(stale)} of {len(chosen)} cells timed on other problems than these settings time "
-                  f"({never} never timed by the tuner, {len(chosen) - len(stale) - never} up to date)")
+    stale, never = export.stale(chosen, now, db, gpu)
+    where = f" or off {gpu}" if gpu else ""
+    console.print(f"--stale: {len(stale)} of {len(chosen)} cells timed on other problems than these settings time"
+                  f"{where} ({never} never timed by the tuner, {len(chosen) - len(stale) - never} up to date)")
     if not stale:
         raise typer.Exit(0)
     return stale
@@ -131,7 +141,7 @@ def _summary(chosen, unsupported: int, limit: int, tokens: int | None, db, knobs
 def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE, head_dim: str = HEAD_DIM,
          seqlen: str = SEQLEN, cells: str = CELLS, arch: str = ARCH, all_functionals: bool = ALL,
          limit: int = LIMIT, knobs: bool = KNOBS, tokens: int = TOKENS, stale: bool = STALE,
-         tuning_db: Path = TUNING_DB,
+         gpu: str = STALE_GPU, tuning_db: Path = TUNING_DB,
          out: Path = typer.Option(None, "--out", help="write the tasks as JSON lines (a batch for `tune run`)")) -> None:
     """Show what a selection holds (tasks, kernels to compile, GPU time); optionally write it as a batch."""
     from aotattn.files import write_atomically
@@ -139,8 +149,9 @@ def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE,
 
     chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
     db, unsupported = _db(tuning_db), total - len(chosen)
+    _check_gpu(stale, gpu)
     if stale:
-        chosen = _only_stale(chosen, limit, tokens, knobs, db)
+        chosen = _only_stale(chosen, limit, tokens, knobs, db, gpu)
     _summary(chosen, unsupported, limit, tokens, db, knobs)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +164,7 @@ def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE,
 def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE, head_dim: str = HEAD_DIM,
              seqlen: str = SEQLEN, cells: str = CELLS, arch: str = ARCH, all_functionals: bool = ALL,
              limit: int = LIMIT, knobs: bool = KNOBS, tokens: int = TOKENS, stale: bool = STALE,
-             tuning_db: Path = TUNING_DB,
+             gpu: str = STALE_GPU, tuning_db: Path = TUNING_DB,
              rerun: str = typer.Option(None, "--rerun", help="any label: queue tasks again even if done before"),
              priority: int = typer.Option(0, help="higher runs first"),
              dsn: str = DSN, home: Path = HOME) -> None:
@@ -164,8 +175,9 @@ def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DT
 
     chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
     unsupported = total - len(chosen)
+    _check_gpu(stale, gpu)
     if stale:
-        chosen = _only_stale(chosen, limit, tokens, knobs, _db(tuning_db))
+        chosen = _only_stale(chosen, limit, tokens, knobs, _db(tuning_db), gpu)
     settings = _settings_by_table(chosen, limit, tokens, knobs)
     by_table: dict[str, list] = {}
     for task in chosen:

@@ -184,36 +184,50 @@ def _label_of_comment(line: str) -> str:
     return body[:close + 1] + rest
 
 
-def timed_problems(db: Database, arch: str, table: str) -> dict[str, str | None]:
-    """What the tuner timed each cell of its patch on, from the cells' comments: the cell's
-    ``[functional] seqlen_q=.. seqlen_k=..`` label -> the timed problem as the result
-    recorded it (the harness's shape, e.g. ``B4 H32 G4 Sq1024 Sk1024 D64``), None for a
-    cell where no candidate was eligible (nothing timed to compare)."""
+@dataclass(frozen=True)
+class Timed:
+    """What a cell's comment in the tuner's patch says it was timed on: the problem as the
+    result recorded it (the harness's shape, e.g. ``B4 H32 G4 Sq1024 Sk1024 D64``) and the
+    device's name; both None where no candidate was eligible (the comment names neither)."""
+
+    problem: str | None
+    device: str | None
+
+
+def timed_cells(db: Database, arch: str, table: str) -> dict[str, Timed]:
+    """Each cell of the tuner's patch, by its ``[functional] seqlen_q=.. seqlen_k=..`` label,
+    and what it was timed on (its comment: ``...; B4 H32 Sq1024 Sk1024 D64, NVIDIA H200, date``)."""
     path = _patch_path(db, arch, table)
     if not path.is_file():
         return {}
-    problems: dict[str, str | None] = {}
+    cells: dict[str, Timed] = {}
     for line in parse_patch(table_spec(table), path.read_text(), str(path)).comments:
         if line.startswith(_CELL_PREFIX):
-            tail = line.rsplit("; ", 1)[-1]
-            problems[_label_of_comment(line)] = None if ": no eligible candidate" in line else tail.split(", ", 1)[0]
-    return problems
+            if ": no eligible candidate" in line:
+                cells[_label_of_comment(line)] = Timed(None, None)
+                continue
+            problem, _, rest = line.rsplit("; ", 1)[-1].partition(", ")  # a device's name may hold ", "
+            cells[_label_of_comment(line)] = Timed(problem, rest.rpartition(", ")[0] or None)
+    return cells
 
 
-def stale(tasks: Iterable[Task], problems: Mapping[Task, str], db: Database) -> tuple[list[Task], int]:
+def stale(tasks: Iterable[Task], problems: Mapping[Task, str], db: Database,
+          gpu: str | None = None) -> tuple[list[Task], int]:
     """The tasks whose cell the tuner timed on another problem than ``problems`` names (the
     problem each would be timed on now: older settings, such as the 128 MiB floor on what a
-    timed problem moves, chose smaller ones) or where it found no eligible candidate (its
-    record names no problem), and how many cells it never timed (left out)."""
-    recorded: dict[tuple[str, str], dict[str, str | None]] = {}
+    timed problem moves, chose smaller ones), on a device whose name does not hold ``gpu``
+    (any case, e.g. ``H200``: cells timed on an H100 for an H200 target), or where it found
+    no eligible candidate; and how many cells it never timed (left out)."""
+    recorded: dict[tuple[str, str], dict[str, Timed]] = {}
     chosen, never = [], 0
     for task in tasks:
         if (task.arch, task.table) not in recorded:
-            recorded[(task.arch, task.table)] = timed_problems(db, task.arch, task.table)
-        label = _cell_label(table_spec(task.table), task.functional, task.cell)
-        if label not in recorded[(task.arch, task.table)]:
+            recorded[(task.arch, task.table)] = timed_cells(db, task.arch, task.table)
+        timed = recorded[(task.arch, task.table)].get(_cell_label(table_spec(task.table), task.functional, task.cell))
+        if timed is None:
             never += 1
-        elif recorded[(task.arch, task.table)][label] != problems[task]:
+        elif (timed.problem != problems[task]
+              or (gpu is not None and gpu.lower() not in (timed.device or "").lower())):
             chosen.append(task)
     return chosen, never
 

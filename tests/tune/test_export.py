@@ -209,9 +209,9 @@ def test_stale_cells_are_those_timed_on_another_problem(forward_results, tuning_
     first, second = results
     export.export(results, tuning_copy, allow_cpu_clock=True)
     t1, t2 = Task.from_json(first["task"]), Task.from_json(second["task"])
-    assert export.timed_problems(tuning_copy, "sm_90", "flash.attn_fwd") == {
-        f"{format_functional(rules.ATTN_FWD, t.functional)} seqlen_q={t.cell[0]} seqlen_k={t.cell[1]}": r["shape"]
-        for t, r in ((t1, first), (t2, second))}
+    assert export.timed_cells(tuning_copy, "sm_90", "flash.attn_fwd") == {
+        f"{format_functional(rules.ATTN_FWD, t.functional)} seqlen_q={t.cell[0]} seqlen_k={t.cell[1]}":
+        export.Timed(r["shape"], r["device"]) for t, r in ((t1, first), (t2, second))}
     never = Task(t1.arch, t1.table, t1.functional, (64, 64))
     recorded = {t1: first["shape"], t2: second["shape"], never: "B1 H1 Sq64 Sk64 D16"}
     assert export.stale([t1, t2, never], recorded, tuning_copy) == ([], 1)
@@ -223,6 +223,12 @@ def test_stale_cells_are_those_timed_on_another_problem(forward_results, tuning_
     cpu = {t: str(timed_problem(t, TINY, "cpu")) for t in (t1, t2)}
     assert cpu == {t1: first["shape"], t2: second["shape"]}
     assert export.stale([t1, t2], cpu, tuning_copy) == ([], 0)
+    # --gpu: the same problems, one cell timed on an H100 and one on an H200, for an H200 target
+    for result, device in ((first, "NVIDIA H200"), (second, "NVIDIA H100 80GB HBM3")):
+        export.export([{**result, "device": device}], tuning_copy, allow_cpu_clock=True)
+    assert export.stale([t1, t2], recorded, tuning_copy) == ([], 0)
+    assert export.stale([t1, t2], recorded, tuning_copy, gpu="h200") == ([t2], 0)
+    assert export.stale([t1, t2], recorded, tuning_copy, gpu="H100") == ([t1], 0)
     # no eligible candidate: its comment names no problem, so it is stale whatever the settings
     empty = copy.deepcopy(first)
     empty.update(winner=None, winner_config=None, date="2999-01-01T00:00:00+00:00")
@@ -255,6 +261,12 @@ def test_plan_stale_selects_the_cells_timed_on_other_problems(forward_results, t
     assert "--stale: 2 of 3 cells timed on other problems than these settings time (1 never timed" in result.output
     tasks = read_batch(out.read_text())
     assert sorted(tuple(t.cell) for t in tasks) == sorted(tuple(Task.from_json(r["task"]).cell) for r in results)
+    # --gpu needs --stale; with it, the cells timed on a CPU are off the H200 as well
+    refused = CliRunner().invoke(app, [*args[:-1], "--gpu", "H200"])
+    assert refused.exit_code == 2 and "give --stale with it" in refused.output, refused.output
+    both = CliRunner().invoke(app, [*args, "--gpu", "H200"])
+    assert both.exit_code == 0 and "--stale: 2 of 3 cells timed on other problems than these settings time or off " \
+                                   "H200 (1 never timed" in both.output, both.output
     # only a cell the tuner never timed: nothing stale, nothing written
     none = tmp_path / "none.jsonl"
     result = CliRunner().invoke(app, [*args[:-5], "--seqlen", "64", "--tuning-db", str(tuning_copy.root), "--stale",
