@@ -20,7 +20,7 @@ from aotattn.compiler.builder import Outcome, compile_and_pack
 from aotattn.compiler.jobs import Job
 from aotattn.spec import Functional
 from aotattn.tune.harnesses import harness
-from aotattn.tune.runner import Settings, task_candidates
+from aotattn.tune.runner import Settings, task_candidates, timed_problem
 from aotattn.tune.tasks import Task, table_spec
 
 
@@ -39,8 +39,7 @@ def task_jobs(task: Task, settings: Settings, db: Any) -> list[Job]:
         configs, _ = task_candidates(task, settings, current)
         jobs += [Job(task.arch, task.table, task.functional, config) for config in configs]
     shapes = [*h.accuracy_shapes(task.functional, task.cell, settings.accuracy_batch, settings.accuracy_heads),
-              h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes,
-                             settings.min_traffic_bytes)]
+              timed_problem(task, settings)]
     for table, functional in h.auxiliary(task.table, task.functional, task.arch):
         for shape in shapes:
             config = h.current_config(db, task.arch, table, functional, _sizes(shape))

@@ -14,7 +14,7 @@ from typing import Any
 
 from aotattn.tune import timing
 from aotattn.tune.harnesses import harness
-from aotattn.tune.runner import Settings, task_candidates
+from aotattn.tune.runner import Settings, task_candidates, timed_problem
 from aotattn.tune.tasks import Task, table_spec
 
 THROUGHPUT = 250e12  # FLOP/s of a typical candidate (H200, bf16: the seeds run 200-500)
@@ -27,8 +27,7 @@ def gpu_seconds(task: Task, settings: Settings, db: Any = None) -> float:
     """``db``: the tuning database the task will run against; with it a kernel task's
     candidates are counted exactly (runner.task_candidates), without it bounded from above."""
     h = harness(task.table)
-    shape = h.timing_shape(task.functional, task.cell, settings.tokens, settings.memory_bytes,
-                           settings.min_traffic_bytes)
+    shape = timed_problem(task, settings)
     call = h.flops(task.table, shape, task.functional) / THROUGHPUT + 20e-6
     # fresh inputs before each call: for a backward, a forward (2/5 of its FLOPs) and the refill
     fresh = call * 0.4 if task.table != "flash.attn_fwd" else call * 0.1
