@@ -131,7 +131,8 @@ def _patch_path(db: Database, arch: str, table: str) -> Path:
     return db.arch_dir(arch) / f"{table}.{max(numbers, default=0) + 1:04d}-{PATCH_WHAT}.dbpatch"
 
 
-def build_patch(spec: Any, results: list[Mapping[str, Any]], old: Patch | None) -> tuple[Patch, int]:
+def build_patch(spec: Any, results: list[Mapping[str, Any]], old: Patch | None,
+                where: str | None = None) -> tuple[Patch, int]:
     """The merged patch for one table: the new results' cells, then the old patch's other
     cells. Returns (patch, old cells kept)."""
     new_cells: dict[tuple[Functional, tuple[int, ...]], tuple[str, Config, str]] = {}
@@ -156,7 +157,7 @@ def build_patch(spec: Any, results: list[Mapping[str, Any]], old: Patch | None) 
     if old is not None:
         for line in old.comments:
             if line.startswith(_CELL_PREFIX):
-                label = _label_of_comment(line)
+                label = _label_of_comment(line, where)
                 comments.setdefault(label, line)
         for edit in old.edits:
             cell = tuple(chosen[0] for chosen in edit.selection)
@@ -176,10 +177,13 @@ def build_patch(spec: Any, results: list[Mapping[str, Any]], old: Patch | None) 
     return patch, kept
 
 
-def _label_of_comment(line: str) -> str:
+def _label_of_comment(line: str, where: str | None = None) -> str:
     """The ``[functional] seqlen_q=.. seqlen_k=..`` label of one of our cell comments."""
     body = line[len(_CELL_PREFIX):]
-    close = body.index("]")
+    close = body.find("]")
+    if not body.startswith("[") or close < 0:
+        raise TuningError(f"a '{_CELL_PREFIX.strip()}' comment without its [functional] label: {line[:80]!r}; the "
+                          "tuner writes '# cell [functional] seqlen_q=..: ...': fix or remove the line", where)
     rest = body[close + 1:].split(":", 1)[0]
     return body[:close + 1] + rest
 
@@ -204,10 +208,10 @@ def timed_cells(db: Database, arch: str, table: str) -> dict[str, Timed]:
     for line in parse_patch(table_spec(table), path.read_text(), str(path)).comments:
         if line.startswith(_CELL_PREFIX):
             if ": no eligible candidate" in line:
-                cells[_label_of_comment(line)] = Timed(None, None)
+                cells[_label_of_comment(line, str(path))] = Timed(None, None)
                 continue
             problem, _, rest = line.rsplit("; ", 1)[-1].partition(", ")  # a device's name may hold ", "
-            cells[_label_of_comment(line)] = Timed(problem, rest.rpartition(", ")[0] or None)
+            cells[_label_of_comment(line, str(path))] = Timed(problem, rest.rpartition(", ")[0] or None)
     return cells
 
 
@@ -264,7 +268,7 @@ def export(results: Iterable[Mapping[str, Any]], db: Database, *, dry_run: bool 
         spec = table_spec(table)
         path = _patch_path(db, arch, table)
         old = parse_patch(spec, path.read_text(), str(path)) if path.is_file() else None
-        patch, kept = build_patch(spec, group, old)
+        patch, kept = build_patch(spec, group, old, str(path))
         old_header = [c for c in (old.comments if old else []) if not c.startswith(_CELL_PREFIX)
                       and not c.startswith(_HEADER_PREFIX) and not c.startswith("# Each cell:")]
         patch.comments = _header(group, len(patch.edits)) + old_header + patch.comments

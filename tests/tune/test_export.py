@@ -294,3 +294,23 @@ def test_dispatch_stale_queues_only_the_stale_cells(forward_results, tuning_copy
     with Client(dsn) as client:
         cells = sorted(tuple(t.payload["task"]["cell"]) for t in client.tasks("tune"))
     assert cells == sorted(tuple(Task.from_json(r["task"]).cell) for r in results)
+
+
+@pytest.mark.parametrize("broken", ["# cell seqlen_q=16 seqlen_k=16: m16_n16 (the label lost)",
+                                    "# cell [dtype=bf16 BLOCK_D=16 seqlen_q=16: no closing bracket"])
+def test_a_hand_broken_cell_comment_is_one_line_naming_the_patch(forward_results, tuning_copy, broken):
+    """A ``# cell`` comment edited by hand out of the tuner's form: ``--stale`` and a
+    re-export say which file and what to do, not a bare ValueError from ``str.index``."""
+    from aotattn.tuning import TuningError
+
+    results, _ = forward_results
+    done = export.export(results[:1], tuning_copy, allow_cpu_clock=True)
+    path = done[0].path
+    path.write_text(path.read_text().replace("# Each cell:", broken + "\n# Each cell:", 1))
+    task = Task.from_json(results[0]["task"])
+    for attempt in (lambda: export.stale([task], {task: results[0]["shape"]}, tuning_copy),
+                    lambda: export.export(results[1:], tuning_copy, allow_cpu_clock=True, dry_run=True)):
+        with pytest.raises(TuningError, match=r"flash\.attn_fwd\.0001-tuned\.dbpatch: a '# cell' comment without its "
+                                              r"\[functional\] label: .*fix or remove the line") as raised:
+            attempt()
+        assert "\n" not in str(raised.value)
