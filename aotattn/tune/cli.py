@@ -104,10 +104,21 @@ def _only_stale(chosen, limit: int | None, tokens: int | None, knobs: bool, db, 
 
     settings = _settings_by_table(chosen, limit, tokens, knobs)
     now = {t: str(timed_problem(t, settings[t.table])) for t in chosen}
-    stale, never = export.stale(chosen, now, db, gpu)
+    by_table: dict[str, list] = {}
+    for task in chosen:
+        by_table.setdefault(task.table, []).append(task)
+    stale, never, lines = [], 0, []
+    for table, tasks in sorted(by_table.items()):
+        found, untimed = export.stale(tasks, now, db, gpu)
+        stale += found
+        never += untimed
+        lines.append(f"  {table}: {len(found)} stale, {untimed} never timed, {len(tasks) - len(found) - untimed} "
+                     "up to date")
     where = f" or off {gpu}" if gpu else ""
     console.print(f"--stale: {len(stale)} of {len(chosen)} cells timed on other problems than these settings time"
                   f"{where} ({never} never timed by the tuner, {len(chosen) - len(stale) - never} up to date)")
+    if len(lines) > 1:
+        console.print("\n".join(lines))
     if not stale:
         raise typer.Exit(0)
     return stale

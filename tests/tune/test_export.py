@@ -267,6 +267,11 @@ def test_plan_stale_selects_the_cells_timed_on_other_problems(forward_results, t
     both = CliRunner().invoke(app, [*args, "--gpu", "H200"])
     assert both.exit_code == 0 and "--stale: 2 of 3 cells timed on other problems than these settings time or off " \
                                    "H200 (1 never timed" in both.output, both.output
+    # two tables: a line each
+    two = CliRunner().invoke(app, [*args[:2], "-c", "flash,attn_bwd_dq", *args[2:]])
+    assert two.exit_code == 0, two.output
+    assert "  flash.attn_fwd: 2 stale, 1 never timed, 0 up to date" in two.output, two.output
+    assert "  flash.attn_bwd_dq: 0 stale, 3 never timed, 0 up to date" in two.output, two.output
     # only a cell the tuner never timed: nothing stale, nothing written
     none = tmp_path / "none.jsonl"
     result = CliRunner().invoke(app, [*args[:-5], "--seqlen", "64", "--tuning-db", str(tuning_copy.root), "--stale",
