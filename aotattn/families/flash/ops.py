@@ -21,7 +21,7 @@ from aotattn.families.flash.checks import (Problem, check_backend, check_bias, c
                                            check_flash, check_flash_attn_extras, check_grid, check_sdpa, check_seqlen,
                                            check_tensor, check_varlen, forward_ad_active)
 from aotattn.families.flash.planning import (Call, accumulated_dq_scale, backward_buffers, backward_dout,
-                                             backward_plans, choose_backend, dropout_mask_plan, finish_dq,
+                                             backward_plans, choose_backend, dout_copy, dropout_mask_plan, finish_dq,
                                              forward_plan, lse_shape, new_call, new_output, philox_state,
                                              run_backward, run_forward, trim_keys, zeroed_rows)
 from aotattn.runtime import launch, prepare
@@ -341,7 +341,7 @@ class _Entry:
             self.backwards[choice] = prepared  # a race stores an equal value twice
         launches, layouts, dq_scale, copy = prepared
         if copy:  # a fresh contiguous copy: the layout the launches were prepared for
-            dout = (dout.transpose(1, 2) if flip else dout).clone(memory_format=torch.contiguous_format)
+            dout = dout_copy(dout.transpose(1, 2) if flip else dout)
         device = q.device
         stats, dq, dk, dv = (_buffer(layout, device) for layout in layouts)
         tensors = (dout, q, k, v, out, lse, stats, dq, dk, dv)

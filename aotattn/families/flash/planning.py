@@ -435,9 +435,15 @@ def backward_dout(c: Call, dout: torch.Tensor, pad_head: bool | None = None) -> 
     if pad_head is None:
         pad_head = c.functional()["PAD_HEAD"]
     if dout.stride(-1) != 1 or not c.tiles_aligned(dout, unit=ROW_UNIT if pad_head else TILE_UNIT):
-        # a fresh contiguous tensor meets the variant's assumptions (a view at an odd offset does not)
-        return dout.clone(memory_format=torch.contiguous_format)
+        return dout_copy(dout)
     return dout
+
+
+def dout_copy(dout: torch.Tensor) -> torch.Tensor:
+    """The copy :func:`backward_dout` makes (and a cached backward repeats where its first
+    call made one): a fresh contiguous tensor meets the variant's assumptions, a view at an
+    odd offset does not."""
+    return dout.clone(memory_format=torch.contiguous_format)
 
 
 def dq_accumulates(backend: str, deterministic: bool) -> bool:
