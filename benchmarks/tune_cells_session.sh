@@ -35,7 +35,9 @@
 # empty: no perfmon run), TUNE_S (200: each stage's
 # deadline, compile included), RUN_S (120: perfmon's deadline), TAG (h200-<date>-retuned),
 # RUN_ARGS (more `perfmon run` options, e.g. "--hide-host-ms 1"), RUN_EXTRA_S (120: perfmon is stopped
-# this long after its deadline; add the FlexAttention compile with "--flex-all --flex-jobs N").
+# this long after its deadline; add the FlexAttention compile with "--flex-all --flex-jobs N"),
+# BASE (a git revision: perfmon also times SELECT on that revision's tuning/ first, in the same
+# call, and `perfdb compare` prints base against tuned; the base run is $TAG-base.txt).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -83,17 +85,30 @@ tar czf "$OUT/tuned.tgz" -C "$work" tuning
 slices=$(cd "$work" && ls -d stage-*/slice/results stage-*/slice/*.log stage-*/slice/env.txt 2>/dev/null)
 [ -n "$slices" ] && tar czf "$OUT/slice.tgz" -C "$work" $slices
 
+perfmon() {  # tables, tag, images folder, log suffix
+  AOTATTN_TUNING_DB=$1 aot perfmon images --arch sm_90 --out "$3" --cache build/cache --jobs "$(nproc)" \
+    "${select[@]}" > "$OUT/images$4.log" 2>&1
+  tail -n 1 "$OUT/images$4.log"
+  AOTATTN_TUNING_DB=$1 AOTATTN_IMAGES=$PWD/$3 timeout $(( ${RUN_S:-120} + ${RUN_EXTRA_S:-120} )) \
+    python -m aotattn.cli perfmon run --tag "$2" --out "$OUT/$2.txt" --deadline "${RUN_S:-120}" "${run_args[@]}" \
+    "${select[@]}" > "$OUT/run$4.log" 2>&1
+  grep -E "entries in" "$OUT/run$4.log"
+}
+
 if [ -n "${SELECT:-}" ]; then
   read -r -a select <<< "$SELECT"
   read -r -a run_args <<< "${RUN_ARGS:-}"
   tag=${TAG:-h200-$(date -u +%Y%m%d)-retuned}
-  aot perfmon images --arch sm_90 --out build/img-retuned --cache build/cache --jobs "$(nproc)" "${select[@]}" \
-    > "$OUT/images.log" 2>&1
-  tail -n 1 "$OUT/images.log"
-  AOTATTN_IMAGES=$PWD/build/img-retuned timeout $(( ${RUN_S:-120} + ${RUN_EXTRA_S:-120} )) python -m aotattn.cli perfmon run \
-    --tag "$tag" --out "$OUT/$tag.txt" --deadline "${RUN_S:-120}" "${run_args[@]}" "${select[@]}" > "$OUT/run.log" 2>&1
-  grep -E "entries in" "$OUT/run.log"
+  if [ -n "${BASE:-}" ]; then  # the same entries on BASE's tables first, in this process' machine
+    rm -rf build/base && mkdir -p build/base && git archive "$BASE" tuning | tar -x -C build/base
+    perfmon "$PWD/build/base/tuning" "$tag-base" build/img-base -base
+  fi
+  perfmon "$PWD/$work/tuning" "$tag" build/img-retuned ""
   aot perfdb summary "$OUT/$tag.txt" > "$OUT/summary.log" 2>&1
+  if [ -n "${BASE:-}" ]; then
+    aot perfdb compare "$OUT/$tag-base.txt" "$OUT/$tag.txt" > "$OUT/compare.log" 2>&1
+    tail -n 30 "$OUT/compare.log"
+  fi
 fi
 (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log)
 ls "$OUT"

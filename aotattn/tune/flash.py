@@ -548,7 +548,10 @@ def auxiliary(table: str, functional: Functional, arch: str | None = None) -> li
         pairs += [("flash.attn_bwd_dkdv", attention), ("flash.attn_bwd_dq", attention),
                   ("flash.attn_bwd_fused", {**attention, "ATOMIC_DQ": not f["DETERMINISTIC"]})]
         if rules.ws_backward_serves(attention, arch, deterministic=f["DETERMINISTIC"]):
-            pairs.append(("flash.attn_bwd_ws", attention))
+            # the ws backward's tiles are keyed by GROUPED too (named when True): a grouped
+            # problem launches the grouped tile, so that is the image to build
+            ws = rules.ATTN_BWD_WS.canonical_functional({**attention, "GROUPED": f.get("GROUPED", False)})
+            pairs.append(("flash.attn_bwd_ws", ws.as_dict()))
     return [(t, Functional.of(v)) for t, v in pairs] + _mask_kernel(f)
 
 

@@ -60,6 +60,9 @@ TOLERANCE = {"bf16": 1e-2, "fp16": 5e-3, "fp32": 1e-5}
 
 OK, INACCURATE, NAN, FAILED, CRASHED, NO_IMAGE, TOO_LARGE, SLOW = (
     "ok", "inaccurate", "nan", "failed", "crashed", "no-image", "too-large", "slow")
+# a candidate's own kernel is not in the image folder; any other no-image is a kernel its
+# problem launches beside it (the preprocess, the forward, the ws tile) that the batch lacks
+NOT_BUILT = "not in the image folder (not built, or its compile failed)"
 
 
 @dataclass(frozen=True)
@@ -360,14 +363,18 @@ class _Run:
         self.journal.done(record)
         return record
 
-    def _guard(self, config: Config, what: Callable[[], Any]) -> tuple[Any, str | None]:
-        """Run ``what``; an exception becomes a message, a dead device ends the task."""
+    def _guard(self, config: Config, what: Callable[[], Any]) -> tuple[Any, str | None, str]:
+        """Run ``what``; an exception becomes a message and a status (``no-image`` for an
+        image the batch lacks, a kernel the problem launches beside the candidate; else
+        ``failed``), a dead device ends the task."""
+        from aotattn.runtime.images import ImageMissing
+
         try:
-            return what(), None
+            return what(), None, OK
         except Exception as exc:  # the candidate's failure, recorded
             if not _device_ok(self.device):
                 raise DeviceLost(f"{cand.config_name(config)}: {type(exc).__name__}: {exc}") from exc
-            return None, f"{type(exc).__name__}: {exc}"[:1000]
+            return None, f"{type(exc).__name__}: {exc}"[:1000], NO_IMAGE if isinstance(exc, ImageMissing) else FAILED
 
     def accuracy(self, config: Config, problems: list[Any], references: list[dict[str, torch.Tensor]]) -> dict:
         errors: dict[str, float] = {}
@@ -379,9 +386,9 @@ class _Run:
                     torch.cuda.synchronize(self.device)
                 return self.harness.errors(problem.outputs(), ref)
 
-            found, message = self._guard(config, run)
+            found, message, status = self._guard(config, run)
             if message is not None:
-                return {"status": FAILED, "message": message, "errors": errors}
+                return {"status": status, "message": message, "errors": errors}
             for name, err in found.items():
                 errors[f"{problem.shape} {name}"] = err
         worst = max(errors.values(), key=lambda e: math.inf if math.isnan(e) else e) if errors else math.nan
@@ -391,7 +398,8 @@ class _Run:
         status = OK if worst <= self.tolerance else INACCURATE
         return {"status": status, "error": worst, "errors": errors}
 
-    def measure(self, config: Config, problem: Any, warmup: int, repeats: int) -> tuple[timing.Timing | None, str | None]:
+    def measure(self, config: Config, problem: Any, warmup: int,
+                repeats: int) -> tuple[timing.Timing | None, str | None, str]:
         def run():
             call = problem.runner(config)
             result = timing.measure(lambda _: call(), problem.refill, device=self.device, warmup=warmup,
@@ -460,7 +468,7 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
         if images is not None:
             entry = images(config)
             if entry is None:
-                run._record(config, status=NO_IMAGE, message="not in the image folder (not built, or its compile failed)")
+                run._record(config, status=NO_IMAGE, message=NOT_BUILT)
                 continue
             if entry.shared > limit:
                 run._record(config, status=TOO_LARGE, shared=entry.shared,
@@ -472,10 +480,10 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
             run._record(config, **found)
             log(f"{name}: {found['status']} {found.get('message', '')}")
             continue
-        probe, message = run.measure(config, timed, warmup=1, repeats=2)
+        probe, message, status = run.measure(config, timed, warmup=1, repeats=2)
         if message is not None:
-            run._record(config, status=FAILED, message=message, error=found["error"], errors=found["errors"])
-            log(f"{name}: failed {message}")
+            run._record(config, status=status, message=message, error=found["error"], errors=found["errors"])
+            log(f"{name}: {status} {message}")
             continue
         probes[name] = probe.median_ms
         run._record(config, status=OK, error=found["error"], errors=found["errors"], probe_ms=probe.median_ms)
@@ -504,9 +512,9 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
             return
         repeats = timing.repeats_for(probes[name], settings.budget_ms, lowest=settings.repeats[0],
                                      highest=settings.repeats[1])
-        result, message = run.measure(by_name[name], timed, warmup=1, repeats=repeats)
+        result, message, status = run.measure(by_name[name], timed, warmup=1, repeats=repeats)
         if message is not None:
-            record.update(status=FAILED, message=message)
+            record.update(status=status, message=message)
             eligible.discard(name)
         else:
             record.update(status=OK, median_ms=result.median_ms, spread=result.spread, repeats=result.repeats,
@@ -523,6 +531,13 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
     while spare and not any(run.records[n].get("median_ms") is not None for n in eligible):
         time_in_full(spare.pop(0))
     winner = choose(run.records, eligible, current_name, settings.min_gain)
+    unbuilt = run.records.get(current_name, {})
+    if unbuilt.get("status") == NO_IMAGE and unbuilt.get("message") != NOT_BUILT:
+        # the current choice ran into a kernel the batch did not build beside it: it was not
+        # compared, so nothing replaces it (the cell stays as it is; compile the batch again)
+        log(f"{current_name} (the current choice): {unbuilt['message']}; no winner: the batch lacks a kernel "
+            "it launches, so nothing was compared with it")
+        winner = None
     for name, record in run.records.items():
         record["eligible"] = name in eligible
     return {

@@ -45,6 +45,28 @@ def test_backward_tasks_need_their_auxiliary_kernels():
     assert len(both) == len({(j.table, j.functional, j.config) for j in both})
 
 
+def test_a_grouped_backward_task_builds_the_grouped_ws_tiles():
+    """A grouped problem's ws backward launches the GROUPED=True tile; the task must build
+    that image, not the ungrouped cell's (the tuner found ws missing on every grouped cell)."""
+    db = Database(PROJECT_TUNING)
+    settings = Settings(limit=3)
+    for d, cell in ((64, (1024, 1024)), (128, (4096, 4096)), (64, (16, 16))):
+        f = dict(dtype="fp16", BLOCK_D=d, PAD_HEAD=False, MASK=2, VARLEN=False, DROPOUT=False, BIAS=0,
+                 DETERMINISTIC=False, GROUPED=True)
+        task = Task("sm_90", "flash.backward", Functional.of(f), cell)
+        ws = [j for j in ahead.task_jobs(task, settings, db) if j.table == "flash.attn_bwd_ws"]
+        assert ws and all(j.functional["GROUPED"] is True for j in ws)
+        problem = dataclasses.replace(task, functional=Functional.of(f))
+        shapes = [*flash.accuracy_shapes(problem.functional, cell, settings.accuracy_batch, settings.accuracy_heads)]
+        for shape in shapes:  # the configuration the launch plan looks up, for each problem size
+            grouped = db.lookup("sm_90", rules.ATTN_BWD_WS, ws[0].functional,
+                                {"seqlen_q": shape.seqlen_q, "seqlen_k": shape.seqlen_k})
+            assert grouped in {j.config for j in ws}
+        plain = dataclasses.replace(task, functional=Functional.of({**f, "GROUPED": False}))
+        ungrouped = [j for j in ahead.task_jobs(plain, settings, db) if j.table == "flash.attn_bwd_ws"]
+        assert ungrouped and all("GROUPED" not in j.functional.as_dict() for j in ungrouped)
+
+
 def test_compiled_images_hold_every_candidate(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     from aotattn.runtime.images import Archive, archive_path

@@ -178,6 +178,46 @@ def test_padded_operator_task_times_both_backends_on_odd_head_dims():
         assert c["eligible"] and max(c["errors"].values()) < 5e-3, c
 
 
+@pytest.mark.parametrize("missing", ["current", "other"])
+def test_a_kernel_the_batch_did_not_build_is_no_image_and_never_replaces_the_current_choice(missing, monkeypatch):
+    """A candidate whose problem launches a kernel the image folder lacks (the ws tile of a
+    grouped backward, built for the ungrouped cell) is ``no-image``, not ``failed``; when
+    that is the current choice nothing was compared with it, so the result has no winner
+    (export keeps the cell) rather than handing the cell to the other backend."""
+    from aotattn.runtime.images import ImageMissing
+
+    f = Functional.of(dict(dtype="fp16", BLOCK_D=32, PAD_HEAD=True, MASK=2, VARLEN=False, DROPOUT=False, BIAS=0,
+                           DETERMINISTIC=False))
+    task = Task("sm_90", "flash.backward", f, (32, 32))
+    db = Database(PROJECT_TUNING)
+    current = config_name(flash.current_config(db, "sm_90", task.table, f, task.cell))
+    lacking = current if missing == "current" else ({"split", "fused"} - {current}).pop()
+    runner_of = flash.Problem.runner
+
+    def runner_lacking_one_kernel(self, config):
+        if config_name(config) == lacking:
+            def launch():
+                raise ImageMissing("no kernel image for sm_90 / flash.attn_bwd_ws / [GROUPED=True] / ...",
+                                   "sm_90", "flash.attn_bwd_ws")
+            return launch
+        return runner_of(self, config)
+
+    monkeypatch.setattr(flash.Problem, "runner", runner_lacking_one_kernel)
+    seen = []
+    settings = dataclasses.replace(TINY, finalists=2, repeats=(1, 1))
+    result = runner.run_task(task, settings, device="cpu", db=db, journal=None, log=seen.append)
+    by_name = {c["name"]: c for c in result["candidates"]}
+    assert by_name[lacking]["status"] == "no-image" and "flash.attn_bwd_ws" in by_name[lacking]["message"]
+    assert not by_name[lacking]["eligible"]
+    other = ({"split", "fused"} - {lacking}).pop()
+    assert by_name[other]["status"] == "ok" and by_name[other]["median_ms"] > 0
+    if missing == "current":
+        assert result["winner"] is None and result["current"] == lacking
+        assert any("no winner" in line for line in seen)
+    else:
+        assert result["winner"] == other
+
+
 @pytest.mark.parametrize("table, extra", [("flash.attn_fwd", {}), ("flash.attn_bwd_dkdv", {}),
                                           ("flash.attn_bwd_fused", {"ATOMIC_DQ": True}),
                                           ("flash.backward", {"DETERMINISTIC": False})],
