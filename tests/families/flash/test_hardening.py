@@ -21,7 +21,7 @@ import torch
 
 import aotattn
 from aotattn import reference
-from aotattn.families.flash import ops
+from aotattn.families.flash import ops, planning
 from tests.helpers import DEVICES, TOLERANCE, rel_err
 from tests.families.flash.helpers import assert_forward_matches, make_qkv, seed_from
 
@@ -479,19 +479,31 @@ def _douts(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> dict:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", [None, "split", "fused"])
-def test_cached_sdpa_backward_in_every_dout_layout_twice(device, backend):
+def test_cached_sdpa_backward_in_every_dout_layout_twice(device, backend, monkeypatch):
     """A warm backward picks its launches, and whether dout is copied first, by dout's
     layout as it comes: each layout twice (the second a hit), interleaved, on fresh
-    inputs, against the float64 reference; one prepared backward per layout."""
+    inputs, against the float64 reference; one prepared backward per layout, and one copy
+    of dout per call that needs one (the first call launches on the copy planning made)."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     shape = (2, 4, 29, 32) if device == "cpu" else (2, 8, 1031, 128)
     ops._PLANS.entries.clear()
+    copies = []
+
+    def counted_copy(dout, copy=planning.dout_copy):
+        copies.append(dout.shape)
+        return copy(dout)
+
+    monkeypatch.setattr(planning, "dout_copy", counted_copy)
+    monkeypatch.setattr(ops, "dout_copy", counted_copy)
     layouts = _douts(shape, dtype, device)
+    made = {}
     for name in [*layouts, *layouts]:
         q, k, v = (torch.randn(shape, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
         out = aotattn.scaled_dot_product_attention(q, k, v, is_causal=True, backend=backend)
         dout = layouts[name]()
+        before = len(copies)
         grads = torch.autograd.grad(out, (q, k, v), dout)
+        made.setdefault(name, []).append(len(copies) - before)
         ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
         ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=True)
         ref_grads = torch.autograd.grad(ref, ref_in, dout.double())
@@ -503,6 +515,7 @@ def test_cached_sdpa_backward_in_every_dout_layout_twice(device, backend):
     copied = sorted(name for name, key in keys.items()
                     for choice, (*_, copy) in entry.backwards.items() if choice[:2] == key and copy)
     assert copied == ["expanded (a sum's)", "last stride 2", "odd offset"]
+    assert made == {name: [1, 1] if name in copied else [0, 0] for name in layouts}
 
 
 @pytest.mark.parametrize("bad,error", [(dict(backend="bogus"), ValueError), (dict(deterministic=1), TypeError)])
