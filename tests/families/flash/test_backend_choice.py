@@ -149,40 +149,47 @@ def test_a_windowed_call_is_looked_up_at_its_span(monkeypatch, window, causal, s
         assert plan.grid == (blocks, q.shape[2], q.shape[0])
 
 
-UNGROUPED_FUSED = """#! aotattn-patch 1
-#! table flash.backward
-
-[configs]
-fused = backend=fused
-
-[dtype=bf16 BLOCK_D=64 PAD_HEAD=False MASK=2 VARLEN=False DROPOUT=False BIAS=0 DETERMINISTIC=False]
-seqlen_q=1024 seqlen_k=1024: fused
-
-[dtype=fp16 BLOCK_D=64 PAD_HEAD=False MASK=2 VARLEN=False DROPOUT=False BIAS=0 DETERMINISTIC=False]
-seqlen_q=1024 seqlen_k=1024: fused
-"""
+def _operator_patch(cells: dict[tuple[str, int, bool], str]) -> str:
+    """A flash.backward patch setting the causal s1024 cell of each (dtype, head dim,
+    grouped) to a backend."""
+    lines = ["#! aotattn-patch 1", "#! table flash.backward", "", "[configs]"]
+    lines += [f"{b} = backend={b}" for b in sorted(set(cells.values()))]
+    for (dtype, d, grouped), backend in cells.items():
+        lines += ["", f"[dtype={dtype} BLOCK_D={d} PAD_HEAD=False MASK=2 VARLEN=False DROPOUT=False BIAS=0 "
+                      f"DETERMINISTIC=False{' GROUPED=True' if grouped else ''}]",
+                  f"seqlen_q=1024 seqlen_k=1024: {backend}"]
+    return "\n".join(lines) + "\n"
 
 
 def test_grouped_calls_read_their_own_cells_and_fall_back_to_the_ungrouped_ones(monkeypatch, tmp_path):
-    """A grouped-query call (Hq > Hk) looks up the GROUPED=True refinement: the shipped patch
-    0017 gives d64 s1024 causal GQA calls ws (perfmon s35-dense, 1.14-1.42x); with the same
-    call without groups set to fused by a later patch (since patch 0019 it is ws as well),
-    the grouped calls keep their own cell, and their other cells read the ungrouped ones."""
+    """A grouped-query call (Hq > Hk) looks up the GROUPED=True refinement: where a patch
+    gives the grouped s1024 cell one backend and the same call without groups another, each
+    call reads its own; a head dim without grouped cells (d32: the tuner's grouped cells are
+    d64 and d128) reads the ungrouped ones, at every length."""
     root = tmp_path / "db"
     shutil.copytree(tuning.database().root, root)
-    (root / "nvidia" / "sm_90" / "flash.backward.0900-ungrouped.dbpatch").write_text(UNGROUPED_FUSED)
+    sm90 = root / "nvidia" / "sm_90"
+    assert not any("GROUPED" in line and "BLOCK_D=32 " in line
+                   for patch in sm90.glob("flash.backward*") for line in patch.read_text().splitlines())
+    cells = {(dtype, d, grouped): backend for dtype in ("bf16", "fp16")
+             for d, grouped, backend in ((64, False, "fused"), (64, True, "split"), (32, False, "fused"))}
+    (sm90 / "flash.backward.0900-test.dbpatch").write_text(_operator_patch(cells))
     db = tuning.Database(root)
     assert db.lint() == []
     for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        choices = {}
-        for heads_k in (4, 2, 1):
-            for seqlen in (1000, 300, 3000):
-                q, k, v = _qkv(64, seqlen, seqlen, torch_dtype, heads_k)
-                functional, sizes = _choice(monkeypatch, q, k, v, causal=True)
-                assert functional.get("GROUPED", False) is (heads_k < 4)
-                choices[(heads_k, seqlen)] = db.lookup("sm_90", rules.BACKWARD, Functional.of(functional),
-                                                       sizes)["backend"]
-                monkeypatch.undo()
-        assert choices[(2, 1000)] == choices[(1, 1000)] == "ws" and choices[(4, 1000)] == "fused"
-        for seqlen in (300, 3000):
-            assert choices[(2, seqlen)] == choices[(1, seqlen)] == choices[(4, seqlen)]
+        for d in (64, 32):
+            choices = {}
+            for heads_k in (4, 2, 1):
+                for seqlen in (1000, 300, 3000):
+                    q, k, v = _qkv(d, seqlen, seqlen, torch_dtype, heads_k)
+                    functional, sizes = _choice(monkeypatch, q, k, v, causal=True)
+                    assert functional.get("GROUPED", False) is (heads_k < 4)
+                    choices[(heads_k, seqlen)] = db.lookup("sm_90", rules.BACKWARD, Functional.of(functional),
+                                                           sizes)["backend"]
+                    monkeypatch.undo()
+            assert choices[(4, 1000)] == "fused"
+            if d == 64:  # its own cell, not the ungrouped call's
+                assert choices[(2, 1000)] == choices[(1, 1000)] == "split"
+            else:  # no grouped cell: the ungrouped call's, at every length
+                for seqlen in (1000, 300, 3000):
+                    assert choices[(2, seqlen)] == choices[(1, seqlen)] == choices[(4, seqlen)], (dtype, seqlen)
