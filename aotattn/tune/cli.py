@@ -405,10 +405,14 @@ def export(results: list[Path] = typer.Argument(None, help="result files or fold
     if not found:
         raise ValueError("no tuner results to export (check in offline batches first: aotattn pgdef checkin)")
     for table in exporter.export(found, _db(tuning_db), dry_run=dry_run, unmask=unmask):
-        empty = f"; {len(table.empty)} without an eligible candidate" if table.empty else ""
+        empty = f"; {len(table.empty)} without a winner, left as they were" if table.empty else ""
         console.print(f"{table.arch} {table.table}: {table.cells} cells from results ({table.unchanged} keep the "
                       f"current choice), {table.kept} kept from before{empty} -> {table.path}"
-                      + (" (dry run)" if dry_run else ""))
+                      + (" (dry run)" if dry_run else ""), soft_wrap=True)
+        for why in table.empty[:3]:
+            console.print(f"  no winner: {why}", soft_wrap=True, markup=False)
+        if len(table.empty) > 3:
+            console.print(f"  ... and {len(table.empty) - 3} more")
         for name, cells in table.unmasked.items():
             gone = " (left empty: deleted)" if name in table.removed else ""
             console.print(f"{'would take' if dry_run else 'took'} {len(cells)} tuned cell(s) out of {name}{gone}")

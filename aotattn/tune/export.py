@@ -43,7 +43,7 @@ class TableExport:
     cells: int = 0  # cells the new results set
     kept: int = 0  # cells of the old patch kept
     unchanged: int = 0  # results whose winner is the current choice (written all the same)
-    empty: list[str] = field(default_factory=list)  # tasks without an eligible candidate
+    empty: list[str] = field(default_factory=list)  # "task: why" for the tasks without a winner (cell kept)
     masked: dict[str, str] = field(default_factory=dict)  # task -> the later patch that sets its cell otherwise
     unmasked: dict[str, list[str]] = field(default_factory=dict)  # later patch -> the tuned cells taken out of it
     removed: list[str] = field(default_factory=list)  # later patches left empty, deleted
@@ -276,7 +276,8 @@ def export(results: Iterable[Mapping[str, Any]], db: Database, *, dry_run: bool 
         report = TableExport(arch, table, path, cells=sum(r.get("winner") is not None for r in group), kept=kept,
                              unchanged=sum(r.get("winner") is not None and r.get("winner") == r.get("current")
                                            for r in group),
-                             empty=[Task.from_json(r["task"]).describe() for r in group if r.get("winner") is None])
+                             empty=[f"{Task.from_json(r['task']).describe()}: {r.get('no_winner') or 'no eligible candidate'}"
+                                    for r in group if r.get("winner") is None])
         _check(db, arch, table, path, text)
         if not dry_run:
             write_atomically(path, text)

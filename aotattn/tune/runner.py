@@ -531,12 +531,14 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
     while spare and not any(run.records[n].get("median_ms") is not None for n in eligible):
         time_in_full(spare.pop(0))
     winner = choose(run.records, eligible, current_name, settings.min_gain)
+    no_winner = None if winner is not None else "no eligible candidate"
     unbuilt = run.records.get(current_name, {})
     if unbuilt.get("status") == NO_IMAGE and unbuilt.get("message") != NOT_BUILT:
         # the current choice ran into a kernel the batch did not build beside it: it was not
         # compared, so nothing replaces it (the cell stays as it is; compile the batch again)
-        log(f"{current_name} (the current choice): {unbuilt['message']}; no winner: the batch lacks a kernel "
-            "it launches, so nothing was compared with it")
+        no_winner = (f"the current choice {current_name} launches a kernel the batch lacks "
+                     f"({unbuilt['message'][:300]}); compile the batch again (aotattn tune compile)")
+        log(f"no winner: {no_winner}")
         winner = None
     for name, record in run.records.items():
         record["eligible"] = name in eligible
@@ -547,7 +549,7 @@ def run_task(task: Task, settings: Settings | None = None, *, device: torch.devi
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.monotonic() - start, 3), "shape": str(timed_shape),
         "accuracy_shapes": [str(p.shape) for p in problems], "tolerance": run.tolerance,
-        "bound": _json_float(bound), "current": current_name, "winner": winner,
+        "bound": _json_float(bound), "current": current_name, "winner": winner, "no_winner": no_winner,
         "winner_config": run.records[winner]["config"] if winner else None,
         "pruned": len(pruned), "candidates": [_clean(r) for r in run.records.values()],
     }

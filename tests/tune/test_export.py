@@ -80,6 +80,10 @@ def test_refusals(forward_results, tuning_copy):
     nothing.update(winner=None, winner_config=None)
     done = export.export([nothing], tuning_copy, allow_cpu_clock=True, dry_run=True)
     assert done[0].cells == 0 and len(done[0].empty) == 1 and not done[0].path.exists()
+    assert done[0].empty[0].endswith(": no eligible candidate")  # a result from before `no_winner`
+    nothing["no_winner"] = "the current choice split launches a kernel the batch lacks (...)"
+    (why,) = export.export([nothing], tuning_copy, allow_cpu_clock=True, dry_run=True)[0].empty
+    assert why.endswith(nothing["no_winner"]) and why.startswith(Task.from_json(nothing["task"]).describe())
 
 
 def _edit_winner(result: dict, **changes) -> dict:

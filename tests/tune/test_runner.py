@@ -213,9 +213,10 @@ def test_a_kernel_the_batch_did_not_build_is_no_image_and_never_replaces_the_cur
     assert by_name[other]["status"] == "ok" and by_name[other]["median_ms"] > 0
     if missing == "current":
         assert result["winner"] is None and result["current"] == lacking
+        assert "flash.attn_bwd_ws" in result["no_winner"] and "tune compile" in result["no_winner"]
         assert any("no winner" in line for line in seen)
     else:
-        assert result["winner"] == other
+        assert result["winner"] == other and result["no_winner"] is None
 
 
 @pytest.mark.parametrize("table, extra", [("flash.attn_fwd", {}), ("flash.attn_bwd_dkdv", {}),
