@@ -107,7 +107,9 @@ SESSION_SCRIPTS = {"perfmon_session.sh": {("perfmon", "images"), ("perfmon", "ru
                    "odd_dims_session.sh": {("perfmon", "images"), ("perfmon", "run"), ("perfdb", "summary"),
                                            ("perfdb", "compare")},
                    "tune_cells_session.sh": {("tune", "plan"), ("tune", "export"), ("tuning", "lint"),
-                                             ("perfmon", "images"), ("perfmon", "run"), ("perfdb", "summary")},
+                                             ("perfmon", "images"), ("perfmon", "run"), ("perfdb", "summary"),
+                                             ("perfdb", "compare")},
+                   "gqa_l2_session.sh": {("tuning", "lint")},
                    "ws_session.sh": {("tune", "plan"), ("tune", "export"), ("tuning", "lint"),
                                      ("perfmon", "images"), ("perfmon", "run"), ("perfdb", "summary")}}
 
