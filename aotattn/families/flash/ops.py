@@ -336,10 +336,9 @@ class _Entry:
         # launches run, so a hit neither makes a view of it nor checks it again
         choice = (dout.stride(), dout.data_ptr() % 16 == 0, backend, deterministic, flip)
         prepared = self.backwards.get(choice)
-        if prepared is None:
-            prepared, ready = self._prepare_backward(dout, q, k, v, out, lse, backend, deterministic, flip)
+        if prepared is None:  # this call launches on the dout planning read (its copy, if it made one)
+            prepared, dout = self._prepare_backward(dout, q, k, v, out, lse, backend, deterministic, flip)
             self.backwards[choice] = prepared  # a race stores an equal value twice
-            dout = ready  # the copy planning made, if it made one: this call launches on it
         elif prepared[3]:  # a fresh contiguous copy: the layout the launches were prepared for
             dout = dout_copy(dout.transpose(1, 2) if flip else dout)
         launches, layouts, dq_scale, _ = prepared
@@ -353,10 +352,10 @@ class _Entry:
     def _prepare_backward(self, dout, q, k, v, out, lse, backend: str | None, deterministic: bool,
                           flip: bool) -> tuple:
         """((launches, buffer layouts, dQ's scale, whether dout is copied) for a dout laid
-        out like this one, and the dout this call launches on: the copy planning made, or
-        ``dout`` as given); planning reads flash-attn's layout, so a flipped call's tensors
-        are viewed in it here (the launches read only pointers, so either view serves)."""
-        c, given = self.call, dout
+        out like this one, and the dout planning read: its copy, or a view of ``dout``);
+        planning reads flash-attn's layout, so a flipped call's tensors are viewed in it here
+        (the launches read only pointers, so either view serves)."""
+        c = self.call
         if flip:
             dout, q, k, v, out = (t.transpose(1, 2) for t in (dout, q, k, v, out))
         ready = backward_dout(c, dout, self.pad_head)
@@ -366,9 +365,7 @@ class _Entry:
         zeroed = zeroed_rows(c, chosen, deterministic)  # zeroed anew in every call's buffers
         layouts = tuple(_layout(t, zero, i > 0 and flip) for i, (t, zero) in enumerate(zip(buffers, zeroed)))
         scale = accumulated_dq_scale(c, chosen, deterministic)
-        copied = ready is not dout
-        prepared = [_prepare(plan, _BACKWARD_ROLES) for plan in plans], layouts, scale, copied
-        return prepared, ready if copied else given
+        return ([_prepare(plan, _BACKWARD_ROLES) for plan in plans], layouts, scale, ready is not dout), ready
 
 
 def _layout(t: torch.Tensor, zero_from: int | None, flip: bool) -> tuple:
