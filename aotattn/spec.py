@@ -264,6 +264,11 @@ class KernelSpec(_Table):
         axis_defaults: functional axes added after tables were written, with the value a
             functional without them means (:meth:`canonical_functional`); the kernel
             still receives them as constexprs.
+        table_axes: functional axes that key the tuning table and nothing else: a class of
+            calls whose best configuration differs while the kernel's code does not (the
+            ws backward's wide key/value groups). The kernel does not receive them, and
+            one image serves every value (:meth:`compiled_functional`). Each has an
+            ``axis_defaults`` entry, the value a compiled functional stands for.
     """
 
     family: str
@@ -283,10 +288,21 @@ class KernelSpec(_Table):
     axis_defaults: tuple[tuple[str, Any], ...] = ()  # see _Table
     language: str = "triton"
     archs: tuple[str, ...] | None = None
+    table_axes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.language not in LANGUAGES:
             raise ValueError(f"{self.qualname}: language {self.language!r} is none of {', '.join(LANGUAGES)}")
+        undefaulted = [axis for axis in self.table_axes if axis not in dict(self.axis_defaults)]
+        if undefaulted:
+            raise ValueError(f"{self.qualname}: table axes {undefaulted} need an axis_defaults value")
+
+    def compiled_functional(self, functional: Functional) -> Functional:
+        """``functional`` as it is compiled, keyed in images and launched: without its
+        ``table_axes`` (the same kernel serves each of their values)."""
+        if not any(axis in self.table_axes for axis, _ in functional.items):
+            return functional
+        return Functional(tuple(item for item in functional.items if item[0] not in self.table_axes))
 
     @functools.cached_property
     def argument_names(self) -> tuple[str, ...]:
@@ -345,6 +361,8 @@ class KernelSpec(_Table):
 
     def _values(self, functional: Functional) -> dict[str, Any]:
         values = {**dict(self.axis_defaults), **functional.as_dict()}  # a constexpr at its default too
+        for axis in self.table_axes:  # not the kernel's
+            del values[axis]
         if self.derive is not None:
             values.update(self.derive(values))
         return values

@@ -90,7 +90,7 @@ def enumerate_jobs(db: Database, archs: Sequence[str], tables: Sequence[str], wh
                     cells &= _chosen_cells(db, arch, spec, functional)
                 names = sorted({grid[r][c] for r, c in cells} - {"."})
                 jobs += [Job(arch, name, functional, table.configs[n]) for n in names]
-    return jobs
+    return list(dict.fromkeys(jobs))  # functionals differing in table axes alone are one job
 
 
 @dataclass

@@ -26,6 +26,11 @@ class Job:
     functional: Functional
     config: Config
 
+    def __post_init__(self) -> None:
+        # what is compiled: a functional without the table's own axes (KernelSpec.table_axes),
+        # so the jobs of each of their values are one job
+        object.__setattr__(self, "functional", self.spec().compiled_functional(self.functional))
+
     def spec(self) -> Any:
         from aotattn import families
         return families.kernels()[self.table]

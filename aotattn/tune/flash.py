@@ -187,14 +187,17 @@ class Shape:
 
 
 OPERATOR_TABLE = "flash.backward"  # timed at training sizes (default_tokens)
-# query heads per key/value head of a grouped-query task (flash.backward GROUPED=True), as
-# the GQA models of the perfmon grid (4 and 8) and Llama-style checkpoints
-GROUP = 4
+# query heads per key/value head of a grouped-query task (GROUPED=True), as the GQA models
+# of the perfmon grid and Llama-style checkpoints; the ws backward's WIDE_GROUPS cells
+# are timed at WIDE_GROUP
+GROUP, WIDE_GROUP = rules.GROUP_WIDTH, rules.WIDE_GROUP_WIDTH
 
 
 def group_of(functional: Functional) -> int:
-    """Query heads per key/value head of a task's problems: :data:`GROUP` for a grouped one."""
-    return GROUP if functional.as_dict().get("GROUPED") else 1
+    """Query heads per key/value head of a task's problems: :data:`WIDE_GROUP` for wide
+    groups, :data:`GROUP` for other grouped ones, else 1."""
+    f = functional.as_dict()
+    return WIDE_GROUP if f.get("WIDE_GROUPS") else GROUP if f.get("GROUPED") else 1
 
 
 def default_tokens(table: str) -> int:
@@ -225,9 +228,9 @@ def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = 
     not varlen) at the cell: none where a call of the cell's lengths runs another MASK
     variant (rules.kernel_mask: top-left on the diagonal runs bottom-right), nor a top-left
     backward with fewer queries than keys and no dropout (its plans drop the keys no query
-    sees, planning.trim_keys: a causal call runs the Sq x Sq cell). The backward operator's
-    grouped-query cells (``GROUPED=True``) are timed with groups of :data:`GROUP`. ``arch``:
-    the warp-specialized kernels' tables and the forward's engine choice exist only where
+    sees, planning.trim_keys: a causal call runs the Sq x Sq cell). Grouped-query cells
+    (``GROUPED=True``) are timed with groups of :data:`GROUP`, wide ones of :data:`WIDE_GROUP`
+    (:func:`group_of`). ``arch``: the warp-specialized kernels' tables and the forward's engine choice exist only where
     those kernels run (sm_90); None, wherever they run."""
     f = functional.as_dict()
     if cell is not None and len(cell) == 2 and "MASK" in f \
@@ -250,6 +253,7 @@ def footprint(table: str) -> Footprint | None:
 def image_key(table: str, functional: Functional, config: Config) -> str:
     """The key of the candidate's kernel in its image archive."""
     spec = rules.KERNELS[table.split(".", 1)[1]]
+    functional = spec.compiled_functional(functional)
     return entry_key(functional.as_dict(), config.as_dict(), spec.variant(functional))
 
 
@@ -528,7 +532,7 @@ def auxiliary(table: str, functional: Functional, arch: str | None = None) -> li
     images must be built too."""
     f = functional.as_dict()
     kernel = table.split(".", 1)[1]
-    attention = {k: v for k, v in f.items() if k not in ("ATOMIC_DQ", "DETERMINISTIC", "GROUPED")}
+    attention = {k: v for k, v in f.items() if k not in ("ATOMIC_DQ", "DETERMINISTIC", "GROUPED", "WIDE_GROUPS")}
     if kernel == "backward":
         attention["BLOCK_DV"] = f["BLOCK_D"]
     forward = {**attention, "BIAS": min(attention.get("BIAS", 0), 1)}

@@ -196,7 +196,7 @@ def _plan(kernel: KernelSpec, functional: Mapping, p: Problem, device: torch.dev
     functional = kernel.canonical_functional(functional)
     if config is None:
         config = rules.config_for(kernel, functional, device, **p.tuning_sizes)
-    return LaunchPlan(kernel, functional, config, grid(config), kernel.bind(**args))
+    return LaunchPlan(kernel, kernel.compiled_functional(functional), config, grid(config), kernel.bind(**args))
 
 
 def lse_shape(p: Problem, q: torch.Tensor) -> tuple[int, ...]:
@@ -406,9 +406,13 @@ def backward_plans(c: Call, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 
 
 def ws_functional(c: Call) -> Functional:
-    """The warp-specialized backward's functional of a call: the backward kernels' and
-    whether it has fewer key/value heads than query heads (``GROUPED``, named when True)."""
-    return rules.ATTN_BWD_WS.canonical_functional({**c.functional(backward=True), "GROUPED": c.p.group_size > 1})
+    """The warp-specialized backward's functional of a call: the backward kernels', whether
+    it has fewer key/value heads than query heads (``GROUPED``) and more than
+    ``rules.GROUP_WIDTH`` query heads a key head (``WIDE_GROUPS``, a table axis), each
+    named when True."""
+    group = c.p.group_size
+    return rules.ATTN_BWD_WS.canonical_functional({**c.functional(backward=True), "GROUPED": group > 1,
+                                                   "WIDE_GROUPS": rules.wide_groups(group)})
 
 
 def _ws_backward_grid(p: Problem, cfg: Config, device: torch.device) -> tuple[int, int, int]:

@@ -254,14 +254,16 @@ _WS_TUNING = (
 _WS_KNOB_DEFAULTS = (("PERSISTENT", 0), ("Q_SLOTS", 1), ("TMA_STORE", 0))
 
 def _ws_kernel(name: str, module: str, arguments: tuple[Arg, ...], functionals, tuning_space,
-               unserved, chosen_by: ChosenBy, knob_defaults=(), axis_defaults=(), fallback=None) -> KernelSpec:
+               unserved, chosen_by: ChosenBy, knob_defaults=(), axis_defaults=(), fallback=None,
+               table_axes=()) -> KernelSpec:
     """A warp-specialized Gluon kernel for sm_90, run only where its operator table chooses
     it; ``unserved(functional)``: what it does not compute (those calls run a Triton kernel)."""
     return KernelSpec(family=FAMILY, name=name, module=module, function=name, arguments=arguments,
                       functionals=functionals, tuning_space=tuning_space,
                       disabled=lambda f: _disabled(f) or unserved(f), tuning_keys=_SEQ_KEYS,
                       fallback=fallback or _fallback, variant_of=_variant_of, chosen_by=chosen_by,
-                      knob_defaults=knob_defaults, axis_defaults=axis_defaults, language="gluon", archs=("sm_90",))
+                      knob_defaults=knob_defaults, axis_defaults=axis_defaults, language="gluon", archs=("sm_90",),
+                      table_axes=table_axes)
 
 
 def _ws_computes(kernel: KernelSpec, functional: Mapping[str, Any], arch: str | None) -> bool:
@@ -360,10 +362,31 @@ def _ws_bwd_calls(functional: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [operator_functional(functional, False, functional.get("GROUPED", False)).as_dict()]
 
 
+# Query heads per key/value head that the grouped cells are timed at (tune.flash.group_of):
+# GROUPED at GROUP_WIDTH, WIDE_GROUPS at WIDE_GROUP_WIDTH. A call with more than
+# GROUP_WIDTH reads the wide cells (Llama-3 70B has 8; Llama-3 8B and Mistral 7B have 4).
+GROUP_WIDTH, WIDE_GROUP_WIDTH = 4, 8
+
+
+def wide_groups(group_size: int) -> bool:
+    """Whether a call with ``group_size`` query heads per key/value head reads the ws
+    backward's ``WIDE_GROUPS`` cells."""
+    return group_size > GROUP_WIDTH
+
+
 def _ws_bwd_fallback(functional: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A grouped functional reads the cell of the same call without groups until a patch
-    says otherwise (as the operator table, :func:`_operator_fallback`); then :func:`_fallback`."""
+    """A functional of wide groups reads the cell of narrow ones, a grouped one the cell of
+    the same call without groups, until a patch says otherwise (as the operator table,
+    :func:`_operator_fallback`); then :func:`_fallback`."""
+    if functional.get("WIDE_GROUPS"):
+        return {axis: value for axis, value in functional.items() if axis != "WIDE_GROUPS"}
     return _without_groups(functional) or _fallback(functional)
+
+
+def _ws_bwd_disabled(functional: Mapping[str, Any]) -> bool:
+    """What the ws backward does not compute (:func:`_ws_bwd_unserved`), and wide groups
+    of a call without groups."""
+    return _ws_bwd_unserved(functional) or (functional.get("WIDE_GROUPS", False) and not functional.get("GROUPED"))
 
 
 # The warp-specialized backward (Gluon, sm_90 only): BLOCK_N keys per tile, 64 per
@@ -374,7 +397,12 @@ def _ws_bwd_fallback(functional: Mapping[str, Any]) -> dict[str, Any] | None:
 # over query blocks alone) and keyed in its table: the persistent grid deals few long tiles
 # of a grouped call unevenly (d128 g8 s1024 causal, H200: PERSISTENT=1 0.77 ms, the
 # one-tile grid 0.62 ms) where the same call without groups runs 1.24x faster persistent.
-_WS_BWD_AXES = _BWD_AXES + (("GROUPED", (False, True)),)
+# WIDE_GROUPS (more than GROUP_WIDTH query heads a key head) keys the table alone (a
+# table axis, not compiled): a tile of g8 walks twice the query rows of g4's, and its K, V,
+# Q and dO no longer stay in the L2 together; on the H100 the bf16 d128 s4096 causal tile
+# timed best at g4 read 1.61x the DRAM bytes at g8 as at g4 and ran 1.13x slower there than
+# PERSISTENT=2, which g4 ran 1.16x slower (benchmarks/grouped_l2_model.py, RESULTS.md).
+_WS_BWD_AXES = _BWD_AXES + (("GROUPED", (False, True)), ("WIDE_GROUPS", (False, True)))
 _WS_BWD_TUNING = (
     ("BLOCK_M", (64, 128)),
     ("BLOCK_N", (64, 128)),  # 128: the consumers split the keys (d64, d128); 64: the columns (d256)
@@ -397,8 +425,9 @@ ATTN_BWD_WS = _ws_kernel(
         Arg("group_size", _I32), Arg("sm_scale", _F32), Arg("qk_scale", _F32), Arg("window_left", _I32),
         Arg("window_right", _I32), Arg("head_dim", _I32), Arg("head_dim_v", _I32),
     ),
-    _WS_BWD_AXES, _WS_BWD_TUNING, _ws_bwd_unserved, ChosenBy("flash.backward", "backend", "ws", _ws_bwd_calls),
-    knob_defaults=_WS_BWD_KNOB_DEFAULTS, axis_defaults=(("GROUPED", False),), fallback=_ws_bwd_fallback,
+    _WS_BWD_AXES, _WS_BWD_TUNING, _ws_bwd_disabled, ChosenBy("flash.backward", "backend", "ws", _ws_bwd_calls),
+    knob_defaults=_WS_BWD_KNOB_DEFAULTS, axis_defaults=(("GROUPED", False), ("WIDE_GROUPS", False)),
+    fallback=_ws_bwd_fallback, table_axes=("WIDE_GROUPS",),
 )
 
 

@@ -169,6 +169,92 @@ def test_the_tuner_times_grouped_cells_on_grouped_calls():
             tune_flash.Problem(TABLE, f, other, "cpu")
 
 
+def _ws_patch(root, block: Functional, knobs: Config) -> None:
+    """A patch of the ws table giving ``block``'s s1024 cell the configuration ``knobs``."""
+    text = " ".join(f"{k}={v}" for k, v in knobs.items)
+    header = " ".join(f"{a}={tuning.format.format_value(v)}" for a, v in block.items)
+    (root / "nvidia" / "sm_90" / f"{TABLE}.0900-wide.dbpatch").write_text(
+        f"#! aotattn-patch 1\n#! table {TABLE}\n\n[configs]\nwide = {text}\n\n[{header}]\n"
+        "seqlen_q=1024 seqlen_k=1024: wide\n")
+
+
+def test_wide_groups_key_the_table_and_never_the_kernel(monkeypatch, tmp_path):
+    """A call with more than GROUP_WIDTH query heads a key head reads the WIDE_GROUPS cells
+    (else the narrow grouped ones, then the ungrouped ones); the axis reaches no kernel, no
+    plan and no image key: both widths launch one compiled grouped tile."""
+    d, heads_q = 128, 16
+    asked = []
+    real = rules.config_for
+    monkeypatch.setattr(rules, "config_for",
+                        lambda kernel, f, device, **sizes: asked.append((kernel, f)) or real(kernel, f, device, **sizes))
+    for heads_k, group in ((16, 1), (8, 2), (4, 4), (2, 8), (1, 16)):
+        q, k, v = make_qkv(1, 96, 96, heads_q, heads_k, d, d, torch.bfloat16, "cpu")
+        c = planning.new_call(problem(q, k, v, causal=True), q, k, v)
+        wanted = planning.ws_functional(c).as_dict()
+        assert wanted.get("GROUPED", False) is (group > 1) and wanted.get("WIDE_GROUPS", False) is (group > 4)
+        stats, dq, dk, dv, _ = planning.backward_buffers(c, q, k, v, "ws", False)
+        asked.clear()
+        ws = planning.backward_plans(c, torch.randn_like(q), q, k, v, torch.empty_like(q),
+                                     torch.zeros(1, heads_q, 96), stats, dq, dk, dv, None, "ws", False, {})[1]
+        assert [f.as_dict() for kernel, f in asked if kernel is rules.ATTN_BWD_WS] == [wanted]  # looked up wide
+        assert "WIDE_GROUPS" not in ws.functional.as_dict()  # launched as the grouped tile
+        assert ws.functional == rules.ATTN_BWD_WS.compiled_functional(Functional.of(wanted))
+        assert "WIDE_GROUPS" not in rules.ATTN_BWD_WS.constexprs(ws.functional, ws.config)
+        assert "WIDE_GROUPS" not in rules.ATTN_BWD_WS.constexprs(Functional.of(wanted), ws.config)
+    # the tables: a wide block changes the wide calls' choice only
+    root = tmp_path / "db"
+    shutil.copytree(tuning.database().root, root)
+    sizes = dict(seqlen_q=1024, seqlen_k=1024)
+    plain = functional(d=d, mask=rules.MASK_BOTTOM_RIGHT)
+    grouped = Functional.of({**plain, "GROUPED": True})
+    wide = Functional.of({**plain, "GROUPED": True, "WIDE_GROUPS": True})
+    before = tuning.Database(root).lookup("sm_90", rules.ATTN_BWD_WS, grouped, sizes)
+    assert tuning.Database(root).lookup("sm_90", rules.ATTN_BWD_WS, wide, sizes) == before  # falls back
+    other = Config.of(BLOCK_M=64, BLOCK_N=128, STAGES=2, PERSISTENT=2 if before.as_dict().get("PERSISTENT") != 2
+                      else 1, num_warps=4, num_stages=1)
+    _ws_patch(root, wide, other)
+    db = tuning.Database(root)
+    assert db.lint() == []
+    assert db.lookup("sm_90", rules.ATTN_BWD_WS, wide, sizes) == other
+    assert db.lookup("sm_90", rules.ATTN_BWD_WS, grouped, sizes) == before
+    assert db.lookup("sm_90", rules.ATTN_BWD_WS, wide, dict(seqlen_q=4096, seqlen_k=4096)) == \
+        db.lookup("sm_90", rules.ATTN_BWD_WS, grouped, dict(seqlen_q=4096, seqlen_k=4096))
+    # the build compiles the grouped tile with the wide cell's configuration, each job once
+    jobs = builder.enumerate_jobs(db, ["sm_90"], [TABLE], "dtype=bf16 BLOCK_D=128 MASK=2 GROUPED=True", forced=True)
+    assert all("WIDE_GROUPS" not in job.functional.as_dict() for job in jobs) and len(set(jobs)) == len(jobs)
+    assert Job("sm_90", TABLE, grouped, other) in jobs
+    assert Job("sm_90", TABLE, wide, other) == Job("sm_90", TABLE, grouped, other)
+    assert Job("sm_90", TABLE, wide, other).key == Job("sm_90", TABLE, grouped, other).key
+    assert tune_flash.image_key(TABLE, wide, other) == tune_flash.image_key(TABLE, grouped, other)
+    # never wide without groups
+    assert not any(f.as_dict().get("WIDE_GROUPS") and not f.as_dict().get("GROUPED")
+                   for f in rules.ATTN_BWD_WS.enumerate_functionals())
+    assert any(f.as_dict().get("WIDE_GROUPS") for f in rules.ATTN_BWD_WS.enumerate_functionals())
+    with pytest.raises(ValueError, match="disabled"):
+        rules.ATTN_BWD_WS.check_functional({**plain, "WIDE_GROUPS": True})
+
+
+def test_the_tuner_times_wide_cells_on_wide_groups():
+    """A WIDE_GROUPS task's problems have groups of tune_flash.WIDE_GROUP; one of narrow
+    groups is refused (it reads the other cell), and its other kernels are the plain ones."""
+    f = Functional.of({**functional(d=128, mask=rules.MASK_BOTTOM_RIGHT), "GROUPED": True, "WIDE_GROUPS": True})
+    assert tune_flash.group_of(f) == tune_flash.WIDE_GROUP > tune_flash.GROUP == rules.GROUP_WIDTH
+    shape = tune_flash.accuracy_shapes(f, (64, 64))[0]
+    timed = tune_flash.timing_shape(f, (4096, 4096))
+    assert shape.group == timed.group == tune_flash.WIDE_GROUP and timed.heads % tune_flash.WIDE_GROUP == 0
+    made = tune_flash.Problem(TABLE, f, shape, "cpu")
+    assert made.q.shape[2] == made.k.shape[2] * tune_flash.WIDE_GROUP
+    with pytest.raises(ValueError, match="selects functional"):
+        tune_flash.Problem(TABLE, f, dataclasses.replace(shape, group=tune_flash.GROUP), "cpu")
+    assert all("WIDE_GROUPS" not in g.as_dict() and "GROUPED" not in g.as_dict()
+               for _, g in tune_flash.auxiliary(TABLE, f, "sm_90"))
+
+
+def test_a_table_axis_needs_a_default():
+    with pytest.raises(ValueError, match="table axes \\['WIDE'\\] need an axis_defaults value"):
+        dataclasses.replace(rules.ATTN_BWD_WS, table_axes=("WIDE",))
+
+
 def test_the_tables_ws_choice_falls_back_where_the_kernel_does_not_serve(monkeypatch):
     """A backward table saying ws (sm_80 inherits sm_90's cells) runs split for
     deterministic calls, head-dim buckets below 64, and on other architectures; padded
