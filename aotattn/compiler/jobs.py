@@ -28,8 +28,12 @@ class Job:
 
     def __post_init__(self) -> None:
         # what is compiled: a functional without the table's own axes (KernelSpec.table_axes),
-        # so the jobs of each of their values are one job
-        object.__setattr__(self, "functional", self.spec().compiled_functional(self.functional))
+        # so the jobs of each of their values are one job (a table no kernel has fails later,
+        # where it is compiled or looked up, as before)
+        from aotattn import families
+        spec = families.kernels().get(self.table)
+        if spec is not None:
+            object.__setattr__(self, "functional", spec.compiled_functional(self.functional))
 
     def spec(self) -> Any:
         from aotattn import families

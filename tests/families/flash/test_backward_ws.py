@@ -204,6 +204,9 @@ def test_wide_groups_key_the_table_and_never_the_kernel(monkeypatch, tmp_path):
     # the tables: a wide block changes the wide calls' choice only
     root = tmp_path / "db"
     shutil.copytree(tuning.database().root, root)
+    for patch in (root / "nvidia" / "sm_90").glob(f"{TABLE}.*.dbpatch"):
+        if "WIDE_GROUPS=True" in patch.read_text():
+            patch.unlink()  # no wide block: the grouped one serves
     sizes = dict(seqlen_q=1024, seqlen_k=1024)
     plain = functional(d=d, mask=rules.MASK_BOTTOM_RIGHT)
     grouped = Functional.of({**plain, "GROUPED": True})
