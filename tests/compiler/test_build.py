@@ -11,10 +11,13 @@ import pytest
 from typer.testing import CliRunner
 
 from aotattn.compiler import build, enumerate_jobs
+from aotattn.compiler.jobs import Job
 from aotattn.families import kernels as rules_kernels
+from aotattn.families.flash import rules
 from aotattn.families.flash.rules import SEQLEN_BUCKETS
 from aotattn.cli import app
 from aotattn.runtime.images import Archive, Entry, ImageError, write_archive
+from aotattn.spec import Functional
 from aotattn.tuning import Database
 
 WHERE = "dtype=bf16 BLOCK_DV=64 VARLEN=False"
@@ -65,6 +68,30 @@ def test_jobs_follow_the_tuning_database():
                  for q in SEQLEN_BUCKETS for k in SEQLEN_BUCKETS}
         assert {job.config for job in jobs if job.arch == arch} == named
     assert {job.config["num_stages"] for job in jobs if job.arch == "sm_80"} == {2}  # sm_80 overrides its base
+
+
+def test_the_build_holds_the_tile_every_group_width_launches():
+    """A grouped call of either width launches the grouped ws tile with its own cell's
+    configuration (the wide cells' hand-set tiles included): wherever the operator table
+    chooses ws, the default build has that kernel, and the table axis adds none of its own."""
+    db = Database()
+    jobs = enumerate_jobs(db, ["sm_90"], ["flash.attn_bwd_ws"], "BLOCK_D=128 MASK=2 GROUPED=True PAD_HEAD=False")
+    assert jobs and not any("WIDE_GROUPS" in job.functional.as_dict() for job in jobs)
+    keys = {job.key for job in jobs}
+    checked = 0
+    for dtype in ("bf16", "fp16"):
+        plain = {"dtype": dtype, "BLOCK_D": 128, "BLOCK_DV": 128, "PAD_HEAD": False, "MASK": rules.MASK_BOTTOM_RIGHT,
+                 "VARLEN": False, "DROPOUT": False, "BIAS": rules.BIAS_NONE}
+        for s in SEQLEN_BUCKETS:
+            sizes = {"seqlen_q": s, "seqlen_k": s}
+            if db.lookup("sm_90", rules.BACKWARD, rules.operator_functional(plain, False, True), sizes)["backend"] != "ws":
+                continue
+            for wide in (False, True):
+                functional = Functional.of({**plain, "GROUPED": True, **({"WIDE_GROUPS": True} if wide else {})})
+                config = db.lookup("sm_90", rules.ATTN_BWD_WS, functional, sizes)
+                assert Job("sm_90", "flash.attn_bwd_ws", functional, config).key in keys, (dtype, s, wide, config)
+                checked += 1
+    assert checked >= 16  # ws from s1024 at least, both widths and dtypes
 
 
 def test_backend_kernels_are_built_only_where_the_operator_table_chooses_them(tmp_path):
