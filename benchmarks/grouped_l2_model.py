@@ -22,8 +22,13 @@ each preferring the order the model moves fewer bytes with, g8 one-tile slower t
 It is not the whole story: for the dense d128 s1024 causal call it has PERSISTENT=2 move
 90 KB a step against one-tile's 21, yet on the GPU PERSISTENT=2 ran 1.41x faster there
 (the makespan, persistent_backward_model.py); a strict LRU of whole tiles overstates what
-a cyclic pass over more than the cache loses. Check on the GPU (ncu DRAM bytes) before
-building on it.
+a cyclic pass over more than the cache loses.
+
+Checked on an H100 (fifty-third session, benchmarks/gqa_l2_session.sh, ncu on bf16 d128 s4096
+causal): DRAM reads g4 one-tile 1.26 GB, g8 one-tile 2.03, g4 PERSISTENT=2 1.72, g8
+PERSISTENT=2 1.26. The model's directions all hold; its g8/g4 one-tile ratio (~1.3x) is low
+against the measured 1.61x. The ws backward's tiles are keyed by group width since
+(rules.WIDE_GROUPS).
 
     python benchmarks/grouped_l2_model.py [--l2-mb 40] [--fixed 5]
 """
