@@ -28,7 +28,7 @@ Checked on an H100 (fifty-third session, benchmarks/gqa_l2_session.sh, ncu on bf
 causal): DRAM reads g4 one-tile 1.26 GB, g8 one-tile 2.03, g4 PERSISTENT=2 1.72, g8
 PERSISTENT=2 1.26. The model's directions all hold; its g8/g4 one-tile ratio (~1.3x) is low
 against the measured 1.61x. The ws backward's tiles are keyed by group width since
-(rules.WIDE_GROUPS).
+(flash.attn_bwd_ws's WIDE_GROUPS axis, rules.wide_groups).
 
     python benchmarks/grouped_l2_model.py [--l2-mb 40] [--fixed 5]
 """
