@@ -300,8 +300,8 @@ class KernelSpec(_Table):
     def compiled_functional(self, functional: Functional) -> Functional:
         """``functional`` as it is compiled, keyed in images and launched: without its
         ``table_axes`` (the same kernel serves each of their values)."""
-        if not any(axis in self.table_axes for axis, _ in functional.items):
-            return functional
+        if not self.table_axes or not any(axis in self.table_axes for axis, _ in functional.items):
+            return functional  # the common case, on every plan: no table axis
         return Functional(tuple(item for item in functional.items if item[0] not in self.table_axes))
 
     @functools.cached_property

@@ -230,8 +230,8 @@ def supports(table: str, functional: Functional, cell: tuple[int, ...] | None = 
     backward with fewer queries than keys and no dropout (its plans drop the keys no query
     sees, planning.trim_keys: a causal call runs the Sq x Sq cell). Grouped-query cells
     (``GROUPED=True``) are timed with groups of :data:`GROUP`, wide ones of :data:`WIDE_GROUP`
-    (:func:`group_of`). ``arch``: the warp-specialized kernels' tables and the forward's engine choice exist only where
-    those kernels run (sm_90); None, wherever they run."""
+    (:func:`group_of`). ``arch``: the warp-specialized kernels' tables and the forward's
+    engine choice exist only where those kernels run (sm_90); None, wherever they run."""
     f = functional.as_dict()
     if cell is not None and len(cell) == 2 and "MASK" in f \
             and rules.kernel_mask(f["MASK"], f.get("VARLEN", False), *cell) != f["MASK"]:

@@ -118,8 +118,13 @@ def _fallback(functional: Mapping[str, Any]) -> dict[str, Any] | None:
 def _without_groups(functional: Mapping[str, Any]) -> dict[str, Any] | None:
     """A grouped functional's call without key/value groups (GROUPED=False is left out, the
     axis' default), the first fallback of the tables with a GROUPED axis; None if not grouped."""
-    if functional.get("GROUPED"):
-        return {axis: value for axis, value in functional.items() if axis != "GROUPED"}
+    return _dropped(functional, "GROUPED")
+
+
+def _dropped(functional: Mapping[str, Any], axis: str) -> dict[str, Any] | None:
+    """``functional`` without ``axis`` (at its default, False) where it has it True, else None."""
+    if functional.get(axis):
+        return {name: value for name, value in functional.items() if name != axis}
     return None
 
 
@@ -378,9 +383,7 @@ def _ws_bwd_fallback(functional: Mapping[str, Any]) -> dict[str, Any] | None:
     """A functional of wide groups reads the cell of narrow ones, a grouped one the cell of
     the same call without groups, until a patch says otherwise (as the operator table,
     :func:`_operator_fallback`); then :func:`_fallback`."""
-    if functional.get("WIDE_GROUPS"):
-        return {axis: value for axis, value in functional.items() if axis != "WIDE_GROUPS"}
-    return _without_groups(functional) or _fallback(functional)
+    return _dropped(functional, "WIDE_GROUPS") or _without_groups(functional) or _fallback(functional)
 
 
 def _ws_bwd_disabled(functional: Mapping[str, Any]) -> bool:
