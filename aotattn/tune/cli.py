@@ -42,6 +42,8 @@ STALE = typer.Option(False, "--stale", help="only cells the tuner timed on anoth
                      "eligible in; cells it never timed are left out")
 STALE_GPU = typer.Option(None, "--gpu", help="with --stale: also the cells timed on a device whose name does not "
                          "hold this text (any case), e.g. H200 to re-time on the H200 what an H100 tuned")
+UNTIMED = typer.Option(False, "--untimed", help="only cells the tuner never timed (their choice was set by hand "
+                       "or seeded); with --stale, those and the stale ones")
 TUNING_DB = typer.Option(None, "--tuning-db", help="tuning database root (default: $AOTATTN_TUNING_DB or tuning/)")
 DSN = typer.Option(None, "--dsn", envvar="AOTATTN_PGDEF_DSN", help="pgdef database (default: the embedded server)")
 HOME = typer.Option(None, "--home", envvar="AOTATTN_PGDEF_HOME", help="work folder of pgdef's embedded server")
@@ -97,31 +99,44 @@ def _check_gpu(stale: bool, gpu: str | None) -> None:
         raise typer.BadParameter("expected part of a GPU's name, e.g. H200", param_hint="--gpu")
 
 
-def _only_stale(chosen, limit: int | None, tokens: int | None, knobs: bool, db, gpu: str | None):
-    """The tasks of ``chosen`` whose cells are stale (``--stale [--gpu]``), said on the console."""
+def _outdated(chosen, limit: int | None, tokens: int | None, knobs: bool, db, stale: bool, untimed: bool,
+              gpu: str | None):
+    """The tasks of ``chosen`` whose cells are stale (``--stale [--gpu]``) or never timed
+    (``--untimed``), in their order, said on the console; all of them when neither is given."""
     from aotattn.tune import export
     from aotattn.tune.runner import timed_problem
 
+    if not (stale or untimed):
+        return chosen
     settings = _settings_by_table(chosen, limit, tokens, knobs)
     now = {t: str(timed_problem(t, settings[t.table])) for t in chosen}
     by_table: dict[str, list] = {}
     for task in chosen:
         by_table.setdefault(task.table, []).append(task)
-    stale, never, lines = [], 0, []
+    found, never, lines = [], [], []
     for table, tasks in sorted(by_table.items()):
-        found, untimed = export.stale(tasks, now, db, gpu)
-        stale += found
-        never += untimed
-        lines.append(f"  {table}: {len(found)} stale, {untimed} never timed, {len(tasks) - len(found) - untimed} "
-                     "up to date")
-    where = f" or off {gpu}" if gpu else ""
-    console.print(f"--stale: {len(stale)} of {len(chosen)} cells timed on other problems than these settings time"
-                  f"{where} ({never} never timed by the tuner, {len(chosen) - len(stale) - never} up to date)")
+        old, untouched = export.stale(tasks, now, db, gpu)
+        found += old
+        never += untouched
+        lines.append(f"  {table}: {len(old)} stale, {len(untouched)} never timed, "
+                     f"{len(tasks) - len(old) - len(untouched)} up to date")
+    where, current = f" or off {gpu}" if gpu else "", len(chosen) - len(found) - len(never)
+    if stale and not untimed:
+        console.print(f"--stale: {len(found)} of {len(chosen)} cells timed on other problems than these settings "
+                      f"time{where} ({len(never)} never timed by the tuner, {current} up to date)")
+    elif untimed and not stale:
+        console.print(f"--untimed: {len(never)} of {len(chosen)} cells never timed by the tuner ({len(found)} "
+                      f"timed on other problems than these settings time, {current} up to date)")
+    else:
+        console.print(f"--stale --untimed: {len(found) + len(never)} of {len(chosen)} cells: {len(found)} timed on "
+                      f"other problems than these settings time{where}, {len(never)} never timed by the tuner "
+                      f"({current} up to date)")
     if len(lines) > 1:
         console.print("\n".join(lines))
-    if not stale:
+    kept = set((found if stale else []) + (never if untimed else []))
+    if not kept:
         raise typer.Exit(0)
-    return stale
+    return [task for task in chosen if task in kept]
 
 
 def _settings(limit: int | None, tokens: int | None, table: str, knobs: bool = True):
@@ -152,7 +167,7 @@ def _summary(chosen, unsupported: int, limit: int, tokens: int | None, db, knobs
 def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE, head_dim: str = HEAD_DIM,
          seqlen: str = SEQLEN, cells: str = CELLS, arch: str = ARCH, all_functionals: bool = ALL,
          limit: int = LIMIT, knobs: bool = KNOBS, tokens: int = TOKENS, stale: bool = STALE,
-         gpu: str = STALE_GPU, tuning_db: Path = TUNING_DB,
+         gpu: str = STALE_GPU, untimed: bool = UNTIMED, tuning_db: Path = TUNING_DB,
          out: Path = typer.Option(None, "--out", help="write the tasks as JSON lines (a batch for `tune run`)")) -> None:
     """Show what a selection holds (tasks, kernels to compile, GPU time); optionally write it as a batch."""
     from aotattn.files import write_atomically
@@ -161,8 +176,7 @@ def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE,
     chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
     db, unsupported = _db(tuning_db), total - len(chosen)
     _check_gpu(stale, gpu)
-    if stale:
-        chosen = _only_stale(chosen, limit, tokens, knobs, db, gpu)
+    chosen = _outdated(chosen, limit, tokens, knobs, db, stale, untimed, gpu)
     _summary(chosen, unsupported, limit, tokens, db, knobs)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +189,7 @@ def plan(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE,
 def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DTYPE, head_dim: str = HEAD_DIM,
              seqlen: str = SEQLEN, cells: str = CELLS, arch: str = ARCH, all_functionals: bool = ALL,
              limit: int = LIMIT, knobs: bool = KNOBS, tokens: int = TOKENS, stale: bool = STALE,
-             gpu: str = STALE_GPU, tuning_db: Path = TUNING_DB,
+             gpu: str = STALE_GPU, untimed: bool = UNTIMED, tuning_db: Path = TUNING_DB,
              rerun: str = typer.Option(None, "--rerun", help="any label: queue tasks again even if done before"),
              priority: int = typer.Option(0, help="higher runs first"),
              dsn: str = DSN, home: Path = HOME) -> None:
@@ -187,8 +201,7 @@ def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DT
     chosen, total = _select(category, where, dtype, head_dim, seqlen, cells, arch, all_functionals)
     unsupported = total - len(chosen)
     _check_gpu(stale, gpu)
-    if stale:
-        chosen = _only_stale(chosen, limit, tokens, knobs, _db(tuning_db), gpu)
+    chosen = _outdated(chosen, limit, tokens, knobs, _db(tuning_db), stale, untimed, gpu)
     settings = _settings_by_table(chosen, limit, tokens, knobs)
     by_table: dict[str, list] = {}
     for task in chosen:

@@ -216,20 +216,20 @@ def timed_cells(db: Database, arch: str, table: str) -> dict[str, Timed]:
 
 
 def stale(tasks: Iterable[Task], problems: Mapping[Task, str], db: Database,
-          gpu: str | None = None) -> tuple[list[Task], int]:
+          gpu: str | None = None) -> tuple[list[Task], list[Task]]:
     """The tasks whose cell the tuner timed on another problem than ``problems`` names (the
     problem each would be timed on now: older settings, such as the 128 MiB floor on what a
     timed problem moves, chose smaller ones), on a device whose name does not hold ``gpu``
     (any case, e.g. ``H200``: cells timed on an H100 for an H200 target), or where it found
-    no eligible candidate; and how many cells it never timed (left out)."""
+    no eligible candidate; and the tasks whose cell it never timed (a hand-seeded choice)."""
     recorded: dict[tuple[str, str], dict[str, Timed]] = {}
-    chosen, never = [], 0
+    chosen, never = [], []
     for task in tasks:
         if (task.arch, task.table) not in recorded:
             recorded[(task.arch, task.table)] = timed_cells(db, task.arch, task.table)
         timed = recorded[(task.arch, task.table)].get(_cell_label(table_spec(task.table), task.functional, task.cell))
         if timed is None:
-            never += 1
+            never.append(task)
         elif (timed.problem != problems[task]
               or (gpu is not None and gpu.lower() not in (timed.device or "").lower())):
             chosen.append(task)

@@ -218,32 +218,32 @@ def test_stale_cells_are_those_timed_on_another_problem(forward_results, tuning_
         export.Timed(r["shape"], r["device"]) for t, r in ((t1, first), (t2, second))}
     never = Task(t1.arch, t1.table, t1.functional, (64, 64))
     recorded = {t1: first["shape"], t2: second["shape"], never: "B1 H1 Sq64 Sk64 D16"}
-    assert export.stale([t1, t2, never], recorded, tuning_copy) == ([], 1)
+    assert export.stale([t1, t2, never], recorded, tuning_copy) == ([], [never])
     # today's settings on a GPU: more batch than the interpreter's 64 tokens, so both cells are stale
     now = {t: str(timed_problem(t, Settings.for_table(t.table))) for t in (t1, t2, never)}
     assert now[t1] != first["shape"] and now[t2] != second["shape"]
-    assert export.stale([t1, t2, never], now, tuning_copy) == ([t1, t2], 1)
+    assert export.stale([t1, t2, never], now, tuning_copy) == ([t1, t2], [never])
     # the same shape computed on the CPU (no traffic floor, the results' own settings): up to date
     cpu = {t: str(timed_problem(t, TINY, "cpu")) for t in (t1, t2)}
     assert cpu == {t1: first["shape"], t2: second["shape"]}
-    assert export.stale([t1, t2], cpu, tuning_copy) == ([], 0)
+    assert export.stale([t1, t2], cpu, tuning_copy) == ([], [])
     # --gpu: the same problems, one cell timed on an H100 and one on an H200, for an H200 target
     for result, device in ((first, "NVIDIA H200"), (second, "NVIDIA H100 80GB HBM3")):
         export.export([{**result, "device": device}], tuning_copy, allow_cpu_clock=True)
-    assert export.stale([t1, t2], recorded, tuning_copy) == ([], 0)
-    assert export.stale([t1, t2], recorded, tuning_copy, gpu="h200") == ([t2], 0)
-    assert export.stale([t1, t2], recorded, tuning_copy, gpu="H100") == ([t1], 0)
+    assert export.stale([t1, t2], recorded, tuning_copy) == ([], [])
+    assert export.stale([t1, t2], recorded, tuning_copy, gpu="h200") == ([t2], [])
+    assert export.stale([t1, t2], recorded, tuning_copy, gpu="H100") == ([t1], [])
     # no eligible candidate: its comment names no problem, so it is stale whatever the settings
     empty = copy.deepcopy(first)
     empty.update(winner=None, winner_config=None, date="2999-01-01T00:00:00+00:00")
     export.export([empty], tuning_copy, allow_cpu_clock=True)
-    assert export.stale([t1, t2], recorded, tuning_copy) == ([t1], 0)
+    assert export.stale([t1, t2], recorded, tuning_copy) == ([t1], [])
     # a database without the tuner's patch: every cell was never timed
     fresh = Database(tuning_copy.root)
     for path in fresh.patch_paths("sm_90", "flash.attn_fwd"):
         if path.name.endswith("-tuned.dbpatch"):
             path.unlink()
-    assert export.stale([t1, t2], recorded, fresh) == ([], 2)
+    assert export.stale([t1, t2], recorded, fresh) == ([], [t1, t2])
 
 
 def test_plan_stale_selects_the_cells_timed_on_other_problems(forward_results, tuning_copy, tmp_path):
@@ -285,9 +285,58 @@ def test_plan_stale_selects_the_cells_timed_on_other_problems(forward_results, t
     assert not none.exists()
 
 
+def test_plan_untimed_selects_the_cells_the_tuner_never_timed(forward_results, tuning_copy, tmp_path):
+    """``tune plan --untimed``: only the cells without a record in the tuner's patch (hand-set or
+    seeded choices, such as the grouped backward's wide-group cells before their first run);
+    with ``--stale`` those and the stale ones; a selection the tuner timed all of writes nothing."""
+    from typer.testing import CliRunner
+
+    from aotattn.cli import app
+    from aotattn.tune.tasks import read_batch
+
+    results, _ = forward_results
+    export.export(results, tuning_copy, allow_cpu_clock=True)
+    timed = sorted(tuple(Task.from_json(r["task"]).cell) for r in results)
+    args = ["tune", "plan", "-c", "flash,attn_fwd", "--dtype", "bf16", "--head-dim", "16", "--where", "MASK=2",
+            "--seqlen", "16,32,64", "--tuning-db", str(tuning_copy.root)]
+    cells = sorted(tuple(t.cell) for t in read_batch(_planned(args, tmp_path / "all.jsonl")))
+    untimed = tmp_path / "untimed.jsonl"
+    result = CliRunner().invoke(app, [*args, "--untimed", "--out", str(untimed)])
+    assert result.exit_code == 0, result.output
+    assert "--untimed: 1 of 3 cells never timed by the tuner (2 timed on other problems" in result.output
+    assert [tuple(t.cell) for t in read_batch(untimed.read_text())] == [c for c in cells if c not in timed]
+    both = tmp_path / "both.jsonl"
+    result = CliRunner().invoke(app, [*args, "--untimed", "--stale", "--out", str(both)])
+    assert result.exit_code == 0, result.output
+    assert "--stale --untimed: 3 of 3 cells: 2 timed on other problems than these settings time, 1 never timed" \
+        in result.output
+    assert sorted(tuple(t.cell) for t in read_batch(both.read_text())) == cells
+    # the timed cells alone: none never timed, nothing written
+    none = tmp_path / "none.jsonl"
+    only_timed = ",".join(f"{q}x{k}" for q, k in timed)
+    result = CliRunner().invoke(app, [*args[:-4], "--cells", only_timed, "--tuning-db", str(tuning_copy.root),
+                                      "--untimed", "--out", str(none)])
+    assert result.exit_code == 0, result.output
+    assert "--untimed: 0 of 2 cells never timed by the tuner" in result.output and not none.exists()
+    # --gpu still selects among the stale cells only
+    refused = CliRunner().invoke(app, [*args, "--untimed", "--gpu", "H200"])
+    assert refused.exit_code == 2 and "give --stale with it" in refused.output, refused.output
+
+
+def _planned(args: list[str], out) -> str:
+    from typer.testing import CliRunner
+
+    from aotattn.cli import app
+
+    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out.read_text()
+
+
 def test_dispatch_stale_queues_only_the_stale_cells(forward_results, tuning_copy, dsn):
     """``tune dispatch --stale --rerun``: the two cells timed on other problems are queued again
-    (a new label, since their tasks are keyed by id), the never-timed one is not."""
+    (a new label, since their tasks are keyed by id), the never-timed one is not; ``--untimed``
+    then queues that one alone."""
     from typer.testing import CliRunner
 
     from aotattn.cli import app
@@ -303,6 +352,14 @@ def test_dispatch_stale_queues_only_the_stale_cells(forward_results, tuning_copy
     with Client(dsn) as client:
         cells = sorted(tuple(t.payload["task"]["cell"]) for t in client.tasks("tune"))
     assert cells == sorted(tuple(Task.from_json(r["task"]).cell) for r in results)
+    # --untimed: the one never timed joins them
+    result = CliRunner().invoke(app, ["tune", "dispatch", "-c", "flash,attn_fwd", "--dtype", "bf16", "--head-dim", "16",
+                                      "--where", "MASK=2", "--seqlen", "16,32,64", "--tuning-db", str(tuning_copy.root),
+                                      "--untimed", "--dsn", dsn])
+    assert result.exit_code == 0, result.output
+    assert "--untimed: 1 of 3 cells" in result.output and "tune,flash.attn_fwd on sm_90: 1 queued" in result.output
+    with Client(dsn) as client:
+        assert len({tuple(t.payload["task"]["cell"]) for t in client.tasks("tune")}) == 3
 
 
 @pytest.mark.parametrize("broken", ["# cell seqlen_q=16 seqlen_k=16: m16_n16 (the label lost)",
