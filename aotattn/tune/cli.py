@@ -39,7 +39,7 @@ TOKENS = typer.Option(None, "--tokens", help="batch x heads x seqlen_q of the ti
                       "harness's per table: 2^17 for kernel tables, 2^19 for flash.backward)")
 STALE = typer.Option(False, "--stale", help="only cells the tuner timed on another problem than these settings time "
                      "(older settings, such as before the 128 MiB floor, timed smaller ones) or found nothing "
-                     "eligible in; cells it never timed are left out")
+                     "eligible in; cells it never timed are left out (--untimed)")
 STALE_GPU = typer.Option(None, "--gpu", help="with --stale: also the cells timed on a device whose name does not "
                          "hold this text (any case), e.g. H200 to re-time on the H200 what an H100 tuned")
 UNTIMED = typer.Option(False, "--untimed", help="only cells the tuner never timed (their choice was set by hand "
