@@ -119,7 +119,8 @@ def check_tensors(names: tuple[str, str, str], q: object, k: object, v: object, 
         raise ValueError(f"{qn}: expected a CUDA, CPU or meta tensor, got device {tensors[0].device}")
     for name, t in zip(names, tensors):
         if t.numel() > 0 and t.stride(-1) != 1:
-            raise ValueError(f"{name}: expected a unit stride in the last dimension, got strides {t.stride()} (pass {name}.contiguous())")
+            raise ValueError(f"{name}: expected a unit stride in the last dimension, got strides {t.stride()} "
+                             f"(pass {name}.contiguous())")
 
 
 # the largest |softmax_scale| whose product with log2(e), the kernels' factor, is finite in float32
