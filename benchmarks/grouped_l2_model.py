@@ -30,6 +30,15 @@ PERSISTENT=2 1.26. The model's directions all hold; its g8/g4 one-tile ratio (~1
 against the measured 1.61x. The ws backward's tiles are keyed by group width since
 (flash.attn_bwd_ws's WIDE_GROUPS axis, rules.wide_groups).
 
+Fifty-fifth session: s16384 (B1, two pairs) and the rotated walk (``rotated2``: a later
+round's tile starting at the query block the first round reads when it starts). At d128 g8
+s16384 PERSISTENT=2 moves 22 KB a step (40 MB) against s4096's 28, where the tuned tiles stand at
+0.93x cuDNN on an H100 against s16384's 0.87-0.89x: more traffic a step does not explain why
+s16384 stands lower. Against the dense call of the same FLOPs (1.5-7.5 KB a step; 4.94 ms against
+g8's 5.35 on the H100) the extra traffic may explain g8's 8%. The rotated walk changes
+nothing (within 1%): under a causal mask a first-round tile ends when the stream has passed every
+query block a later tile sees (key block n is seen by blocks >= 2n), so there is no stream to join.
+
     python benchmarks/grouped_l2_model.py [--l2-mb 40] [--fixed 5]
 """
 
@@ -57,10 +66,31 @@ class LRU:
             self.cache.popitem(last=False)
 
 
-def tile_steps(pair: int, n: int, n_m: int, group: int) -> list[tuple[int, int, int]]:
-    """(pair, head, query block) of each step of key block n's program (causal, square)."""
+def tile_steps(pair: int, n: int, n_m: int, group: int, top: int | None = None) -> list[tuple[int, int, int]]:
+    """(pair, head, query block) of each step of key block n's program (causal, square):
+    the query blocks from the last down, or, given ``top``, from ``top`` down and then from
+    the last down to ``top + 1`` (the rotated walk)."""
     first = n * BLOCK_N // BLOCK_M
-    return [(pair, i % group, n_m - 1 - i // group) for i in range((n_m - first) * group)]
+    blocks = list(range(n_m - 1, first - 1, -1))
+    if top is not None:
+        top = min(max(top, first), n_m - 1)
+        blocks = blocks[n_m - 1 - top:] + blocks[:n_m - 1 - top]
+    return [(pair, i % group, blocks[i // group]) for i in range(len(blocks) * group)]
+
+
+def rotated(lists, n_m: int, group: int):
+    """Each program's tiles with the rotated walk: a tile starts at the query block the first
+    round's tiles read when it starts (every program knows the static list, so the start
+    time of its k-th tile is the steps of its tiles before), so a later round's tile reads in
+    step with the first round's instead of streaming the last blocks again behind them."""
+    out = []
+    for own in lists:
+        start, mine = 0, []
+        for pair, n in own:
+            mine.append((pair, n, n_m - 1 - start // group))
+            start += len(tile_steps(pair, n, n_m, group))
+        out.append(mine)
+    return out
 
 
 def sections(pairs: int, n_n: int, width: int) -> list[tuple[int, int]]:
@@ -95,8 +125,8 @@ def simulate(tiles, lists, n_m: int, group: int, fixed: int, entries: int):
         source = own if own is not None else queue
         if not source:
             return False
-        pair, n = source.pop(0)
-        slot[0] = iter(tile_steps(pair, n, n_m, group))
+        tile = source.pop(0)
+        slot[0] = iter(tile_steps(tile[0], tile[1], n_m, group, *tile[2:]))
         return True
 
     active = [next_tile(s) for s in slots]
@@ -129,7 +159,7 @@ def main() -> None:
     entries = int(args.l2_mb * 2**20 // tile_bytes)
     print(f"d{args.d}, L2 {args.l2_mb} MB for q/dO and dQ tiles of {tile_bytes // 1024} KB, causal")
     print(f"{'shape':22} {'order':12} {'units':>6} {'q/dO reads':>10} {'dQ misses':>9} {'KB/step':>8}")
-    for seqlen, batch in ((1024, 16), (4096, 4)):
+    for seqlen, batch in ((1024, 16), (4096, 4), (16384, 1)):
         heads_q = 2048 // args.d
         n_n, n_m = seqlen // BLOCK_N, seqlen // BLOCK_M
         for group in (1, 4, 8):
@@ -140,10 +170,13 @@ def main() -> None:
             capped = max(1, min(-(-2 * PROGRAMS // n_n), QDO_L2_BYTES // (4 * group * seqlen * args.d), pairs))
             orders = (("one-tile", sections(pairs, n_n, together), None, args.fixed),
                       ("persistent1", sections(pairs, n_n, capped), "lists", 0),
-                      ("persistent2", sections(pairs, n_n, wide), "lists", 0))
+                      ("persistent2", sections(pairs, n_n, wide), "lists", 0),
+                      ("rotated2", sections(pairs, n_n, wide), "rotated", 0))
             tiles_qdo = pairs * group * n_m
             for name, tiles, lists, fixed in orders:
                 dealt = back_and_forth(tiles, PROGRAMS) if lists else None
+                if lists == "rotated":
+                    dealt = rotated(dealt, n_m, group)
                 units, q_miss, dq_miss = simulate(tiles, dealt, n_m, group, fixed, entries)
                 steps = sum(len(tile_steps(p, n, n_m, group)) for p, n in tiles)
                 per_step = (q_miss + 2 * dq_miss) * tile_bytes / steps / 1024
