@@ -61,7 +61,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     if not torch.compiler.is_compiling():  # traced (dynamic=True), eps may be symbolic: the op checks it
         _check_eps(eps)
     if x.numel() and x.stride(-1) != 1:
-        raise ValueError(f"x: expected a unit stride in the last dimension, got strides {x.stride()} (pass x.contiguous())")
+        raise ValueError(f"x: expected a unit stride in the last dimension, got strides {x.stride()} "
+                         "(pass x.contiguous())")
     if torch.compiler.is_compiling() or x.is_meta:
         # one opaque node with a shape-only fake: Dynamo traced into the launch (on CPU into
         # Triton's interpreter) and failed on fake tensors. No autograd formula is registered,
