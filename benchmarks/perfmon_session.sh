@@ -16,7 +16,8 @@
 #
 # Environment: TAG (default h200-<date>), BUDGET (estimated GPU seconds to size the
 # repetitions to, default 330), DEADLINE (start no entry after this many seconds, default
-# 420), JOBS (compiler processes, default all cores), MATCH (an entry glob, default all).
+# 420), JOBS (compiler processes, default all cores), MATCH (an entry glob, default all),
+# RUN_ARGS (more `perfmon run` options, e.g. "--hide-host-ms 1 --no-flex").
 # State kept between calls lives in build/perfmon/ (ignored by git, kept on a warm machine).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
@@ -50,7 +51,7 @@ for step in $steps; do
       rc=$?; line=$(tail -n 1 "$OUT/images.log") ;;
     run)
       AOTATTN_IMAGES=$IMAGES aot perfmon run --tag "$TAG" --out "$RUN_FILE" --resume --budget "$BUDGET" \
-        --deadline "$DEADLINE" "${select_args[@]}" > "$OUT/run.log" 2>&1
+        --deadline "$DEADLINE" ${RUN_ARGS:-} "${select_args[@]}" > "$OUT/run.log" 2>&1
       rc=$?; line=$(grep -E "entries in [0-9]+ s" "$OUT/run.log" | tail -n 1)
       cp "$RUN_FILE" "$OUT/perfdb/sm_90/$TAG.txt" 2>/dev/null ;;
     report)
