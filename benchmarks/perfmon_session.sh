@@ -32,6 +32,7 @@ IMAGES=$STATE/images
 RUN_FILE=$STATE/$TAG.txt
 select_args=()
 [ -n "${MATCH:-}" ] && select_args=(--match "$MATCH")
+read -r -a run_args <<< "${RUN_ARGS:-}"  # as tune_cells_session.sh: words, never globbed
 steps=${*:-images run report}
 summary=()
 aot() { python -m aotattn.cli "$@"; }
@@ -51,7 +52,7 @@ for step in $steps; do
       rc=$?; line=$(tail -n 1 "$OUT/images.log") ;;
     run)
       AOTATTN_IMAGES=$IMAGES aot perfmon run --tag "$TAG" --out "$RUN_FILE" --resume --budget "$BUDGET" \
-        --deadline "$DEADLINE" ${RUN_ARGS:-} "${select_args[@]}" > "$OUT/run.log" 2>&1
+        --deadline "$DEADLINE" "${run_args[@]}" "${select_args[@]}" > "$OUT/run.log" 2>&1
       rc=$?; line=$(grep -E "entries in [0-9]+ s" "$OUT/run.log" | tail -n 1)
       cp "$RUN_FILE" "$OUT/perfdb/sm_90/$TAG.txt" 2>/dev/null ;;
     report)
