@@ -78,10 +78,45 @@ def _bfloat16_conversions_as_on_gpus() -> None:
     interpreter._convert_float = convert
 
 
+def _scalar_index_on_any_numpy() -> None:
+    """Make Triton 3.6's interpreter index with its scalars under numpy 2.4 and later.
+
+    The interpreter holds a kernel's scalars as 1-element arrays, and a scalar used where
+    Python wants an integer (``range(lo, hi, BLOCK_N)`` over a tensor's bounds) goes
+    through ``tensor.__index__``, which it defines as ``int(data)``: numpy 2.4 refuses
+    that conversion of a 1-d array (triton-lang/triton#9171, fixed after Triton 3.6), so
+    every CPU call whose key loop has computed bounds failed with "only 0-dimensional
+    arrays can be converted to Python scalars". The tensor patch is wrapped so that the
+    index reads the one element instead; everything else stays Triton's.
+    Installed once, before the first kernel is interpreted."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "aotattn_index", False):
+        return
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        # the scope restores attributes in reverse order: this one goes first, Triton's next
+        scope.set_attr(tensor, "__index__", _index)
+
+    patch.aotattn_index = True
+    interpreter._patch_lang_tensor = patch
+
+
+def _index(self) -> int:
+    """An interpreted scalar as a Python integer (a block of more than one element has none)."""
+    data = self.handle.data
+    if data.size != 1:
+        raise TypeError(f"a block of {data.size} elements cannot be used as an integer")
+    return int(data.reshape(-1)[0])
+
+
 def interpreted_module(module: str) -> ModuleType:
     """The interpreted copy of ``module`` (loaded once per process)."""
     with _lock:
         _bfloat16_conversions_as_on_gpus()
+        _scalar_index_on_any_numpy()
         copy = _modules.get(module)
         if copy is None:
             spec = importlib.util.find_spec(module)
