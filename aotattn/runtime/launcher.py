@@ -180,8 +180,8 @@ def _interpret(kernel: KernelSpec, grid: tuple[int, ...], args: Sequence[Any], c
 
     fn = interpreted_function(kernel.module, kernel.function)
     args = typed_arguments(kernel.arguments, args)
-    # The interpreter's own warnings (numpy 2.3's array-to-scalar deprecation inside
-    # Triton 3.6, numpy overflow notes from exp2 of masked scores) are not the caller's:
+    # The interpreter's own warnings (numpy overflow notes from exp2 of masked scores,
+    # deprecations inside Triton 3.6) are not the caller's:
     # under `python -W error` or pytest's error filters they would fail every CPU call.
     # Filters are process-wide; the lock keeps other interpreted launches out meanwhile.
     with _SERIAL, warnings.catch_warnings():
