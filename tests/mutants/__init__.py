@@ -19,10 +19,17 @@ from dataclasses import dataclass
 
 KERNELS = "aotattn/families/flash/kernels/"
 FORWARD = KERNELS + "forward.py"
+FORWARD_WS = KERNELS + "forward_ws.py"
 BACKWARD = KERNELS + "backward.py"
 COMMON = KERNELS + "common.py"
 CHECKS = "aotattn/families/flash/checks.py"
 HOST_CODE = (CHECKS,)
+GLUON = (FORWARD_WS,)  # sm_90 kernels, which Triton's interpreter cannot run: their mutants run on GPUs only
+# The flash.forward engine whose kernel a file holds. On GPUs the table chooses the engine per
+# cell (the ws kernel at every size the accuracy cases use on sm_90), so a mutant of the other
+# kernel would go unseen: with a mutant of one of these files, every forward that kernel
+# serves runs it (tests.mutants.loader.force_forward_engine).
+FORWARD_ENGINES = {FORWARD: "triton", FORWARD_WS: "ws"}
 
 MISTAKES = "tests/test_common_mistakes.py"
 FLOOR = MISTAKES + "::test_within_floor[{case}-{{device}}]"
@@ -46,18 +53,30 @@ class Mutant:
     path: str  # repository-relative file
     edits: tuple[tuple[str, str], ...]
     tests: tuple[str, ...]
+    cpu_killers: bool = False  # the killer tests are CPU checks (a compile for sm_90), whatever the device
 
     @property
     def module(self) -> str:
         return self.path.removesuffix(".py").replace("/", ".")
 
     @property
-    def host_only(self) -> bool:
-        """Host code (argument checks): the same on every device, run on CPU."""
-        return self.path in HOST_CODE
+    def killed_on_cpu(self) -> bool:
+        """Host code (argument checks) or a mistake a CPU check finds in the compiled code:
+        the same on every device, run on CPU."""
+        return self.path in HOST_CODE or self.cpu_killers
+
+    @property
+    def gpu_only(self) -> bool:
+        """A Gluon kernel's mutant: Triton's interpreter cannot run it, only ``--device cuda`` does."""
+        return self.path in GLUON
+
+    @property
+    def forward_engine(self) -> str | None:
+        """The forward engine whose kernel this mutant changes (FORWARD_ENGINES), if any."""
+        return FORWARD_ENGINES.get(self.path)
 
     def node_ids(self, device: str) -> list[str]:
-        return [t.format(device="cpu" if self.host_only else device) for t in self.tests]
+        return [t.format(device="cpu" if self.killed_on_cpu else device) for t in self.tests]
 
 
 def _mutant(name: str, mistake: str, path: str, snippet: str, replacement: str, *tests: str) -> Mutant:
@@ -195,6 +214,7 @@ MUTANTS = (
           "            if ATOMIC_DQ and tail:\n"
           "                ds_t = tl.where(n_in[:, None], ds_t, 0.0)")),
         ("tests/compiler/test_ptx_hazards.py::test_the_kernel_the_h200_caught_compiles_without_the_hazard",),
+        cpu_killers=True,
     ),
     _mutant(
         "window-right-minus-2", "a right window bound of -2 (or less) accepted as unbounded instead of rejected",
@@ -209,6 +229,67 @@ MUTANTS = (
         "left = wide if self.window_left < 0 else min(self.window_left, wide)",
         "left = self.window_left if self.window_left < 0 else min(self.window_left, wide)",
         FLOOR.format(case="window-left-unbounded-fp16-split"),
+    ),
+)
+
+# The same mistakes in the warp-specialized forward (kernels/forward_ws.py), the kernel the
+# sm_90 tables choose wherever it serves: GPU only. (Its padded-head store has no mutant: at
+# the padded-head test's cells the tables choose TMA_STORE, whose descriptor spans the real
+# head dim, so no killer test reaches the masked register store.)
+WS_P = "p_op = gl.convert_layout(p.to(dtype), p_layout)"
+WS_P_RTZ = 'p_op = gl.convert_layout(p.to(dtype, fp_downcast_rounding="rtz"), p_layout)'
+WS_LSE = "(m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)"
+MUTANTS += (
+    _mutant(
+        "ws-running-max-nan", "ws forward: a masked block with no visible key for a row shifts by m = -inf (NaN)",
+        FORWARD_WS,
+        'm_use = gl.where(m_new == float("-inf"), 0.0, m_new)',
+        "m_use = m_new",
+        FLOOR.format(case="one-key-fp16-split"), FLOOR.format(case="masked-rows-br-fp16-split"),
+    ),
+    _mutant(
+        "ws-max-before-scale",
+        "ws forward: the unmasked blocks' max taken over the raw scores whatever the scale's sign (the min for a "
+        "negative scale)",
+        FORWARD_WS,
+        "top = gl.min(s, axis=1)",
+        "top = gl.max(s, axis=1)",
+        FLOOR.format(case="large-negative-scale-fp16-fused"),
+    ),
+    _mutant(
+        "ws-mask-before-scale", "ws forward: masked scores set to -inf before the scale multiplies them",
+        FORWARD_WS,
+        's = gl.where(keep, s * qk_scale, float("-inf"))',
+        's = gl.where(keep, s, float("-inf")) * qk_scale',
+        FLOOR.format(case="negative-scale-fp16-split"), FLOOR.format(case="negative-scale-bf16-fused"),
+    ),
+    Mutant(
+        "ws-p-truncated", "ws forward: P converted to the input dtype by truncation instead of to nearest",
+        FORWARD_WS,
+        ((WS_P + "\n        for i in range(1, n_blocks):", WS_P_RTZ + "\n        for i in range(1, n_blocks):"),
+         (WS_P, WS_P_RTZ)),
+        (MISTAKES + "::test_rounding_is_unbiased",),
+    ),
+    _mutant(
+        "ws-lse-log2", "ws forward: the log-sum-exp stored in base 2 instead of natural log",
+        FORWARD_WS,
+        WS_LSE,
+        WS_LSE.replace(" * LN2)", ")"),
+        FLOOR.format(case="sharp-fp16-split"),
+    ),
+    _mutant(
+        "ws-empty-row-nan", "ws forward: the output divided by l with no guard for rows that saw no key",
+        FORWARD_WS,
+        "inv_l = 1.0 / gl.where(empty, 1.0, l_i)",
+        "inv_l = 1.0 / l_i",
+        FLOOR.format(case="masked-rows-br-fp16-split"),
+    ),
+    _mutant(
+        "ws-empty-row-lse", "ws forward: lse = m + log(l) with no guard for rows that saw no key (-inf, not +inf)",
+        FORWARD_WS,
+        'lse = gl.where(empty, float("inf"), ' + WS_LSE,
+        "lse = (m_i + gl.log2(l_i)) * LN2",
+        FLOOR.format(case="masked-rows-br-fp16-split"),
     ),
 )
 

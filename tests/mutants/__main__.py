@@ -7,7 +7,11 @@ and must pass (``--no-baseline`` skips that, when the suite has just passed anyw
 
 ``--device cuda`` selects the tests' GPU parametrizations (GPU-sized shapes) and
 compiles the mutated kernels with Triton's JIT; mutants of host code (argument checks)
-run their CPU tests on either device. On the H200::
+and those a CPU check of the compiled code catches run their CPU tests on either device.
+A mutant of a forward kernel runs with that kernel forced wherever it serves (the sm_90
+tables choose the warp-specialized one at the tests' sizes), and so does its baseline.
+Mutants of Gluon kernels (the ws forward) run with ``--device cuda`` only; a CPU run
+counts the others and says how many it left. On the H200::
 
     AOTATTN_MODE=jit python -m tests.mutants --device cuda --jobs 4
 """
@@ -24,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tests.mutants import MUTANTS, Mutant
-from tests.mutants.loader import ROOT, VAR
+from tests.mutants.loader import ENGINE_VAR, ROOT, VAR
 
 # pytest's exit codes: 0 all passed, 1 some failed; 2-5 mean the run itself went wrong
 # (interrupted, internal error, usage, nothing collected). A negative code is a signal:
@@ -45,10 +49,13 @@ def pytest_command(node_ids: list[str], device: str) -> list[str]:
     return [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", "-m", marker, *node_ids]
 
 
-def _run(command: list[str], mutant: str | None, device: str, timeout: float) -> tuple[int | None, str]:
-    env = {k: v for k, v in os.environ.items() if k != VAR}
+def _run(command: list[str], mutant: str | None, device: str, timeout: float,
+         engine: str | None = None) -> tuple[int | None, str]:
+    env = {k: v for k, v in os.environ.items() if k not in (VAR, ENGINE_VAR)}
     if mutant:
         env[VAR] = mutant
+    if engine:
+        env[ENGINE_VAR] = engine
     if device == "cuda":
         env["AOTATTN_MODE"] = "jit"
     try:
@@ -59,7 +66,7 @@ def _run(command: list[str], mutant: str | None, device: str, timeout: float) ->
 
 
 def _device_of(mutant: Mutant, device: str) -> str:
-    return "cpu" if mutant.host_only else device
+    return "cpu" if mutant.killed_on_cpu else device
 
 
 def run_mutant(mutant: Mutant, device: str, timeout: float) -> Outcome:
@@ -79,15 +86,17 @@ def run_mutant(mutant: Mutant, device: str, timeout: float) -> Outcome:
 
 
 def baseline(mutants: list[Mutant], device: str, timeout: float) -> str | None:
-    """None when every mutant's killer tests pass unmutated; else what failed."""
-    by_device: dict[str, list[str]] = {}
+    """None when every mutant's killer tests pass unmutated, on the forward engine the
+    mutant forces (tests.mutants.loader.force_forward_engine); else what failed."""
+    groups: dict[tuple[str, str | None], list[str]] = {}
     for m in mutants:
-        ids = by_device.setdefault(_device_of(m, device), [])
+        ids = groups.setdefault((_device_of(m, device), m.forward_engine), [])
         ids += [i for i in m.node_ids(device) if i not in ids]
-    for dev, node_ids in by_device.items():
-        code, output = _run(pytest_command(node_ids, dev), None, dev, timeout)
+    for (dev, engine), node_ids in groups.items():
+        code, output = _run(pytest_command(node_ids, dev), None, dev, timeout, engine)
         if code != PASSED:
-            return f"({dev}) exit code {code}:\n" + "\n".join(output.strip().splitlines()[-20:])
+            return (f"({dev}{', forward engine ' + engine if engine else ''}) exit code {code}:\n"
+                    + "\n".join(output.strip().splitlines()[-20:]))
     return None
 
 
@@ -105,15 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--only: no mutant {unknown}; expected names from {sorted(by_name)}")
     mutants = [by_name[n] for n in args.only] if args.only else list(MUTANTS)
+    gpu_only = [m for m in mutants if m.gpu_only and args.device == "cpu"]
+    if gpu_only and args.only:
+        parser.error(f"--only: {', '.join(m.name for m in gpu_only)} mutate a Gluon kernel, which runs on GPUs only: "
+                     "add --device cuda")
     if args.list:
         for m in mutants:
-            print(f"{m.name:24s} {m.path:36s} {m.mistake}")
+            print(f"{m.name:24s} {m.path:44s} {m.mistake}")
         return 0
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: no CUDA GPU here")
+    mutants = [m for m in mutants if m not in gpu_only]
     if not args.no_baseline:
         failure = baseline(mutants, args.device, args.timeout)
         if failure:
@@ -126,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{outcome.name:24s} {outcome.result:9s} {outcome.seconds:7.1f}  {outcome.detail}", flush=True)
             outcomes.append(outcome)
     caught = sum(o.result == "caught" for o in outcomes)
-    print(f"mutation score ({args.device}): {caught}/{len(outcomes)} caught ({100 * caught / len(outcomes):.0f}%)")
+    unrun = f"; {len(gpu_only)} mutants of Gluon kernels not run (--device cuda runs them)" if gpu_only else ""
+    print(f"mutation score ({args.device}): {caught}/{len(outcomes)} caught ({100 * caught / len(outcomes):.0f}%)"
+          f"{unrun}")
     return 0 if caught == len(outcomes) else 1
 
 

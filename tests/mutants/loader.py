@@ -8,6 +8,9 @@ aotattn. Everything that loads the module by name then gets the mutant: the oper
 interpreter's second copy (``aotattn.runtime.interpreter`` loads the file that
 ``importlib.util.find_spec`` names). A mutant exists only as source, so a run with one
 compiles with the JIT on GPUs (``AOTATTN_MODE=jit``); prebuilt images hold the real kernels.
+A mutant of a forward kernel also makes every forward that kernel serves run it
+(:func:`force_forward_engine`): on GPUs the ``flash.forward`` table would otherwise choose
+the other kernel at most of the tests' cells, and the mistake would go unseen.
 
 Used from ``tests/conftest.py`` only; nothing under ``aotattn/`` knows about mutants.
 """
@@ -26,6 +29,9 @@ from pathlib import Path
 from tests.mutants import BY_NAME, Mutant
 
 VAR = "AOTATTN_MUTANT"
+# The forward engine to force without a mutant: the mutation run's baseline, which runs the
+# killer tests unmutated on the engine their mutants will force.
+ENGINE_VAR = "AOTATTN_MUTANT_ENGINE"
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -72,6 +78,30 @@ def install(name: str) -> Mutant:
     return mutant
 
 
+def force_forward_engine(engine: str) -> None:
+    """From now on, every forward runs ``engine``'s kernel wherever it serves the call
+    (``triton`` serves every call; ``ws`` the ones :func:`rules.ws_serves` names, on sm_90),
+    whatever the ``flash.forward`` table says."""
+    from aotattn.families.flash import planning, rules
+    from aotattn.runtime.device import arch_of
+
+    table_choice = planning.choose_engine
+
+    def choose_engine(c, device, functional=None):
+        if engine == "triton":
+            return "triton"
+        functional = c.functional() if functional is None else functional
+        if device.type == "cuda" and rules.ws_serves(functional, arch_of(device)):
+            return engine
+        return table_choice(c, device, functional)
+
+    planning.choose_engine = choose_engine
+
+
 def install_from_environment() -> Mutant | None:
     name = os.environ.get(VAR)
-    return install(name) if name else None
+    mutant = install(name) if name else None
+    engine = mutant.forward_engine if mutant else os.environ.get(ENGINE_VAR)
+    if engine:
+        force_forward_engine(engine)
+    return mutant
