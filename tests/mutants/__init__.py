@@ -21,10 +21,11 @@ KERNELS = "aotattn/families/flash/kernels/"
 FORWARD = KERNELS + "forward.py"
 FORWARD_WS = KERNELS + "forward_ws.py"
 BACKWARD = KERNELS + "backward.py"
+BACKWARD_WS = KERNELS + "backward_ws.py"
 COMMON = KERNELS + "common.py"
 CHECKS = "aotattn/families/flash/checks.py"
 HOST_CODE = (CHECKS,)
-GLUON = (FORWARD_WS,)  # sm_90 kernels, which Triton's interpreter cannot run: their mutants run on GPUs only
+GLUON = (FORWARD_WS, BACKWARD_WS)  # sm_90 kernels, which Triton's interpreter cannot run: their mutants run on GPUs only
 # The flash.forward engine whose kernel a file holds. On GPUs the table chooses the engine per
 # cell (the ws kernel at every size the accuracy cases use on sm_90), so a mutant of the other
 # kernel would go unseen: with a mutant of one of these files, every forward that kernel
@@ -232,8 +233,8 @@ MUTANTS = (
     ),
 )
 
-# The same mistakes in the warp-specialized forward (kernels/forward_ws.py), the kernel the
-# sm_90 tables choose wherever it serves: GPU only. (Its padded-head store has no mutant: at
+# The same mistakes in the warp-specialized kernels (kernels/forward_ws.py, backward_ws.py),
+# which the sm_90 tables choose at most cells they serve: GPU only. (Its padded-head store has no mutant: at
 # the padded-head test's cells the tables choose TMA_STORE, whose descriptor spans the real
 # head dim, so no killer test reaches the masked register store.)
 WS_P = "p_op = gl.convert_layout(p.to(dtype), p_layout)"
@@ -290,6 +291,13 @@ MUTANTS += (
         'lse = gl.where(empty, float("inf"), ' + WS_LSE,
         "lse = (m_i + gl.log2(l_i)) * LN2",
         FLOOR.format(case="masked-rows-br-fp16-split"),
+    ),
+    _mutant(
+        "ws-diagonal-bwd", "ws backward: the mask of a step's probabilities aligned top-left where the call is bottom-right",
+        BACKWARD_WS,
+        "rel = keys[:, None] - (rows[None, :] + diag)",
+        "rel = keys[:, None] - rows[None, :]",
+        "tests/families/flash/test_backward_ws.py::test_it_matches_the_reference_with_every_knob_value[causal-sq-longer]",
     ),
 )
 

@@ -57,37 +57,50 @@ def test_unknown_and_late_mutants_are_refused():
         install("window-right-minus-2")
 
 
-# The ws forward's cell under a bottom-right mask: masked and unmasked blocks, both signs of
-# the scale (a runtime branch), the register store.
-WS_FORWARD_JOB = """
-import hashlib
-from aotattn.compiler.jobs import Job, compile_job
-from aotattn.spec import Config, Functional
-job = Job("sm_90", "flash.attn_fwd_ws", Functional.of(dict(dtype="fp16", BLOCK_D=128, BLOCK_DV=128, PAD_HEAD=True,
-          MASK=2, VARLEN=False, DROPOUT=False, BIAS=0)), Config.of(BLOCK_M=128, BLOCK_N=64, STAGES=2, PINGPONG=1,
-          PERSISTENT=0, Q_SLOTS=1, TMA_STORE=0, num_warps=4, num_stages=1))
-print(hashlib.sha256(compile_job(job)[1]).hexdigest())
-"""
+# A cell of each Gluon kernel under a bottom-right mask: masked and unmasked blocks, both
+# signs of the scale (a runtime branch), the forward's register store.
+_DENSE = "dtype='fp16', BLOCK_D=128, BLOCK_DV=128, PAD_HEAD=True, MASK=2, VARLEN=False, DROPOUT=False, BIAS=0"
+GLUON_JOBS = {
+    "aotattn/families/flash/kernels/forward_ws.py": (
+        "flash.attn_fwd_ws", _DENSE,
+        "BLOCK_M=128, BLOCK_N=64, STAGES=2, PINGPONG=1, PERSISTENT=0, Q_SLOTS=1, TMA_STORE=0, num_warps=4, num_stages=1"),
+    "aotattn/families/flash/kernels/backward_ws.py": (
+        "flash.attn_bwd_ws", _DENSE + ", GROUPED=True, WIDE_GROUPS=False",
+        "BLOCK_M=64, BLOCK_N=128, STAGES=2, num_warps=4, num_stages=1"),
+}
 
 
-def _compiled_ws_forward(mutant: str | None) -> str:
+def _compiled(path: str, mutant: str | None) -> str:
+    """The sha256 of ``path``'s kernel compiled for sm_90 at its GLUON_JOBS cell (``mutant`` applied)."""
+    kernel, functional, config = GLUON_JOBS[path]
     env = {k: v for k, v in os.environ.items() if k != VAR}
     if mutant:
         env[VAR] = mutant
     # the hook goes in before aotattn is imported, as tests/conftest.py places it
-    script = "from tests.mutants.loader import install_from_environment\ninstall_from_environment()\n" + WS_FORWARD_JOB
+    script = f"""
+from tests.mutants.loader import install_from_environment
+install_from_environment()
+import hashlib
+from aotattn.compiler.jobs import Job, compile_job
+from aotattn.spec import Config, Functional
+job = Job("sm_90", "{kernel}", Functional.of(dict({functional})), Config.of({config}))
+print(hashlib.sha256(compile_job(job)[1]).hexdigest())
+"""
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
-    assert done.returncode == 0, f"{mutant or 'the real kernel'} does not compile for sm_90: {done.stderr[-3000:]}"
+    assert done.returncode == 0, f"{mutant or path} does not compile for sm_90: {done.stderr[-3000:]}"
     return done.stdout.split()[-1]
 
 
-def test_gluon_mutants_compile_for_sm_90_into_other_code():
-    """The ws forward's mutants run on GPUs only, where a mutant that failed to compile would
-    count as caught: each compiles for sm_90 here, to another cubin than the real kernel's."""
-    real = _compiled_ws_forward(None)
-    for mutant in (m for m in MUTANTS if m.gpu_only):
-        assert _compiled_ws_forward(mutant.name) != real, f"{mutant.name} compiles to the real kernel's code"
+@pytest.mark.parametrize("path", sorted(GLUON_JOBS), ids=lambda p: p.rsplit("/", 1)[-1])
+def test_gluon_mutants_compile_for_sm_90_into_other_code(path):
+    """The Gluon kernels' mutants run on GPUs only, where a mutant that failed to compile
+    would count as caught: each compiles for sm_90 here, to another cubin than the real kernel's."""
+    mutants = [m for m in MUTANTS if m.path == path]
+    assert mutants, f"no mutant of {path}"
+    real = _compiled(path, None)
+    for mutant in mutants:
+        assert _compiled(path, mutant.name) != real, f"{mutant.name} compiles to the real kernel's code"
 
 
 def test_every_mutant_is_caught_on_cpu():
