@@ -63,7 +63,7 @@ fi
 if has mutants; then
   stamp "mutants and the accuracy record on GPU $other"
   ( export CUDA_VISIBLE_DEVICES=$other AOTATTN_MODE=jit
-    timeout "${MUTANTS_S:-330}" python -m tests.mutants --device cuda --jobs 4 > "$OUT/mutants.log" 2>&1
+    timeout "${MUTANTS_S:-450}" python -m tests.mutants --device cuda --jobs 6 > "$OUT/mutants.log" 2>&1
     echo "mutants rc=$?" >> "$OUT/mutants.log"
     timeout 120 python -m tests.adiffs --update --device cuda > "$OUT/adiffs.log" 2>&1
     echo "adiffs rc=$?" >> "$OUT/adiffs.log"
