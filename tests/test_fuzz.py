@@ -78,13 +78,33 @@ def inputs(problem: dict, device: str) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("device", DEVICES)
 @given(data=st.data())
 def test_any_problem_is_within_the_floor(device, data):
-    problem = data.draw(problems(device), label="problem")
+    check_problem(data.draw(problems(device), label="problem"), device)
+
+
+def check_problem(problem: dict, device: str) -> None:
     q, k, v, dout = inputs(problem, device)
     backend, deterministic = problem["backend"]
     kernel = kernel_attention(q, k, v, dout, backend=backend, deterministic=deterministic, **problem["mask"])
     floor = floor_attention(q, k, v, dout, **problem["mask"])
     exact = exact_attention(q, k, v, dout, **problem["mask"])
     assert_within_floor(kernel, floor, exact, problem["dtype"], device)
+
+
+# One query that sees two of 91 keys (window (-1, 1) top-left), head dim 1, V's 187: its dK has
+# two nonzero rows, whose norm error the floor's spread had counted over all 91 (dK 2.04x the
+# floor). Found by the GPU's long fuzz (H100, JIT, 2026-12-07, seed 871 on CUDA data; the
+# failing quantity was cut from the log); seed 33 fails the same way on CPU data.
+TWO_OF_91_KEYS = dict(shape=dict(batch=1, seqlen_q=1, seqlen_k=91, heads_k=1, heads_q=1, head_dim=1, head_dim_v=187),
+                      mask=dict(causal=False, window_size=(-1, 1), diagonal="top_left", softmax_scale=-1.0),
+                      dtype=torch.bfloat16, magnitude=0.25, backend=("split", False))
+PINNED = [dict(TWO_OF_91_KEYS, seed=871), dict(TWO_OF_91_KEYS, seed=33)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("index", range(len(PINNED)))
+def test_pinned_problems(device, index):
+    """Examples the long fuzz found, replayed without Hypothesis (each device draws its own data from the seed)."""
+    check_problem(PINNED[index], device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
