@@ -3,7 +3,8 @@
 # (nvidia-h200-x2: the GPU suite on one GPU while the mutants and the accuracy record
 # run on the other). Logs and the refreshed accuracy record go under $OUT.
 #
-#   bash benchmarks/gpu_verify.sh [suite] [mutants] [runtime] [latency] [fresh]   (default: all)
+#   bash benchmarks/gpu_verify.sh [suite] [mutants] [runtime] [latency] [fresh] [fuzz]
+#   (default: all but fuzz)
 #
 #   suite    pytest -m gpu over tests/ except tests/runtime (Triton's JIT, GPU-sized shapes)
 #            (and pgdef, tune and perfmon/test_app.py, which need PostgreSQL's client)
@@ -11,6 +12,8 @@
 #   runtime  tests/runtime -m gpu with every GPU visible (images built here; threads over devices)
 #   latency  benchmarks/bench_latency.py from images (first call, host time per tiny call)
 #   fresh    a fresh process with no image folder: forward and backward through the default mode
+#   fuzz     tests/test_fuzz.py's long profile on the GPU (FUZZ_S, default 480 s; its own call:
+#            the first run, 2026-12-07, found a dK held to too tight a spread in 470 s)
 #
 # The whole suite needs SUITE_S=560 on one H100 or H200 (729 tests): run `suite` alone in its
 # call. With runtime or latency the image build (~40 s) comes first and runtime's 150 s after
@@ -107,8 +110,15 @@ EOF
   echo "fresh rc=$?" >> "$OUT/fresh.log"
 fi
 
+if has fuzz; then
+  stamp "long fuzz"
+  AOTATTN_MODE=jit timeout -s INT -k 20 "${FUZZ_S:-480}" python -m pytest tests/test_fuzz.py --hypothesis-profile=long \
+    -m gpu -n "${SUITE_JOBS:-8}" -p no:cacheprovider -rfE > "$OUT/fuzz.log" 2>&1
+  echo "fuzz rc=$?" >> "$OUT/fuzz.log"
+fi
+
 stamp "summary"
-for f in suite mutants adiffs runtime fresh; do
+for f in suite mutants adiffs runtime fresh fuzz; do
   [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -n 15; tail -n 3 "$OUT/$f.log"; }
 done
 if [ -f "$OUT/latency.log" ]; then sed -n '/^first call/,$p' "$OUT/latency.log"; fi  # rc 0 without the latency step
