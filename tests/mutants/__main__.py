@@ -13,7 +13,7 @@ tables choose the warp-specialized one at the tests' sizes), and so does its bas
 Mutants of Gluon kernels (the ws forward) run with ``--device cuda`` only; a CPU run
 counts the others and says how many it left. On the H200::
 
-    AOTATTN_MODE=jit python -m tests.mutants --device cuda --jobs 4
+    AOTATTN_MODE=jit python -m tests.mutants --device cuda --jobs 6
 """
 
 from __future__ import annotations
