@@ -10,7 +10,7 @@ compiles the mutated kernels with Triton's JIT; mutants of host code (argument c
 and those a CPU check of the compiled code catches run their CPU tests on either device.
 A mutant of a forward kernel runs with that kernel forced wherever it serves (the sm_90
 tables choose the warp-specialized one at the tests' sizes), and so does its baseline.
-Mutants of Gluon kernels (the ws forward) run with ``--device cuda`` only; a CPU run
+Mutants of Gluon kernels (the ws forward and backward) run with ``--device cuda`` only (on sm_90); a CPU run
 counts the others and says how many it left. On the H200::
 
     AOTATTN_MODE=jit python -m tests.mutants --device cuda --jobs 6
