@@ -25,7 +25,7 @@ BACKWARD_WS = KERNELS + "backward_ws.py"
 COMMON = KERNELS + "common.py"
 CHECKS = "aotattn/families/flash/checks.py"
 HOST_CODE = (CHECKS,)
-GLUON = (FORWARD_WS, BACKWARD_WS)  # sm_90 kernels, which Triton's interpreter cannot run: their mutants run on GPUs only
+GLUON = (FORWARD_WS, BACKWARD_WS)  # sm_90 kernels, which Triton's interpreter cannot run
 # The flash.forward engine whose kernel a file holds. On GPUs the table chooses the engine per
 # cell (the ws kernel at every size the accuracy cases use on sm_90), so a mutant of the other
 # kernel would go unseen: with a mutant of one of these files, every forward that kernel
@@ -234,9 +234,10 @@ MUTANTS = (
 )
 
 # The same mistakes in the warp-specialized kernels (kernels/forward_ws.py, backward_ws.py),
-# which the sm_90 tables choose at most cells they serve: GPU only. (Its padded-head store has no mutant: at
-# the padded-head test's cells the tables choose TMA_STORE, whose descriptor spans the real
-# head dim, so no killer test reaches the masked register store.)
+# which the sm_90 tables choose at most cells they serve: sm_90 GPUs only. (The ws forward's
+# padded-head store has no mutant: at the padded-head test's cells the tables choose
+# TMA_STORE, whose descriptor spans the real head dim, so no killer reaches the masked
+# register store.)
 WS_P = "p_op = gl.convert_layout(p.to(dtype), p_layout)"
 WS_P_RTZ = 'p_op = gl.convert_layout(p.to(dtype, fp_downcast_rounding="rtz"), p_layout)'
 WS_LSE = "(m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)"
