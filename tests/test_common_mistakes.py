@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import aotattn
-from aotattn.families.flash import planning, rules
+from aotattn.families.flash import ops, planning, rules
 from aotattn.families.flash.checks import check_flash
 from aotattn.runtime import launch
 from aotattn.spec import Functional, LaunchPlan
@@ -54,6 +54,22 @@ def test_within_floor(case, device):
         pytest.fail(f"{case.id} is not in {adiffs.path(device)}: run `python -m tests.adiffs --update --device {device}`")
     worse = adiffs.regressions(adiffs.measure(kernel, exact), recorded, device)
     assert not worse, f"accuracy regressed against {adiffs.path(device).name}: {'; '.join(worse)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_within_floor_on_the_triton_forward(monkeypatch, case):
+    """The same cases with the Triton forward forced wherever the tables choose the
+    warp-specialized one (every GPU-sized case on sm_90): the forward that every other
+    architecture runs, checked at GPU sizes on GPU arithmetic. Within the floor and exact
+    where due; the accuracy record is the tables' kernels' and is not applied."""
+    monkeypatch.setattr(planning, "choose_engine", lambda c, device, functional=None: "triton")
+    ops._PLANS.entries.clear()
+    try:
+        kernel, floor, exact = case.run("cuda")
+    finally:
+        ops._PLANS.entries.clear()
+    assert_within_floor(kernel, floor, exact, case.dtype, "cuda")
 
 
 # -------------------------------------------------------------- one mistake at a time
