@@ -198,9 +198,10 @@ def floor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     ds2 = (variance(ds_unrounded) + ds_unrounded.square() * exponent
            + (p * z * keep_scale).square() * dp_sum.square() / 3) * scale**2
     # delta reads the stored output, so the forward's rounding of P reaches it too: an error e_k
-    # of P_ik moves O_i by e_k V_k and delta_i by e_k (dO_i . V_k). Where a row sees a few keys
-    # this is delta's largest error (one row, two keys, dO . V_k of 4.7: dK 2.2x the floor
-    # without it, bf16, the GPU's long fuzz and the CPU alike, 2026-12-07)
+    # of P_ik moves O_i by e_k V_k and delta_i by e_k (dO_i . V_k), comparable to the output's
+    # own rounding where a row sees a few keys (unmodelled until 2026-12-07; that day's failing
+    # fuzz example, dK of one query seeing two keys, moved from 2.2x to 2.04x the floor by it:
+    # the rest was floor_error's count of elements)
     do_v = torch.einsum("bqhd,bkhd->bhqk", do, vv)
     delta2 = ((do.square() * variance(out_unrounded)).sum(-1).transpose(1, 2)[..., None]
               + (p_var * do_v.square()).sum(-1, keepdim=True) + delta_sum.square() / 3) * scale**2
