@@ -335,12 +335,12 @@ def floor_error(floor: Results, exact: Results, name: str) -> float:
     reference (the spread of a norm over n independent errors; the gradients of keys no
     query sees are exactly 0 and add no error); on large problems the two agree. Counting
     every element once made a dK of two nonzero rows among 91 keys fail at 2.04x
-    (bf16, one query seeing two keys; the GPU's long fuzz, 2026-12-07). The part of dQ's
-    and dK's noise that comes through delta (one error per query row, ``<name>.delta``)
-    spreads like the rows' effective count instead: two queries, one seeing two keys, bf16,
-    head dim 163 put all of dQ's 163 nonzero elements on one delta error, 2.25x a floor
-    spread as 163 draws (the GPU's second long fuzz, same day; 2.18x at seed 21 on CPU data,
-    0.75x with the delta part spread as one draw).
+    (bf16, one query seeing two keys; the GPU's long fuzz, 2026-12-07). The pieces that
+    one number carries over many elements (``Results.parts``: a pair's P or dS, a row's
+    delta) spread as their own effective count instead: two queries, one seeing two keys,
+    bf16, head dim 163 put all of dQ's 163 nonzero elements on one delta error, 2.25x a
+    floor spread as 163 draws (the GPU's second long fuzz, same day; at seed 21 on CPU data
+    dQ 2.18x and dK 2.40x, now 0.73x and 0.75x).
     """
     ref = exact.get(name)
     denom = ref.norm().item() or 1.0  # rel_err is absolute where the reference is 0
