@@ -104,7 +104,7 @@ def _by_key_head(x: torch.Tensor, heads_k: int) -> torch.Tensor:
 
 def _effective_count(weights: torch.Tensor) -> float:
     """How many equal independent draws spread like draws of these variances: (sum w)^2 / sum w^2."""
-    total, squares = weights.sum().item(), weights.square().sum().item()
+    total, squares = weights.sum().item(), torch.linalg.vector_norm(weights).item() ** 2  # no squared copy
     return total**2 / squares if squares > 0 else 1.0
 
 
