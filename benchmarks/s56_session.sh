@@ -9,9 +9,11 @@
 # (benchmarks/perfmon_session.sh, ~250 s with the images), then the first half of the GPU
 # suite (the backward and dropout files, which no H200 has run since the forty-eighth session)
 # with what is left.
-# On an H100: the 48 wide-group ws cells at s <= 512 that no tuner has timed
-# (benchmarks/tune_cells_session.sh, ~200 s), then the same half of the GPU suite on the
-# tables that tuning exported (the tuned choices through the suite, not only the tuner's check).
+# On an H100 (the fifty-seventh session tuned the 48 untimed wide-group cells there and the
+# fifty-ninth ran the whole suite there): the GPU mutation run on the floor of the fifty-ninth
+# session (~300 s), then the long fuzz with what is left (gpu_verify.sh mutants, fuzz).
+# Carry build/cache from a CPU-machine `aotattn perfmon images ... --match 'gqa-*-g8-*'` and the
+# H200's perfmon compiles nothing (85 kernels cached: 4 s).
 source "$(dirname "$0")/session_common.sh"
 pack() {  # a call returns at most 8 files: the logs travel in one archive
   (cd "$OUT" && find . -type f ! -name '*.tgz' ! -name '*.png' ! -path './perfdb/*' | tar czf logs56.tgz --remove-files -T -)
@@ -23,12 +25,14 @@ if [[ $gpu == *H200* ]]; then
   MATCH='gqa-*-g8-*' BUDGET=110 DEADLINE=200 RUN_ARGS="--hide-host-ms 1 --no-flex" \
     TAG=h200-$(date -u +%Y%m%d)-s56-gqa8 bash benchmarks/perfmon_session.sh 2>&1 | tail -n 45
 else
-  mkdir -p "$OUT/tune"
-  OUT=$OUT/tune UNMASK=1 TUNE_S=240 bash benchmarks/tune_cells_session.sh -- --all-functionals \
-    -c flash,attn_bwd_ws --where "WIDE_GROUPS=True PAD_HEAD=False" --head-dim 64,128 --untimed 2>&1 | tail -n 25
-  if [ -d build/tune-cells/tuning ]; then  # the checkout's tuning/ stays as it is
-    export AOTATTN_TUNING_DB=$PWD/build/tune-cells/tuning && stamp "the suite runs on the exported tables"
+  MUTANTS_S=330 bash benchmarks/gpu_verify.sh mutants 2>&1 | grep -E "score|rc=|baseline" | tail -n 5
+  left=$(( ${CALL_S:-560} - ($(date +%s) - start) - 30 ))
+  if [ "$left" -lt 90 ]; then  # `timeout 0` would never stop it
+    stamp "the fuzz left out: $left s left"; exit 0
   fi
+  stamp "long fuzz (FUZZ_S=$left)"
+  FUZZ_S=$left bash benchmarks/gpu_verify.sh fuzz 2>&1 | grep -E "passed|failed|rc=" | tail -n 3
+  exit 0
 fi
 left=$(( ${CALL_S:-560} - ($(date +%s) - start) - 25 ))
 if [ "$left" -lt 200 ]; then
