@@ -114,3 +114,27 @@ def test_every_mutant_is_caught_on_cpu():
     runs = sum(not m.gpu_only for m in MUTANTS)
     left = len(MUTANTS) - runs
     assert f"mutation score (cpu): {runs}/{runs} caught (100%); {left} mutants of Gluon kernels not run" in done.stdout
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_baseline_names_the_group_that_fails(monkeypatch, jobs):
+    """The baseline runs its (device, engine) groups at once and still reports the one whose
+    killer tests fail unmutated, or None when all pass."""
+    from tests.mutants import __main__ as cli
+
+    engines = sorted({m.forward_engine for m in MUTANTS}, key=str)
+    assert len(engines) > 1, "one group only: this test needs mutants that force different engines"
+    broken = engines[-1]
+    calls = []
+
+    def fake_run(command, mutant, device, timeout, engine=None):
+        calls.append((device, engine))
+        assert mutant is None
+        return (cli.FAILED, "FAILED tests/x.py::y - boom") if engine == broken else (cli.PASSED, "")
+
+    monkeypatch.setattr(cli, "_run", fake_run)
+    failure = cli.baseline(list(MUTANTS), "cpu", 60, jobs)
+    assert failure is not None and f"forward engine {broken}" in failure and "boom" in failure
+    assert sorted(calls, key=str) == sorted({("cpu", e) for e in engines}, key=str)
+    monkeypatch.setattr(cli, "_run", lambda *a, **k: (cli.PASSED, ""))
+    assert cli.baseline(list(MUTANTS), "cpu", 60, jobs) is None
