@@ -8,7 +8,7 @@ tests/test_common_mistakes.py does: no NaN, rows that see no key exactly 0 with 
 +inf, every quantity within a small multiple of the floor's error. A second draws at most
 six rows and keys with head dims to 256 on every device (the CPU's own limits stop at 40
 rows and head dim 80). A third adds dropout (the floor and the reference under the
-keep-mask the call reports).
+keep-mask the call reports), on problems of either kind.
 
 Budgets (profiles registered in tests/conftest.py): CI runs the "ci" profile, a fixed
 set of 12 examples per device. The long run explores::
@@ -134,8 +134,10 @@ def test_any_dropout_problem_is_within_the_floor(device, data):
     keep-mask the call reports (``aotattn.dropout_mask`` under the generator state the call
     saw), at rates from one in 2^16 to 0.9."""
     # on the GPU, shorter than the plain property: the floor keeps a few more float64
-    # (B, Hq, Sq, Sk) tensors (the mask and the kept P), and eight workers share one GPU
-    problem = data.draw(problems(device, **({"seqlen": 2048} if device == "cuda" else {})), label="problem")
+    # (B, Hq, Sq, Sk) tensors (the mask and the kept P), and eight workers share one GPU;
+    # half the problems are the few-rows wide-heads ones
+    limits = data.draw(st.sampled_from([{"seqlen": 2048} if device == "cuda" else {}, FEW_ROWS]), label="limits")
+    problem = data.draw(problems(device, **limits), label="problem")
     dropout_p = data.draw(st.sampled_from([2.0**-16, 0.1, 0.5, 0.9]), label="dropout_p")
     check_dropout_problem(problem, dropout_p, device)
 
