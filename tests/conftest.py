@@ -19,7 +19,8 @@ from tests.helpers import HAS_CUDA  # noqa: E402
 # Fuzzing budgets (tests/test_fuzz.py). "ci" is the default: a fixed, small set of
 # examples (derandomized, so CI is reproducible). "long" explores: run it with
 # `python -m pytest tests/test_fuzz.py --hypothesis-profile=long` (add `-m gpu` with
-# AOTATTN_MODE=jit on the GPU).
+# AOTATTN_MODE=jit on the GPU, and AOTATTN_FUZZ_SHARDS=8 -n 8 to share each property's
+# examples among eight workers).
 _FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                                    HealthCheck.data_too_large])
 settings.register_profile("ci", max_examples=12, derandomize=True, print_blob=True, **_FUZZ)

@@ -14,16 +14,24 @@ Budgets (profiles registered in tests/conftest.py): CI runs the "ci" profile, a 
 set of 12 examples per device. The long run explores::
 
     python -m pytest tests/test_fuzz.py --hypothesis-profile=long -m "not gpu"   # CPU
-    AOTATTN_MODE=jit python -m pytest tests/test_fuzz.py --hypothesis-profile=long -m gpu   # H200
+    AOTATTN_MODE=jit AOTATTN_FUZZ_SHARDS=8 python -m pytest tests/test_fuzz.py --hypothesis-profile=long -m gpu -n 8   # H200
+
+``AOTATTN_FUZZ_SHARDS=N`` splits each property into N items per device, each with its share
+of the profile's examples and its own random seed, so pytest-xdist's workers share one
+property (on the GPU the dropout property outlasted a 10-minute call on one worker).
 
 A failure prints the smallest example found and ``@reproduce_failure`` to replay it.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aotattn
@@ -35,7 +43,33 @@ LIMITS = {"cpu": {"seqlen": 40, "head_dim": 80}, "cuda": {"seqlen": 3000, "head_
 # pair's P) carries a whole row's error, which the CPU's limits above never reach (the GPU's
 # long fuzz found both of the floor's too-tight spreads there, PINNED below)
 FEW_ROWS = {"seqlen": 6, "head_dim": 256}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+# each property's items: one per device, or N per device under AOTATTN_FUZZ_SHARDS=N (for the
+# long profile: the "ci" profile is derandomized, so its shards would all draw the same data)
+SHARDS = int(os.environ.get("AOTATTN_FUZZ_SHARDS", "1"))
+if SHARDS < 1:
+    raise ValueError(f"AOTATTN_FUZZ_SHARDS={SHARDS}: expected the items per property and device, 1 or more")
+
+
+def _sharded_devices() -> list:
+    if SHARDS == 1:
+        return DEVICES  # the ids stay [cpu] and [cuda]
+    params = []
+    for device in DEVICES:
+        value, marks = (device.values[0], device.marks) if hasattr(device, "values") else (device, ())
+        params += [pytest.param(value, marks=marks, id=f"{value}-{i}") for i in range(SHARDS)]
+    return params
+
+
+def fuzzed(test):
+    """``test(device, data)`` as a Hypothesis property on every device, split into SHARDS items
+    per device, each drawing its share of the profile's examples (read when this module is
+    imported, after pytest has loaded ``--hypothesis-profile``)."""
+    test = given(data=st.data())(test)
+    if SHARDS > 1:
+        test = settings(max_examples=-(-settings.default.max_examples // SHARDS))(test)
+    return pytest.mark.parametrize("device", _sharded_devices())(test)
 BACKENDS = [("split", False), ("fused", False), ("fused", True)]
 
 
@@ -81,14 +115,12 @@ def inputs(problem: dict, device: str) -> tuple[torch.Tensor, ...]:
             randn(s["batch"], s["seqlen_q"], s["heads_q"], s["head_dim_v"], scale=1.0))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@given(data=st.data())
+@fuzzed
 def test_any_problem_is_within_the_floor(device, data):
     check_problem(data.draw(problems(device), label="problem"), device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@given(data=st.data())
+@fuzzed
 def test_any_few_row_wide_head_problem_is_within_the_floor(device, data):
     check_problem(data.draw(problems(device, **FEW_ROWS), label="problem"), device)
 
@@ -127,8 +159,7 @@ def test_pinned_problems(device, index):
     check_problem(PINNED[index], device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@given(data=st.data())
+@fuzzed
 def test_any_dropout_problem_is_within_the_floor(device, data):
     """The same property with dropout: the floor and the float64 reference applied with the
     keep-mask the call reports (``aotattn.dropout_mask`` under the generator state the call
@@ -187,3 +218,25 @@ def dropout_results(problem: dict, dropout_p: float, device: str) -> tuple[Resul
     floor = floor_attention(q, k, v, dout, **problem["mask"], **dropped)
     exact = exact_attention(q, k, v, dout, **problem["mask"], **dropped)
     return kernel, floor, exact
+
+
+def test_shards_share_out_a_propertys_examples():
+    """AOTATTN_FUZZ_SHARDS=N: N items per property and device, each with the profile's
+    examples divided by N (rounded up), and a refusal of N below 1."""
+    def pytest_run(shards: str, *args: str) -> subprocess.CompletedProcess:
+        env = dict(os.environ, AOTATTN_FUZZ_SHARDS=shards)
+        return subprocess.run([sys.executable, "-m", "pytest", "tests/test_fuzz.py", "-p", "no:cacheprovider",
+                               "-p", "no:xdist", "--hypothesis-profile=long", *args],
+                              env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+    shards = 160  # the long profile's 400 examples: 3 for each
+    listed = pytest_run(str(shards), "--collect-only", "-q").stdout.splitlines()
+    for name in ("test_any_problem_is_within_the_floor", "test_any_few_row_wide_head_problem_is_within_the_floor",
+                 "test_any_dropout_problem_is_within_the_floor"):
+        ids = {line.split("[")[1].rstrip("]") for line in listed if f"::{name}[" in line}
+        assert ids == {f"{device}-{i}" for device in ("cpu", "cuda") for i in range(shards)}, name
+    ran = pytest_run(str(shards), "-k", "few_row and cpu-7]", "--hypothesis-show-statistics", "-m", "not gpu")
+    assert ran.returncode == 0, ran.stdout[-2000:]
+    assert "3 passing examples" in ran.stdout and "settings.max_examples=3" in ran.stdout, ran.stdout[-2000:]
+    refused = pytest_run("0", "--collect-only", "-q")
+    assert refused.returncode != 0 and "AOTATTN_FUZZ_SHARDS=0" in refused.stdout
