@@ -11,10 +11,10 @@ rows and head dim 80). A third adds dropout (the floor and the reference under t
 keep-mask the call reports), on problems of either kind.
 
 Budgets (profiles registered in tests/conftest.py): CI runs the "ci" profile, a fixed
-set of 12 examples per device. The long run explores::
+set of 12 examples per device. The long run explores (CPU, then GPU)::
 
     python -m pytest tests/test_fuzz.py --hypothesis-profile=long -m "not gpu"   # CPU
-    AOTATTN_MODE=jit AOTATTN_FUZZ_SHARDS=8 python -m pytest tests/test_fuzz.py --hypothesis-profile=long -m gpu -n 8   # H200
+    AOTATTN_MODE=jit AOTATTN_FUZZ_SHARDS=8 python -m pytest tests/test_fuzz.py --hypothesis-profile=long -m gpu -n 8
 
 ``AOTATTN_FUZZ_SHARDS=N`` splits each property into N items per device, each with its share
 of the profile's examples and its own random seed, so pytest-xdist's workers share one
@@ -45,11 +45,14 @@ LIMITS = {"cpu": {"seqlen": 40, "head_dim": 80}, "cuda": {"seqlen": 3000, "head_
 FEW_ROWS = {"seqlen": 6, "head_dim": 256}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+BACKENDS = [("split", False), ("fused", False), ("fused", True)]
 # each property's items: one per device, or N per device under AOTATTN_FUZZ_SHARDS=N (for the
 # long profile: the "ci" profile is derandomized, so its shards would all draw the same data)
-SHARDS = int(os.environ.get("AOTATTN_FUZZ_SHARDS", "1"))
-if SHARDS < 1:
-    raise ValueError(f"AOTATTN_FUZZ_SHARDS={SHARDS}: expected the items per property and device, 1 or more")
+_shards = os.environ.get("AOTATTN_FUZZ_SHARDS", "1")
+if not _shards.isdigit() or int(_shards) < 1:
+    raise ValueError(f"AOTATTN_FUZZ_SHARDS={_shards}: expected the items per property and device, "
+                     "a whole number from 1")
+SHARDS = int(_shards)
 
 
 def _sharded_devices() -> list:
@@ -70,7 +73,6 @@ def fuzzed(test):
     if SHARDS > 1:
         test = settings(max_examples=-(-settings.default.max_examples // SHARDS))(test)
     return pytest.mark.parametrize("device", _sharded_devices())(test)
-BACKENDS = [("split", False), ("fused", False), ("fused", True)]
 
 
 def _window_side(seqlen: int):
@@ -238,5 +240,6 @@ def test_shards_share_out_a_propertys_examples():
     ran = pytest_run(str(shards), "-k", "few_row and cpu-7]", "--hypothesis-show-statistics", "-m", "not gpu")
     assert ran.returncode == 0, ran.stdout[-2000:]
     assert "3 passing examples" in ran.stdout and "settings.max_examples=3" in ran.stdout, ran.stdout[-2000:]
-    refused = pytest_run("0", "--collect-only", "-q")
-    assert refused.returncode != 0 and "AOTATTN_FUZZ_SHARDS=0" in refused.stdout
+    for bad in ("0", "two"):
+        refused = pytest_run(bad, "--collect-only", "-q")
+        assert refused.returncode != 0 and f"AOTATTN_FUZZ_SHARDS={bad}:" in refused.stdout
