@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,7 +44,6 @@ LIMITS = {"cpu": {"seqlen": 40, "head_dim": 80}, "cuda": {"seqlen": 3000, "head_
 # pair's P) carries a whole row's error, which the CPU's limits above never reach (the GPU's
 # long fuzz found both of the floor's too-tight spreads there, PINNED below)
 FEW_ROWS = {"seqlen": 6, "head_dim": 256}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 BACKENDS = [("split", False), ("fused", False), ("fused", True)]
 # each property's items: one per device, or N per device under AOTATTN_FUZZ_SHARDS=N (for the
@@ -228,8 +228,8 @@ def test_shards_share_out_a_propertys_examples():
     def pytest_run(shards: str, *args: str) -> subprocess.CompletedProcess:
         env = dict(os.environ, AOTATTN_FUZZ_SHARDS=shards)
         return subprocess.run([sys.executable, "-m", "pytest", "tests/test_fuzz.py", "-p", "no:cacheprovider",
-                               "-p", "no:xdist", "--hypothesis-profile=long", *args],
-                              env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+                               "-p", "no:xdist", "--hypothesis-profile=long", *args], env=env,
+                              capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
 
     shards = 160  # the long profile's 400 examples: 3 for each
     listed = pytest_run(str(shards), "--collect-only", "-q").stdout.splitlines()
