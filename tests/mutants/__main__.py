@@ -85,15 +85,31 @@ def run_mutant(mutant: Mutant, device: str, timeout: float) -> Outcome:
     return Outcome(mutant.name, "error", seconds, f"pytest exit code {code}:\n{tail}")
 
 
+def baseline_pieces(groups: dict[tuple[str, str | None], list[str]],
+                    jobs: int) -> list[tuple[tuple[str, str | None], list[str]]]:
+    """Each (device, engine) group's test ids dealt round-robin into pieces, the largest group
+    first, so that there are at least ``jobs`` pieces where there are that many tests; every
+    test lands in exactly one piece, which keeps its group's device and engine."""
+    total = sum(len(ids) for ids in groups.values())
+    out = []
+    for key, ids in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        n = max(1, min(len(ids), -(-max(1, jobs) * len(ids) // max(1, total))))
+        out += [(key, ids[i::n]) for i in range(n)]
+    return out
+
+
 def baseline(mutants: list[Mutant], device: str, timeout: float, jobs: int = 1) -> str | None:
     """None when every mutant's killer tests pass unmutated, on the forward engine the
     mutant forces (tests.mutants.loader.force_forward_engine); else what failed. The groups
     (device, engine) run at once, up to ``jobs``: on a GPU machine with a cold Triton cache
-    each compiles its kernels, and one after another they outlasted a 330 s call (2026-12-07)."""
+    each compiles its kernels, and one after another they outlasted a 330 s call (2026-12-07).
+    Four groups on six jobs still took 350 s cold (sixty-first session), so each group's tests
+    are dealt out into pieces, enough of them to keep every job busy."""
     groups: dict[tuple[str, str | None], list[str]] = {}
     for m in mutants:
         ids = groups.setdefault((_device_of(m, device), m.forward_engine), [])
         ids += [i for i in m.node_ids(device) if i not in ids]
+    pieces = baseline_pieces(groups, jobs)
 
     def run_group(group: tuple[tuple[str, str | None], list[str]]) -> str | None:
         (dev, engine), node_ids = group
@@ -104,7 +120,7 @@ def baseline(mutants: list[Mutant], device: str, timeout: float, jobs: int = 1) 
                 + "\n".join(output.strip().splitlines()[-20:]))
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        failures = [f for f in pool.map(run_group, groups.items()) if f]
+        failures = [f for f in pool.map(run_group, pieces) if f]
     return failures[0] if failures else None
 
 

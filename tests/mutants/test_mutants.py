@@ -116,10 +116,11 @@ def test_every_mutant_is_caught_on_cpu():
     assert f"mutation score (cpu): {runs}/{runs} caught (100%); {left} mutants of Gluon kernels not run" in done.stdout
 
 
-@pytest.mark.parametrize("jobs", [1, 3])
+@pytest.mark.parametrize("jobs", [1, 3, 7, 500])
 def test_baseline_names_the_group_that_fails(monkeypatch, jobs):
-    """The baseline runs its (device, engine) groups at once and still reports the one whose
-    killer tests fail unmutated, or None when all pass."""
+    """The baseline runs its (device, engine) groups at once, dealt into pieces for ``jobs``
+    workers, runs every killer test once on its group's device and engine, and still reports the
+    group whose killer tests fail unmutated, or None when all pass."""
     from tests.mutants import __main__ as cli
 
     engines = sorted({m.forward_engine for m in MUTANTS}, key=str)
@@ -128,13 +129,21 @@ def test_baseline_names_the_group_that_fails(monkeypatch, jobs):
     calls = []
 
     def fake_run(command, mutant, device, timeout, engine=None):
-        calls.append((device, engine))
+        at = max(i for i, arg in enumerate(command) if arg == "-m")  # ... -m <marker> ids...
+        ids = command[at + 2:]
+        calls.append(((device, engine), ids))
         assert mutant is None
         return (cli.FAILED, "FAILED tests/x.py::y - boom") if engine == broken else (cli.PASSED, "")
 
     monkeypatch.setattr(cli, "_run", fake_run)
     failure = cli.baseline(list(MUTANTS), "cpu", 60, jobs)
     assert failure is not None and f"forward engine {broken}" in failure and "boom" in failure
-    assert sorted(calls, key=str) == sorted({("cpu", e) for e in engines}, key=str)
+    expected = {}
+    for m in MUTANTS:
+        expected.setdefault(("cpu", m.forward_engine), set()).update(m.node_ids("cpu"))
+    ran = [(group, i) for group, ids in calls for i in ids]
+    assert len(ran) == len(set(ran)), "a killer test ran twice"
+    assert {group: {i for g, i in ran if g == group} for group, _ in ran} == expected
+    assert len(calls) >= min(jobs, len(ran)), f"{len(calls)} pieces for {jobs} jobs"
     monkeypatch.setattr(cli, "_run", lambda *a, **k: (cli.PASSED, ""))
     assert cli.baseline(list(MUTANTS), "cpu", 60, jobs) is None
