@@ -68,8 +68,16 @@ class Problem:
 
 
 def check_tensor(name: str, t: object) -> torch.Tensor:
+    """A plain dense tensor: not a sparse or nested one (a strided nested tensor reports the
+    strided layout, and PyTorch raised an internal error at its first shape read), nor one
+    of a ``torch.func`` transform (:func:`check_untransformed`)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type_name(t)}")
+    if t.is_nested:
+        raise ValueError(f"{name}: expected a dense tensor, got a nested tensor (pack its sequences for "
+                         "flash_attn_varlen_func, or pad them and pass an attn_mask)")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     check_untransformed(name, t)
     return t
 
@@ -103,8 +111,6 @@ def check_tensors(names: tuple[str, str, str], q: object, k: object, v: object, 
     """Types, ranks, dtypes, devices and strides shared by every operator."""
     tensors = [check_tensor(n, t) for n, t in zip(names, (q, k, v))]
     for name, t in zip(names, tensors):
-        if t.layout != torch.strided:
-            raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
         if t.dim() != rank:
             raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {tuple(t.shape)}")
     qn = names[0]
@@ -405,6 +411,8 @@ def check_varlen(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqle
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name}: expected an int, got {type_name(value)}")
+        if value < 0:  # checked without the offsets' values (meta tensors, torch.compile's tracing)
+            raise ValueError(f"{name}: expected a length, 0 or more, got {value}")
         if value > MAX_SEQLEN:
             # the kernels take it as an int32: beyond, the GPU launch failed packing it and the
             # interpreter ran a program per block of 2**31 rows (no error, no end)

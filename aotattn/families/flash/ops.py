@@ -266,7 +266,8 @@ def _cacheable(q: object, k: object, v: object, dropout_p: object, extra: object
     if (torch.compiler.is_compiling() or forward_ad_active()  # a dual input must meet check_untransformed
             or not (isinstance(q, tensor) and isinstance(k, tensor) and isinstance(v, tensor)
                     and q.dim() and k.dim() and v.dim()
-                    and q.layout is strided and k.layout is strided and v.layout is strided and not q.is_meta)
+                    and q.layout is strided and k.layout is strided and v.layout is strided and not q.is_meta
+                    and not (q.is_nested or k.is_nested or v.is_nested))  # strided too; no shape to read
             # a plain 0 only: the cache key leaves dropout_p out, so a hit must not skip its check
             or extra is not None or (type(dropout_p) is not float and type(dropout_p) is not int)
             or dropout_p != 0.0):

@@ -19,6 +19,11 @@ def _qkv(dtype=torch.float16, b=1, sq=8, sk=8, hq=2, hk=2, d=16, dv=16):
             torch.randn(b, sk, hk, dv, dtype=dtype))
 
 
+def _nested(layout=torch.strided):
+    return torch.nested.nested_tensor([torch.randn(8, 2, 16), torch.randn(8, 2, 16)], dtype=torch.float16,
+                                      layout=layout)
+
+
 def _call(**changes):
     q, k, v = _qkv()
     args = dict(q=q, k=k, v=v)
@@ -77,6 +82,15 @@ FLASH_CASES = [
     ("dropout bool", lambda: _call(dropout_p=False), TypeError, "dropout_p: expected a float"),
     ("dropout tensor", lambda: _call(dropout_p=torch.tensor([0.1, 0.2])), TypeError, "dropout_p: expected a float"),
     ("sparse q", lambda: _call(q=_qkv()[0].to_sparse()), ValueError, "q: expected a dense"),
+    # a sparse bias passed the checks and died in expand ("expand is unsupported for Sparse tensors")
+    ("sparse bias", lambda: _call(bias=torch.randn(8, 8, dtype=torch.float16).to_sparse()), ValueError,
+     "bias: expected a dense (strided) tensor, got layout torch.sparse_coo"),
+    ("sparse csr bias", lambda: _call(bias=torch.randn(8, 8).to_sparse_csr()), ValueError,
+     "bias: expected a dense (strided) tensor, got layout torch.sparse_csr"),
+    # a strided nested tensor reports the strided layout: PyTorch raised an internal error at q.shape
+    ("nested q", lambda: _call(q=_nested()), ValueError, "q: expected a dense tensor, got a nested tensor"),
+    ("nested k", lambda: _call(k=_nested()), ValueError, "k: expected a dense tensor, got a nested tensor"),
+    ("nested v with dropout", lambda: _call(v=_nested(), dropout_p=0.1), ValueError, "v: expected a dense tensor"),
 ]
 
 
@@ -120,6 +134,18 @@ SDPA_CASES = [
      "scale: expected a real number or None, got torch.Tensor"),
     ("scale bool tensor", lambda: _sdpa(scale=torch.tensor(True)), TypeError, "scale: expected a real number"),
     ("value dtype", lambda: _sdpa(value=torch.randn(1, 2, 8, 16)), TypeError, "value: expected dtype torch.float16"),
+    ("sparse mask", lambda: _sdpa(attn_mask=torch.randn(8, 8, dtype=torch.float16).to_sparse()), ValueError,
+     "attn_mask: expected a dense (strided) tensor"),
+    ("sparse bool mask", lambda: _sdpa(attn_mask=torch.ones(8, 8, dtype=torch.bool).to_sparse()), ValueError,
+     "attn_mask: expected a dense (strided) tensor"),
+    ("nested query", lambda: _sdpa(query=_nested().transpose(1, 2)), ValueError,
+     "query: expected a dense tensor, got a nested tensor"),
+    ("jagged query", lambda: _sdpa(query=_nested(torch.jagged).transpose(1, 2)), ValueError,
+     "query: expected a dense tensor, got a nested tensor"),
+    ("nested value, dropout", lambda: _sdpa(value=_nested().transpose(1, 2), dropout_p=0.5), ValueError,
+     "value: expected a dense tensor"),
+    ("nested mask", lambda: _sdpa(attn_mask=torch.nested.nested_tensor([torch.randn(8, 8), torch.randn(8, 8)])),
+     ValueError, "attn_mask: expected a dense tensor, got a nested tensor"),
 ]
 
 

@@ -107,6 +107,9 @@ def _varlen_args(**changes):
     (dict(max_seqlen_k=2**40), ValueError, "max_seqlen_k: expected at most 2147418112"),
     # rounded up to blocks in int32, a length within a block of 2**31 wrapped
     (dict(max_seqlen_q=2**31 - 1), ValueError, "max_seqlen_q: expected at most 2147418112"),
+    (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k: expected a length, 0 or more, got -1"),
+    (dict(cu_seqlens_k=torch.tensor([0, 5, 12], dtype=torch.int32).to_sparse()), ValueError,
+     "cu_seqlens_k: expected a dense (strided) tensor"),
     (dict(q=torch.randn(1, 10, 2, 16)), ValueError, "q: expected a 3-D tensor"),
     # the caller's strides in the message (a leading dim added for the shared checks showed 4)
     (dict(q=torch.randn(10, 2, 16, 2)[..., 0]), ValueError,
@@ -117,3 +120,16 @@ def test_varlen_rejects(changes, exc, message):
     with pytest.raises(exc) as info:
         aotattn.flash_attn_varlen_func(**_varlen_args(**changes))
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["max_seqlen_q", "max_seqlen_k"])
+def test_a_negative_max_seqlen_is_refused_without_the_offsets(name):
+    """On meta tensors the offsets have no values, but a negative length needs none (it
+    was accepted there, and on CPU named as below the longest sequence)."""
+    args = {key: value.to("meta") if isinstance(value, torch.Tensor) else value
+            for key, value in _varlen_args(**{name: -5}).items()}
+    with pytest.raises(ValueError, match=f"{name}: expected a length, 0 or more, got -5"):
+        aotattn.flash_attn_varlen_func(**args)
+    args[name] = 7
+    out = aotattn.flash_attn_varlen_func(**args)
+    assert out.shape == (10, 2, 16) and out.is_meta
