@@ -70,7 +70,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     empty = torch.isneginf(scores).all(dim=-1, keepdim=True)
     safe = scores.masked_fill(empty, 0.0)
     lse = torch.logsumexp(safe, dim=-1, keepdim=True)
-    probs = torch.exp(safe - lse).masked_fill(empty, 0.0)
+    # softmax, not exp(s - lse): where every score of a row is near the float range's end
+    # (a bias of torch.finfo(torch.float32).min), the lse rounds its log of the sum away
+    probs = torch.softmax(safe, dim=-1).masked_fill(empty, 0.0)
     if dropout_mask is not None:
         probs = probs * dropout_mask.to(torch.float64) / (1.0 - dropout_p)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)

@@ -119,3 +119,54 @@ def test_sdpa_is_causal_with_attn_mask_applies_both(request, kind, enable_gqa):
         assert rel_err(g, r) < TOLERANCE[torch.float32], name
     if kind == "bool":
         assert (out[:, 5] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["split", "fused"])
+def test_finfo_min_masks_match_pytorch(request, device, dtype, backend):
+    """The additive mask of transformers' models (0 where a key is kept, torch.finfo(dtype).min
+    elsewhere; left padding hides the first keys of a sequence, and its padded query rows see no
+    key kept) gives PyTorch's answer: float32 and bfloat16's min times log2(e) overflowed float32,
+    so those keys were hidden as by -inf and a padded row gave 0 instead of the mean of the
+    values. Gradients flow from the real rows only (dO is 0 on the padded ones), as in training."""
+    seed_from(request.node.nodeid)
+    b, h, s, pad = (2, 2, 24, 5) if device == "cpu" else (2, 8, 700, 133)
+    q, k, v = (t.transpose(1, 2) for t in make_qkv(b, s, s, h, h, 32, 32, dtype, device, requires_grad=True))
+    keep = torch.ones(s, s, dtype=torch.bool, device=device).tril().expand(b, 1, s, s).clone()
+    keep[1, :, :, :pad] = False  # sequence 1 is left-padded: its first `pad` rows see no kept key
+    mask = torch.zeros(b, 1, s, s, dtype=dtype, device=device).masked_fill(~keep, torch.finfo(dtype).min)
+    out = aotattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*ref_in, attn_mask=mask.double())
+    assert rel_err(out, expected) < TOLERANCE[dtype]
+    padded = out[1, :, :pad].double()  # every key equally far below: the mean of all the values
+    mean = v[1].detach().double().mean(dim=1, keepdim=True).expand_as(padded)
+    assert rel_err(padded, mean) < TOLERANCE[dtype]
+    dout = torch.randn_like(out)
+    dout[1, :, :pad] = 0
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(expected, ref_in, dout.double())):
+        assert torch.isfinite(g).all(), name
+        assert rel_err(g, r) < TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_biases_beyond_the_float32_product_keep_their_order(request, device):
+    """Finite biases whose product with log2(e) overflows float32 (beyond about 2.36e38) act
+    as 2.3e38 in magnitude (docs/semantics.md): a key at -1.5e38 still outweighs keys at -3e38,
+    and one at +3e38 takes the whole row, as in float64; before, -3e38 hid its key and +3e38
+    gave NaN."""
+    seed_from(request.node.nodeid)
+    b, h, s = (1, 2, 16) if device == "cpu" else (2, 4, 300)
+    q, k, v = make_qkv(b, s, s, h, h, 16, 16, torch.float32, device)
+    bias = torch.randn(b, h, s, s, device=device)
+    bias[:, :, 0] = -3e38
+    bias[:, :, 0, 3] = -1.5e38  # row 0: the key at -1.5e38 alone
+    bias[:, :, 1, 5] = 3e38  # row 1: key 5 alone
+    bias[:, :, 2] = torch.finfo(torch.float32).min  # row 2: every key equal: the mean
+    out = aotattn.flash_attn_func(q, k, v, bias=bias)
+    expected, _ = reference.attention(*(t.double() for t in (q, k, v)), bias=bias.double())
+    assert rel_err(out, expected) < TOLERANCE[torch.float32]
+    torch.testing.assert_close(out[:, 0], v[:, 3], rtol=0, atol=0)
+    torch.testing.assert_close(out[:, 1], v[:, 5], rtol=0, atol=0)

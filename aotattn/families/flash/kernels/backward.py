@@ -28,9 +28,9 @@ Stride arguments travel between the functions here as tuples, one per tensor:
 import triton
 import triton.language as tl
 
-from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, MASK_NONE, diagonal, drop, dropout_draws,
-                                                   head_columns, key_blocks, load_rows, load_tile, mma, program_order,
-                                                   row_sum, run_bounds, sequence, visible)
+from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, MASK_NONE, bias_log2, diagonal,
+                                                   drop, dropout_draws, head_columns, key_blocks, load_rows, load_tile, mma,
+                                                   program_order, row_sum, run_bounds, sequence, visible)
 
 
 @triton.jit
@@ -188,7 +188,7 @@ def _dkdv_program(
                 bias_ptrs = (Bias + off_z * stride_b[0] + off_h * stride_b[1] + rows[None, :].to(tl.int64) * stride_b[2]
                              + offs_n[:, None].to(tl.int64) * stride_b[3])
                 bias_t = tl.load(bias_ptrs, mask=n_in[:, None] & m_in[None, :], other=0.0)
-                s_t += bias_t.to(tl.float32) * LOG2E
+                s_t += bias_log2(bias_t)
             p_t = tl.exp2(s_t - lse2[None, :])
             if run != (0 if MASK != MASK_NONE else 1):
                 keep = visible(offs_n, rows, seqlen_q, -diag, window_right, window_left, MASK)
@@ -335,7 +335,7 @@ def _dq_program(
             s = mma(q, tl.trans(k), tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32), PRECISION) * qk_scale
             if BIAS != BIAS_NONE:
                 bias = tl.load(bias_ptrs + n_off * stride_b[3], mask=m_in[:, None] & n_in[None, :], other=0.0)
-                s += bias.to(tl.float32) * LOG2E
+                s += bias_log2(bias)
             p = tl.exp2(s - lse2[:, None])
             if run != (0 if MASK != MASK_NONE else 1):
                 p = tl.where(visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), p, 0.0)

@@ -37,6 +37,22 @@ MASK_BOTTOM_RIGHT: tl.constexpr = tl.constexpr(2)
 BIAS_NONE: tl.constexpr = tl.constexpr(0)
 BIAS_ADD: tl.constexpr = tl.constexpr(1)
 BIAS_GRAD: tl.constexpr = tl.constexpr(2)
+# The largest finite bias magnitude the kernels keep: times log2(e), 3.32e38, still finite in
+# float32 (beyond about 2.36e38 the product overflowed, and torch.finfo(dtype).min, the
+# usual additive mask, hid every key instead of leaving them equal).
+BIAS_BOUND: tl.constexpr = tl.constexpr(2.3e38)
+
+
+@triton.jit
+def bias_log2(bias):
+    """A bias tile in the kernels' base-2 units, float32: finite values clamped to
+    ``BIAS_BOUND`` in magnitude first (docs/semantics.md, Bias and masks), infinities and NaN
+    kept (-inf hides a key, +inf and NaN make the row NaN, as in PyTorch; tl.minimum and
+    tl.maximum would drop a NaN on the GPU)."""
+    b = bias.to(tl.float32)
+    b = tl.where((b < -BIAS_BOUND) & (b != float("-inf")), -BIAS_BOUND, b)
+    b = tl.where((b > BIAS_BOUND) & (b != float("inf")), BIAS_BOUND, b)
+    return b * LOG2E
 
 
 @triton.jit

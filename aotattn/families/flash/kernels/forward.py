@@ -23,9 +23,9 @@ causal and windowed attention cheaper than full attention.
 import triton
 import triton.language as tl
 
-from aotattn.families.flash.kernels.common import (BIAS_NONE, LN2, LOG2E, MASK_NONE, diagonal, drop, dropout_draws,
-                                                   head_columns, key_blocks, load_rows, load_tile, mma, program_order,
-                                                   row_max, row_sum, segment, sequence, visible)
+from aotattn.families.flash.kernels.common import (BIAS_NONE, LN2, MASK_NONE, bias_log2, diagonal, drop,
+                                                   dropout_draws, head_columns, key_blocks, load_rows, load_tile, mma,
+                                                   program_order, row_max, row_sum, segment, sequence, visible)
 
 
 @triton.jit
@@ -205,7 +205,7 @@ def _online_softmax(acc, m_i, l_i, s, start_n, offs_m, offs_n, m_in, seqlen_k, d
     s = s * qk_scale
     if BIAS != BIAS_NONE:
         bias = tl.load(bias_ptrs + n_off * stride_bn, mask=m_in[:, None] & n_in[None, :], other=0.0)
-        s += bias.to(tl.float32) * LOG2E
+        s += bias_log2(bias)
     if MASKED:
         s = tl.where(visible(offs_m, cols, seqlen_k, diag, window_left, window_right, MASK), s, float("-inf"))
     m_new = tl.maximum(m_i, row_max(s))
