@@ -381,7 +381,7 @@ def worker(arch: str = typer.Option("sm_90", "--arch", help="the pool to take ta
            dsn: str = DSN, home: Path = HOME) -> None:
     """Run GPU workers that take perfmon tasks from pgdef (offline hosts: `aotattn pgdef run-offline`)."""
     from aotattn.pgdef.cli import parse_gpus
-    from aotattn.pgdef.worker import spawn_workers
+    from aotattn.pgdef.worker import spawn_workers, wait_workers
 
     gpu_list = parse_gpus(gpus)
     env = dict(os.environ)
@@ -391,7 +391,7 @@ def worker(arch: str = typer.Option("sm_90", "--arch", help="the pool to take ta
     args += ["--dsn", dsn] if dsn else []
     args += ["--home", str(home)] if home else []
     procs = spawn_workers(args, gpus=gpu_list, env=env)
-    codes = [p.wait() for p in procs]
+    codes = wait_workers(procs)
     console.print(f"{len(procs)} workers finished, exit codes {codes}")
     raise typer.Exit(max(codes, default=0))
 

@@ -18,7 +18,7 @@ from aotattn.pgdef.registry import App, TaskKind, load_app
 
 _DATABASE_NAMES = {
     "aotattn.pgdef.client": ("Client", "DispatchReport", "Progress", "Status", "TaskInfo"),
-    "aotattn.pgdef.worker": ("Worker", "WorkerConfig", "WorkerStats", "run_worker", "spawn_workers"),
+    "aotattn.pgdef.worker": ("Worker", "WorkerConfig", "WorkerStats", "run_worker", "spawn_workers", "wait_workers"),
 }
 
 
@@ -35,5 +35,5 @@ __all__ = [
     "App", "Batch", "BatchError", "Category", "CheckinReport", "Client", "ConfigError", "ConnectionLost",
     "DispatchReport", "EmbeddedServer", "OfflineReport", "PayloadError", "PgdefError", "Progress", "Result",
     "SchemaError", "ServerError", "Status", "Task", "TaskContext", "TaskInfo", "TaskKind", "TaskSpec", "Worker",
-    "WorkerConfig", "WorkerStats", "load_app", "run_offline", "run_worker", "spawn_workers",
+    "WorkerConfig", "WorkerStats", "load_app", "run_offline", "run_worker", "spawn_workers", "wait_workers",
 ]

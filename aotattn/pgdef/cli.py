@@ -132,7 +132,7 @@ def worker(
     dsn: str = DSN, home: Path = HOME,
 ) -> None:
     """Run workers: claim tasks of the pool, run their handlers, write results."""
-    from aotattn.pgdef.worker import WorkerConfig, run_worker, spawn_workers
+    from aotattn.pgdef.worker import WorkerConfig, run_worker, spawn_workers, wait_workers
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -141,6 +141,9 @@ def worker(
         raise typer.BadParameter(f"expected {'0 or more' if gpu_list else '1 or more'} CPU worker processes, "
                                  f"got {processes}", param_hint="--processes")
     processes = processes if processes is not None else (0 if gpu_list else 1)
+    if gpu is not None and (gpu_list or processes > 1):  # the children were CPU workers, --gpu dropped
+        raise typer.BadParameter("--gpu runs one worker: leave out --gpus and --processes, or use --gpus "
+                                 "for one worker per GPU", param_hint="--gpu")
     # checked here, before any process starts (each would refuse it on its own)
     config = WorkerConfig(pool=pool, gpu=gpu, lease_s=lease, heartbeat_s=heartbeat, poll_s=poll,
                           claim_batch=claim_batch, max_tasks=max_tasks, exit_when_idle=exit_when_idle,
@@ -155,7 +158,7 @@ def worker(
         args += ["--exit-when-idle"] if exit_when_idle else []
         args += ["--verbose"] if verbose else []
         procs = spawn_workers(args, processes=processes, gpus=gpu_list)
-        codes = [p.wait() for p in procs]
+        codes = wait_workers(procs)
         console.print(f"{len(procs)} workers finished, exit codes {codes}")
         raise typer.Exit(max(codes, default=0))
     stats = run_worker(resolved, apps, config)

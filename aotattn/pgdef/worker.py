@@ -284,3 +284,25 @@ def spawn_workers(args: Sequence[str], *, processes: int = 0, gpus: Sequence[int
         child_env = dict(env if env is not None else os.environ, CUDA_VISIBLE_DEVICES=str(gpu))
         procs.append(subprocess.Popen([*base, "--gpu", str(gpu)], env=child_env))
     return procs
+
+
+def wait_workers(procs: Sequence[subprocess.Popen]) -> list[int]:
+    """Wait for worker processes and return their exit codes. SIGTERM or SIGINT sent to this
+    process is passed on to each of them, which stops it after its attempt in progress (before,
+    a SIGTERM to the parent left its workers running, orphaned, still claiming tasks)."""
+    def forward(sig, _frame) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(sig)
+                except ProcessLookupError:  # it ended between the poll and the signal
+                    pass
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return [proc.wait() for proc in procs]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -334,6 +334,7 @@ def worker(arch: str = ARCH, gpus: str = typer.Option("0", "--gpus", help="one w
     import subprocess
     import sys
 
+    from aotattn.pgdef.worker import wait_workers
     from aotattn.tune.runner import JOURNAL_VAR
 
     env = dict(os.environ, **{JOURNAL_VAR: str(journal.resolve())})
@@ -342,7 +343,7 @@ def worker(arch: str = ARCH, gpus: str = typer.Option("0", "--gpus", help="one w
     command = [sys.executable, "-m", "aotattn.pgdef", "worker", "--app", "aotattn.tune.app", "--pool", arch,
                "--gpus", gpus, *(["--exit-when-idle"] if exit_when_idle else []), *(["--dsn", dsn] if dsn else []),
                *(["--home", str(home)] if home else [])]
-    raise typer.Exit(subprocess.call(command, env=env))
+    raise typer.Exit(wait_workers([subprocess.Popen(command, env=env)])[0])  # SIGTERM reaches the workers
 
 
 @app.command()

@@ -112,6 +112,9 @@ def test_cli_errors_are_one_line(dsn, tmp_path):
     (["worker", "--app", "aotattn.pgdef.toy", "--processes", "-1"], "--processes"),  # ran one worker
     (["worker", "--app", "aotattn.pgdef.toy", "--processes", "0"], "1 or more CPU worker processes"),
     (["worker", "--app", "aotattn.pgdef.toy", "--gpus", "0", "--processes", "-2"], "0 or more CPU worker"),
+    # the children were CPU workers: --gpu was dropped from their arguments
+    (["worker", "--app", "aotattn.pgdef.toy", "--gpu", "0", "--processes", "2"], "--gpu runs one worker"),
+    (["worker", "--app", "aotattn.pgdef.toy", "--gpu", "0", "--gpus", "1"], "--gpu runs one worker"),
     (["bench", "--workers", "x"], "--workers"),  # was "invalid literal for int()"
     (["bench", "--claim-batch", "4,0"], "--claim-batch"),
     (["status", "--window", "nan"], "window_s"),
@@ -160,3 +163,31 @@ def test_cli_retry_cancel_and_status_on_a_dsn(dsn):
     assert "failures" in status and "boom: cli" in status
     assert "1 tasks re-queued" in _ok("retry", "-c", "testapp", "--dsn", dsn)
     assert "1 tasks re-queued" in _ok("retry", "--cancelled", "--dsn", dsn)
+
+
+def test_sigterm_to_a_multi_process_worker_stops_its_workers(dsn):
+    """SIGTERM to `pgdef worker -n 2` reaches both workers, which stop (and say so in the
+    database); before, the parent died and its workers ran on, orphaned, claiming tasks."""
+    import signal
+
+    env = {k: v for k, v in os.environ.items() if k != "AOTATTN_PGDEF_DSN"}
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "aotattn.pgdef", "worker", "--app", "aotattn.pgdef.toy", "--processes", "2",
+         "--poll", "0.1", "--dsn", dsn], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)  # its own group: only the parent gets the signal
+    try:
+        deadline = time.monotonic() + 60
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while conn.execute("SELECT count(*) FROM pgdef_worker").fetchone()[0] < 2:
+                assert time.monotonic() < deadline and parent.poll() is None, parent.communicate()
+                time.sleep(0.2)
+        parent.send_signal(signal.SIGTERM)
+        out, err = parent.communicate(timeout=60)
+        assert parent.returncode == 0 and "2 workers finished, exit codes [0, 0]" in out, out + err
+        with psycopg.connect(dsn) as conn:
+            assert conn.execute("SELECT count(*) FROM pgdef_worker WHERE stopped_at IS NULL").fetchone()[0] == 0
+    finally:  # the whole group: the workers too, should they have outlived their parent
+        try:
+            os.killpg(parent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
