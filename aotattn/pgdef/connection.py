@@ -174,6 +174,8 @@ class Runner:
                     raise PgdefError(f"database error: {_first_line(exc)}") from exc
                 if attempt == 1:
                     raise ConnectionLost(f"connection to {redact(self.dsn)} lost twice: {_first_line(exc)}") from exc
+                if not self._worth_waiting_for(exc):
+                    raise
                 log.warning("connection lost (%s); reconnecting", _first_line(exc))
                 self._recover()
             except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction) as exc:
@@ -182,6 +184,10 @@ class Runner:
             except psycopg.Error as exc:
                 raise PgdefError(f"database error: {_first_line(exc)}") from exc
         raise AssertionError("unreachable")
+
+    def _worth_waiting_for(self, exc: BaseException) -> bool:
+        """Whether to recover from this loss rather than report it."""
+        return True
 
     def execute(self, name: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Run the named query with ``params`` and return its rows (empty when it returns none)."""
@@ -212,12 +218,14 @@ class Connector(Runner):
         self.stop = stop or threading.Event()
         self._conn: psycopg.Connection | None = None
         self.reconnects = 0
+        self.connected = False  # once: a later refusal may be a restart, the first is the DSN
 
     @property
     def conn(self) -> psycopg.Connection:
         """The live connection, opened on first use."""
         if self._conn is None or self._conn.closed:
             self._conn = connect(self.dsn, self.application_name)
+            self.connected = True
         return self._conn
 
     def close(self) -> None:
@@ -231,6 +239,12 @@ class Connector(Runner):
     def _recover(self) -> None:
         self.reconnect()
 
+    def _worth_waiting_for(self, exc: BaseException) -> bool:
+        """Not where this connector never connected and a server that answers refuses (no such
+        database or role, a bad password): the DSN is wrong and no wait mends it (a worker
+        given one waited its 300 s of reconnect timeout)."""
+        return self.connected or _may_come_up(exc)
+
     def reconnect(self) -> None:
         """Drop the connection and open a new one, backing off while the server is away."""
         self.close()
@@ -240,8 +254,11 @@ class Connector(Runner):
             try:
                 self._conn = connect(self.dsn, self.application_name)
                 self.reconnects += 1
+                self.connected = True
                 return
             except ConnectionLost as exc:
+                if not self._worth_waiting_for(exc):
+                    raise
                 if time.monotonic() + delay > deadline:
                     raise ConnectionLost(f"gave up reconnecting after {self.reconnect_timeout_s:.0f} s: {exc}") from exc
                 log.info("database unreachable (%s); retrying in %.2f s", _first_line(exc), delay)

@@ -140,7 +140,10 @@ def test_cli_errors_go_to_stderr_on_one_line_also_through_python_m(dsn, admin_ds
     cases = [(["dispatch", "-c", "toy,square", "-p", "cpu", "--payloads", "/no/such/file", "--dsn", dsn],
               "No such file"),
              (["status", "--dsn", "notadsn"], "invalid DSN"),
-             (["status", "--dsn", with_database(admin_dsn, "pgdef_no_such_database")], "does not exist")]
+             (["status", "--dsn", with_database(admin_dsn, "pgdef_no_such_database")], "does not exist"),
+             # a worker waited its 300 s of reconnect timeout, as if a live connection had been lost
+             (["worker", "--app", "aotattn.pgdef.toy", "--exit-when-idle", "--dsn",
+               with_database(admin_dsn, "pgdef_no_such_database")], "does not exist")]
     for args, reason in cases:
         start = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "aotattn.pgdef", *args], capture_output=True, text=True,
@@ -148,6 +151,7 @@ def test_cli_errors_go_to_stderr_on_one_line_also_through_python_m(dsn, admin_ds
         assert done.returncode == 1 and done.stdout == "", (args, done.stdout)
         lines = [line for line in done.stderr.splitlines() if "error" in line]
         assert len(lines) == 1 and reason in lines[0] and "Traceback" not in done.stderr, (args, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)  # no warnings before it
         assert time.monotonic() - start < 15, args
 
 
