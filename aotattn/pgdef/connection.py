@@ -33,6 +33,10 @@ from aotattn.pgdef.errors import ConfigError, ConnectionLost, PgdefError, Schema
 from aotattn.pgdef.queries import QUERIES
 
 log = logging.getLogger("aotattn.pgdef")
+# psycopg_pool warns on every failed connection attempt; without a handler Python's last resort
+# printed them to stderr, ten lines before a CLI's one-line error (where logging is configured,
+# they still reach its handlers)
+logging.getLogger("psycopg.pool").addHandler(logging.NullHandler())
 
 # libpq settings on every connection. Keepalive probes after 10 s idle, every 5 s, 3 lost
 # probes: a dead peer is detected in about 25 s. tcp_user_timeout bounds unacknowledged sends.

@@ -93,7 +93,8 @@ def load_app(spec: str | App) -> App:
     module_name, _, attribute = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    # TypeError and ValueError: a relative (".foo") or empty (":app") name, reported as an internal error
+    except (ImportError, TypeError, ValueError) as exc:
         raise ConfigError(f"cannot import application module {module_name!r} ({exc}); "
                           "expected --app package.module[:attribute]") from exc
     app = getattr(module, attribute or "app", None)

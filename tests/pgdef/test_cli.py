@@ -100,6 +100,27 @@ def test_cli_errors_are_one_line(dsn, tmp_path):
     assert shard.exit_code == 1 and "I/N" in shard.output
     missing = runner.invoke(app, ["checkin", str(tmp_path / "nothing.jsonl"), "--dsn", dsn])
     assert missing.exit_code == 1 and "cannot read results file" in missing.output
+    for name in (".relative", ":app"):  # a relative name was "internal error: TypeError", an empty one bare
+        bad_app = runner.invoke(app, ["dispatch", "-c", "toy,square", "-p", "cpu", "--payload", "{}", "--app", name,
+                                      "--dsn", dsn])
+        assert bad_app.exit_code == 1 and "cannot import application module" in bad_app.output, bad_app.output
+        assert "expected --app package.module[:attribute]" in bad_app.output and "internal" not in bad_app.output
+
+
+def test_a_server_that_is_down_gives_one_line_after_the_pools_wait(tmp_path):
+    """psycopg_pool's warning on each failed attempt went to stderr through Python's last-resort
+    handler: ten lines before the one-line error."""
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "AOTATTN_PGDEF_DSN"}
+    done = subprocess.run([sys.executable, "-m", "aotattn.pgdef", "status", "--dsn",
+                           f"postgresql://postgres@127.0.0.1:{port}/x"], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and "cannot connect" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("args, words", [
