@@ -82,7 +82,8 @@ def main() -> None:
     shapes = [("d128 s1024 B16 H16", 256, 8, 1, 4 * 1024 * 128), ("d128 g4 s1024 B16 Hk4", 64, 8, 4, 4 * 4 * 1024 * 128),
               ("d128 g8 s1024 B16 Hk2", 32, 8, 8, 4 * 8 * 1024 * 128), ("d128 s4096 B4 H16", 64, 32, 1, 4 * 4096 * 128),
               ("d128 g8 s4096 B4 Hk2", 8, 32, 8, 4 * 8 * 4096 * 128), ("d256 s8192 B2 H8", 16, 128, 1, 4 * 8192 * 256),
-              ("d64 s1024 B16 H32", 512, 8, 1, 4 * 1024 * 64), ("d128 g8 s16384 B1 Hk2", 2, 128, 8, 4 * 8 * 16384 * 128)]
+              ("d64 s1024 B16 H32", 512, 8, 1, 4 * 1024 * 64),
+              ("d128 g8 s16384 B1 Hk2", 2, 128, 8, 4 * 8 * 16384 * 128)]
     print("causal backward, makespan in steps (lower is faster)")
     for name, pairs, n_n, group, qdo in shapes:
         work = [steps(n, n_n, group) for n in sections(pairs, n_n, 1)]
@@ -97,7 +98,8 @@ def main() -> None:
         print(f"{name:24} ideal {ideal:6.0f}  one-tile {one_tile:6.0f}  sections(w={width}) "
               f"{back_and_forth(ordered, PROGRAMS):6.0f}  all heads {back_and_forth(every, PROGRAMS):6.0f}  "
               f"counter {greedy(ordered, PROGRAMS):6.0f}  8 rounds(w={wide}) {back_and_forth(widened, PROGRAMS):6.0f}"
-              f"/counter {greedy(widened, PROGRAMS):6.0f}" + (f"  halves {halves(pairs, n_n, group):6.0f}" if group > 1 else ""))
+              f"/counter {greedy(widened, PROGRAMS):6.0f}"
+              + (f"  halves {halves(pairs, n_n, group):6.0f}" if group > 1 else ""))
 
 
 def halves(pairs: int, n_n: int, group: int) -> float:

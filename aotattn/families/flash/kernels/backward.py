@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 
 from aotattn.families.flash.kernels.common import (BIAS_GRAD, BIAS_NONE, LOG2E, MASK_NONE, bias_log2, diagonal,
-                                                   drop, dropout_draws, head_columns, key_blocks, load_rows, load_tile, mma,
-                                                   program_order, row_sum, run_bounds, sequence, visible)
+                                                   drop, dropout_draws, head_columns, key_blocks, load_rows,
+                                                   load_tile, mma, program_order, row_sum, run_bounds, sequence,
+                                                   visible)
 
 
 @triton.jit
