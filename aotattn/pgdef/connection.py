@@ -163,6 +163,8 @@ class Runner:
 
     def run(self, work: Callable[[psycopg.Connection], T]) -> T:
         """``work(conn)``; if the connection is lost, recover and run it once more."""
+        if not self.schema_checked:
+            self._check_schema()
         for attempt in (0, 1):
             try:
                 return self._call(work)
@@ -192,6 +194,24 @@ class Runner:
     def _worth_waiting_for(self, exc: BaseException) -> bool:
         """Whether to recover from this loss rather than report it."""
         return True
+
+    schema_checked = False
+
+    def _check_schema(self) -> None:
+        """A schema newer than this code's is refused before the first work (only ``init``
+        refused it, and an older release's dispatch and workers wrote into it)."""
+        from aotattn.pgdef.schema import LATEST
+
+        self.schema_checked = True  # the check's own run
+        try:
+            version = self.run(lambda conn: conn.execute(QUERIES["schema_version"]).fetchone()["version"])
+        except BaseException:
+            self.schema_checked = False
+            raise
+        if version > LATEST:
+            self.schema_checked = False
+            raise SchemaError(f"database schema version {version} is newer than this pgdef's {LATEST}; "
+                              "upgrade aotattn")
 
     def execute(self, name: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """Run the named query with ``params`` and return its rows (empty when it returns none)."""

@@ -36,6 +36,27 @@ def test_migrate_an_empty_database_and_refuse_a_newer_one(admin_dsn, dsn):
         schema.migrate(dsn)
 
 
+def test_every_client_and_worker_refuses_a_newer_schema(dsn, tmp_path):
+    """Only init refused it: an older release's dispatch queued tasks into the newer schema and
+    its workers ran them."""
+    from aotattn.pgdef import Worker, WorkerConfig
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO pgdef_migration (version, name) VALUES (%s, 'future')", (schema.LATEST + 1,))
+    calls = [lambda c: c.dispatch("toy,square", "cpu", [{"x": 1}]), lambda c: c.status(),
+             lambda c: c.results(), lambda c: c.cancel("toy,square"),
+             lambda c: c.checkout("cpu", ["toy,square"], tmp_path / "batch.json")]
+    for call in calls:
+        with Client(dsn) as client, pytest.raises(SchemaError, match=f"version {schema.LATEST + 1} is newer"):
+            call(client)
+    with pytest.raises(SchemaError, match="newer"):
+        Worker(dsn, ["aotattn.pgdef.toy"], WorkerConfig(exit_when_idle=True)).run()
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM pgdef_task").fetchone()[0] == 0
+        assert conn.execute("SELECT count(*) FROM pgdef_worker").fetchone()[0] == 0
+    assert not (tmp_path / "batch.json").exists()
+
+
 def test_query_file_parses_into_named_statements():
     parsed = parse("-- header\n-- name: one\n-- says what\nSELECT 1\n\n-- name: two\nSELECT %(x)s\n-- inner\n")
     assert parsed == {"one": "SELECT 1", "two": "SELECT %(x)s\n-- inner"}
