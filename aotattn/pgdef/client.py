@@ -26,7 +26,7 @@ from aotattn.pgdef import schema
 from aotattn.pgdef.connection import PooledConnector, jsonb, redact, resolve_dsn
 from aotattn.pgdef.errors import ConfigError
 from aotattn.pgdef.model import (Category, Result, Selection, TaskSpec, check_payload, check_pool, check_seconds,
-                                 check_task_ids, default_key, storable_text)
+                                 check_list, check_task_ids, default_key, storable_text)
 from aotattn.pgdef.queries import QUERIES
 from aotattn.pgdef.registry import App, TaskKind, load_app
 
@@ -38,6 +38,17 @@ STATES = ("queued", "running", "done", "failed", "cancelled")
 def _int32(value: object) -> bool:
     """An int PostgreSQL's ``integer`` holds (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool) and -2**31 <= value < 2**31
+
+
+def _keys(keys: object) -> list[str] | None:
+    """Task keys to select by (None: every key)."""
+    if keys is None:
+        return None
+    listed = check_list(keys, "keys")
+    bad = [k for k in listed if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"keys: expected strings, got {bad[0]!r}")
+    return listed
 
 
 @dataclass(frozen=True)
@@ -209,18 +220,18 @@ class Client:
     def results(self, category: str | Category | None = None, pool: str | None = None,
                 keys: Sequence[str] | None = None) -> list[Result]:
         """Accepted results (one per done task) in task order, optionally only these keys."""
-        rows = self.db.execute("results", {**Selection.of(category, pool).params(),
-                                           "keys": list(keys) if keys is not None else None})
+        rows = self.db.execute("results", {**Selection.of(category, pool).params(), "keys": _keys(keys)})
         return [Result.from_row(row) for row in rows]
 
     def tasks(self, category: str | Category | None = None, pool: str | None = None,
               states: Sequence[str] | None = None, keys: Sequence[str] | None = None) -> list[TaskInfo]:
         """Tasks in any state (``states`` from queued, running, done, failed, cancelled)."""
-        if states is not None and not set(states) <= set(STATES):
-            raise ConfigError(f"states: expected some of {STATES}, got {list(states)}")
-        rows = self.db.execute("tasks", {**Selection.of(category, pool).params(),
-                                         "states": list(states) if states is not None else None,
-                                         "keys": list(keys) if keys is not None else None})
+        if states is not None:
+            states = check_list(states, "states")
+            if not set(states) <= set(STATES):
+                raise ConfigError(f"states: expected some of {STATES}, got {states}")
+        rows = self.db.execute("tasks", {**Selection.of(category, pool).params(), "states": states,
+                                         "keys": _keys(keys)})
         return [TaskInfo(id=r["id"], category=Category(r["app"], r["subcategory"]), pool=r["pool"],
                          key=r["task_key"], priority=r["priority"], payload=r["payload"], state=r["state"],
                          attempts=r["attempts"], max_attempts=r["max_attempts"], lease_owner=r["lease_owner"],
@@ -298,4 +309,4 @@ class Client:
         """Record the results files of an offline batch (idempotent; see :mod:`aotattn.pgdef.offline`)."""
         from aotattn.pgdef.offline import checkin
 
-        return checkin(self.db, [Path(p) for p in results])
+        return checkin(self.db, [Path(p) for p in check_list(results, "checkin: results files")])

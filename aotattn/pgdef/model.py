@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -64,11 +65,19 @@ def check_seconds(value: float, name: str, zero: bool = False) -> float:
     return float(value)
 
 
+def check_list(values: Any, name: str) -> list[Any]:
+    """A list of values from any iterable but a bare string, bytes or mapping (a key, pool or
+    path given where a list of them is expected would otherwise be split into characters)."""
+    if isinstance(values, (str, bytes, bytearray, Mapping)) or not isinstance(values, Iterable):
+        raise ConfigError(f"{name}: expected a list, got {values!r}; wrap a single one: [{values!r}]")
+    return list(values)
+
+
 def check_task_ids(task_ids: Any) -> list[int] | None:
     """Task ids as a list (None: every task), each a positive bigint."""
     if task_ids is None:
         return None
-    ids = list(task_ids)
+    ids = check_list(task_ids, "task ids")
     bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= MAX_TASK_ID]
     if bad:
         raise ConfigError(f"task ids: expected integers from 1 to {MAX_TASK_ID}, got {bad[0]!r}")

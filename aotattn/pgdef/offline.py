@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from aotattn.pgdef.errors import BatchError, ConfigError
 from aotattn.pgdef.model import (Category, Outcome, Task, TaskContext, canonical_json, check_pool, check_seconds,
-                                 check_task_ids, storable_json, storable_text)
+                                 check_list, check_task_ids, storable_json, storable_text)
 from aotattn.pgdef.queries import QUERIES
 from aotattn.pgdef.registry import App, kinds_of, run_attempt
 
@@ -120,7 +120,7 @@ def checkout(db: Runner, pool: str, categories: Sequence[str | Category], path: 
     see) into the batch file ``path`` under one lease of ``lease_s`` seconds. None (and no
     file) when none is queued."""
     check_pool(pool)
-    names = [str(Category.parse(c)) for c in categories]
+    names = [str(Category.parse(c)) for c in check_list(categories, "checkout: categories")]
     if not names:
         raise ConfigError("checkout: expected at least one --category app,subcategory")
     if not isinstance(limit, int) or limit < 1:
@@ -355,6 +355,7 @@ def checkin(db: Runner, paths: Sequence[Path]) -> CheckinReport:
     """Record the outcomes in results files of one batch; idempotent (see the module docstring)."""
     from aotattn.pgdef.connection import jsonb
 
+    paths = check_list(paths, "checkin: results files")
     if not paths:
         raise ConfigError("checkin: expected at least one results file")
     batch_id: str | None = None

@@ -157,3 +157,25 @@ def test_two_clients_dispatching_the_same_keys_in_opposite_orders(client, dsn):
             t.join(120)
     assert sorted(outcome, key=str) == [DispatchReport(0, 20000), DispatchReport(20000, 0)]
     assert len(client.tasks()) == 20000
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda c: c.results("testapp,echo", "cpu", keys="a"), "keys: expected a list"),
+    (lambda c: c.results(keys=[1]), "keys: expected strings"),
+    (lambda c: c.tasks(keys=b"a"), "keys: expected a list"),
+    (lambda c: c.tasks(states="done"), "states: expected a list"),
+    (lambda c: c.tasks(states={"done": 1}), "states: expected a list"),
+    (lambda c: c.events(7), "task ids: expected a list"),
+    (lambda c: c.cancel(task_ids="12"), "task ids: expected a list"),
+    (lambda c: c.retry(task_ids=3), "task ids: expected a list"),
+    (lambda c: c.checkout("cpu", "testapp,echo", "/nonexistent/batch.jsonl"), "categories: expected a list"),
+    (lambda c: c.checkin("results.jsonl"), "results files: expected a list"),
+])
+def test_a_bare_value_where_a_list_is_expected_is_refused(client, call, match):
+    # a string would otherwise be split into characters (keys "a" selecting nothing, categories
+    # "t", "e", ...), an int would die in list()
+    task = client.dispatch("testapp,echo", "cpu", [TaskSpec({"x": 1}, key="a")])
+    assert task.inserted == 1
+    with pytest.raises(ConfigError, match=match):
+        call(client)
+    assert [t.key for t in client.tasks(keys=["a"], states=("queued",))] == ["a"]
