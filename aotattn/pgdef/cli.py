@@ -108,7 +108,7 @@ def dispatch(
              for p in _read_payloads(payload, payloads)]
     with _client(dsn, home) as client:
         report = client.dispatch(category, pool, specs, app=app_spec, max_attempts=max_attempts)
-    console.print(f"{category} on {pool}: {report.inserted} queued, {report.existing} already there")
+    console.print(f"{category} on {pool}: {report}")
 
 
 @app.command()

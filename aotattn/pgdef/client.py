@@ -53,10 +53,17 @@ def _keys(keys: object) -> list[str] | None:
 
 @dataclass(frozen=True)
 class DispatchReport:
-    """``inserted`` new tasks; ``existing`` whose key was already there (nothing changed)."""
+    """``inserted`` new tasks; ``existing`` whose key was already there (nothing changed);
+    ``repeated`` tasks of the call whose key an earlier task of the same call had (skipped: the
+    first one counts). ``inserted + existing + repeated`` is the number of tasks given."""
 
     inserted: int
     existing: int
+    repeated: int = 0
+
+    def __str__(self) -> str:
+        repeated = f", {self.repeated} repeated a key given before them" if self.repeated else ""
+        return f"{self.inserted} queued, {self.existing} already there{repeated}"
 
 
 @dataclass(frozen=True)
@@ -172,6 +179,7 @@ class Client:
                                          ("apps", "subcategories", "pools", "keys", "priorities", "payloads",
                                           "max_attempts")}
         seen: set[str] = set()
+        repeated = 0
         for index, task in enumerate(tasks):
             spec = task if isinstance(task, TaskSpec) else TaskSpec(task)
             payload = check_payload(spec.payload, f"task {index} payload")
@@ -182,6 +190,7 @@ class Client:
                 raise ConfigError(f"task {index} key: expected a non-empty string without NUL characters or "
                                   f"lone surrogates, got {key!r}")
             if key in seen:  # one statement cannot insert a key twice; the first one counts
+                repeated += 1
                 continue
             seen.add(key)
             attempts = spec.max_attempts if spec.max_attempts is not None else default_attempts
@@ -203,7 +212,7 @@ class Client:
                            for start in range(0, total, DISPATCH_CHUNK))
 
         inserted = self.db.run(work) if total else 0
-        return DispatchReport(inserted=inserted, existing=total - inserted)
+        return DispatchReport(inserted=inserted, existing=total - inserted, repeated=repeated)
 
     @staticmethod
     def _kind(app: str | App | None, category: Category) -> TaskKind | None:

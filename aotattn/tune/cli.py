@@ -210,7 +210,7 @@ def dispatch(category: list[str] = CATEGORY, where: str = WHERE, dtype: str = DT
         client.init()
         for table, specs in by_table.items():
             report = client.dispatch(category_of(table), arch, specs, app="aotattn.tune.app")
-            console.print(f"{category_of(table)} on {arch}: {report.inserted} queued, {report.existing} already there")
+            console.print(f"{category_of(table)} on {arch}: {report}")
     if unsupported:
         console.print(f"{unsupported} selected tasks left out (bias, varlen: not tuned yet)")
 

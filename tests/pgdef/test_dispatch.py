@@ -20,9 +20,11 @@ def test_dispatch_twice_inserts_once(client):
     rng = random.Random()
     payloads = [{"x": rng.randint(-10**6, 10**6), "tag": i} for i in range(300)]
     first = client.dispatch("testapp,square", "cpu", payloads)
-    assert (first.inserted, first.existing) == (300, 0)
+    assert (first.inserted, first.existing, first.repeated) == (300, 0, 0)
+    assert str(first) == "300 queued, 0 already there"
     again = client.dispatch("testapp,square", "cpu", payloads[::-1] + payloads[:10])
-    assert (again.inserted, again.existing) == (0, 300)
+    assert (again.inserted, again.existing, again.repeated) == (0, 300, 10)
+    assert str(again) == "0 queued, 300 already there, 10 repeated a key given before them"
     tasks = client.tasks("testapp,square")
     assert len(tasks) == 300
     assert {t.key for t in tasks} == {default_key(p) for p in payloads}
@@ -31,7 +33,8 @@ def test_dispatch_twice_inserts_once(client):
 
 def test_explicit_keys_priorities_and_the_same_key_elsewhere(client):
     specs = [TaskSpec({"x": i}, key=f"k{i % 5}", priority=i) for i in range(10)]
-    assert client.dispatch("testapp,square", "cpu", specs).inserted == 5
+    report = client.dispatch("testapp,square", "cpu", specs)
+    assert (report.inserted, report.existing, report.repeated) == (5, 0, 5)
     # The first spec of a key counts.
     assert sorted(t.priority for t in client.tasks("testapp,square")) == [0, 1, 2, 3, 4]
     # A key is per category and pool: the same key elsewhere is another task.
