@@ -156,7 +156,12 @@ def checkout(db: Runner, pool: str, categories: Sequence[str | Category], path: 
     try:
         _write_atomically(Path(path), json.dumps(batch.to_json(), indent=1) + "\n")
     except OSError as exc:
-        db.execute("release", {"owner": owner, "task_ids": [t.id for t in tasks]})
+        def give_back(conn: psycopg.Connection) -> None:  # the tasks, and the batch row nobody holds
+            with conn.transaction():
+                conn.execute(QUERIES["release"], {"owner": owner, "task_ids": [t.id for t in tasks]})
+                conn.execute(QUERIES["drop_batch"], {"batch_id": batch_id})
+
+        db.run(give_back)
         raise BatchError(f"cannot write batch file {path} ({exc}); its tasks were released") from exc
     return batch
 

@@ -292,6 +292,10 @@ VALUES (%(batch_id)s, %(pool)s, %(host)s, cardinality(%(task_ids)s::bigint[]), %
         now() + make_interval(secs => %(lease_s)s::float8))
 RETURNING lease_expires_at
 
+-- name: drop_batch
+-- A batch whose file could not be written: its tasks were released, nobody holds it.
+DELETE FROM pgdef_batch WHERE id = %(batch_id)s AND checked_in_at IS NULL
+
 -- name: batch
 SELECT id, pool, host, n_tasks, task_ids, lease_expires_at, checked_in_at, n_accepted,
        lease_expires_at < now() AS expired

@@ -74,6 +74,9 @@ class WorkerConfig:
         check_seconds(self.reconnect_timeout_s, "reconnect_timeout_s")
         if not isinstance(self.claim_batch, int) or self.claim_batch < 1:
             raise ConfigError(f"claim_batch: expected an integer >= 1, got {self.claim_batch!r}")
+        if self.max_tasks is not None and (isinstance(self.max_tasks, bool) or not isinstance(self.max_tasks, int)
+                                           or self.max_tasks < 1):
+            raise ConfigError(f"max_tasks: expected an integer >= 1 (or none for no limit), got {self.max_tasks!r}")
         if self.gpu is not None and (not isinstance(self.gpu, int) or self.gpu < 0):
             raise ConfigError(f"gpu: expected a GPU index >= 0, got {self.gpu!r}")
 

@@ -136,6 +136,7 @@ def test_a_server_that_is_down_gives_one_line_after_the_pools_wait(tmp_path):
     # the children were CPU workers: --gpu was dropped from their arguments
     (["worker", "--app", "aotattn.pgdef.toy", "--gpu", "0", "--processes", "2"], "--gpu runs one worker"),
     (["worker", "--app", "aotattn.pgdef.toy", "--gpu", "0", "--gpus", "1"], "--gpu runs one worker"),
+    (["worker", "--app", "aotattn.pgdef.toy", "--max-tasks", "0"], "max_tasks"),  # exited at once, rc 0
     (["bench", "--workers", "x"], "--workers"),  # was "invalid literal for int()"
     (["bench", "--claim-batch", "4,0"], "--claim-batch"),
     (["status", "--window", "nan"], "window_s"),

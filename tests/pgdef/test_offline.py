@@ -256,6 +256,19 @@ def test_nothing_to_check_out(client, tmp_path):
         client.checkout("sm_90", [], tmp_path / "b.json")
 
 
+def test_a_batch_file_that_cannot_be_written_gives_back_its_tasks_and_batch(client, tmp_path):
+    xs = _dispatch(client, 7)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(BatchError, match="cannot write batch file .*its tasks were released"):
+        client.checkout("sm_90", ["testapp,square"], tmp_path / "a-file" / "batch.json", limit=5)
+    assert [t.state for t in client.tasks()] == ["queued"] * 7
+    assert {t.attempts for t in client.tasks()} == {0}
+    assert client.status().batches == []  # no open batch that nobody holds
+    batch = client.checkout("sm_90", ["testapp,square"], tmp_path / "batch.json", limit=50)
+    assert sorted(t.payload["x"] for t in batch.tasks) == sorted(xs)
+    assert [b["id"] for b in client.status().batches] == [batch.id]
+
+
 def test_offline_runner_needs_no_psycopg(client, tmp_path):
     """The GPU host has no network, so maybe no psycopg: `aotattn pgdef run-offline` (and the
     whole `aotattn` CLI) must work with psycopg missing."""

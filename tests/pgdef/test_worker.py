@@ -167,9 +167,11 @@ def test_claim_batches_and_stop_releases_unstarted_tasks(client, dsn):
 
 
 def test_worker_config_is_checked():
-    for bad in (dict(lease_s=0), dict(lease_s=2, heartbeat_s=3), dict(claim_batch=0), dict(pool="a b"), dict(gpu=-1)):
+    for bad in (dict(lease_s=0), dict(lease_s=2, heartbeat_s=3), dict(claim_batch=0), dict(pool="a b"), dict(gpu=-1),
+                dict(max_tasks=0), dict(max_tasks=-3), dict(max_tasks=True), dict(max_tasks=2.0)):
         with pytest.raises(ConfigError):
             WorkerConfig(**bad)
+    assert WorkerConfig(max_tasks=1).max_tasks == 1
 
 
 def test_status_counts_workers_failures_and_eta(client, dsn):
