@@ -218,6 +218,16 @@ MUTANTS = (
         cpu_killers=True,
     ),
     _mutant(
+        "bias-unclamped",
+        "a finite bias multiplied by log2(e) as it is: beyond 2.36e38 the product overflows float32 "
+        "(torch.finfo(dtype).min masks hide every key of a padded row, +3e38 gives NaN)",
+        COMMON,
+        "return b * LOG2E",
+        "return bias.to(tl.float32) * LOG2E",
+        "tests/families/flash/test_bias.py::test_biases_beyond_the_float32_product_keep_their_order[{device}]",
+        "tests/families/flash/test_bias.py::test_finfo_min_masks_match_pytorch[split-fp32-{device}]",
+    ),
+    _mutant(
         "window-right-minus-2", "a right window bound of -2 (or less) accepted as unbounded instead of rejected",
         CHECKS,
         "if left < -1 or right < -1:",
