@@ -203,8 +203,8 @@ class _Table:
         functional = {**dict(self.axis_defaults), **functional}
         if set(functional) != set(choices):
             raise ValueError(f"{self.qualname}: functional axes {sorted(functional)} != {sorted(choices)}")
-        for axis, value in functional.items():
-            if value not in choices[axis]:
+        for axis, value in functional.items():  # of the choice's type: 0 is not False, nor 1 True
+            if not any(value == c and type(value) is type(c) for c in choices[axis]):
                 raise ValueError(f"{self.qualname}: {axis}={value!r} is not one of {choices[axis]}")
         if self.disabled is not None and self.disabled(functional):
             raise ValueError(f"{self.qualname}: functional {dict(functional)} is disabled")

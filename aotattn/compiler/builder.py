@@ -160,10 +160,19 @@ def _cached(cache_dir: Path, job: Job, line_info: bool, check: bool = True) -> t
         return None  # RecursionError: JSON nested deeper than the parser goes is garbage too
 
 
+def check_timeout(timeout: float) -> float:
+    """A compile's time limit: a number of seconds above 0 (NaN passes a range check, and a
+    compile is then never abandoned; 0 or less abandons them all)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"--timeout: expected a number of seconds above 0, got {timeout}")
+    return timeout
+
+
 def run_jobs(jobs: Sequence[Job], cache_dir: Path, workers: int, timeout: float,
              on_outcome: Callable[[Outcome], None], line_info: bool = False) -> list[Outcome]:
     """Compile ``jobs`` not yet in the cache in up to ``workers`` forked processes, each
     killed after ``timeout`` s; the same job twice is compiled once."""
+    check_timeout(timeout)
     outcomes = []
     pending = []
     for job in dict.fromkeys(jobs):

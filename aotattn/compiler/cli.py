@@ -69,11 +69,10 @@ def build_command(
     cache. A failing or hanging kernel is reported and does not stop the others.
     """
     from aotattn import families
-    from aotattn.compiler.builder import DEFAULT_CACHE, build, check_archs, enumerate_jobs
+    from aotattn.compiler.builder import DEFAULT_CACHE, build, check_archs, check_timeout, enumerate_jobs
     from aotattn.tuning import Database
 
-    if not timeout > 0:  # NaN passes a range check, and a compile is then never abandoned; 0 abandons them all
-        raise ValueError(f"--timeout: expected a number of seconds above 0, got {timeout}")
+    check_timeout(timeout)
     archs = list(dict.fromkeys(arch or [_default_arch()]))  # `--arch sm_90 --arch sm_90` builds it once
     check_archs(archs)
     known = families.kernels()

@@ -74,7 +74,7 @@ class Batch:
     @classmethod
     def read(cls, path: Path) -> Batch:
         try:
-            obj = json.loads(Path(path).read_text())
+            obj = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, ValueError, RecursionError) as exc:
             raise BatchError(f"{path}: not a readable batch file ({exc}); expected a {BATCH_FORMAT} file "
                              "from `aotattn pgdef checkout`") from exc
@@ -101,7 +101,7 @@ def _write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as handle:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
@@ -203,7 +203,7 @@ def run_offline(batch_path: Path, results_path: Path, apps: Iterable[str | App],
     results_path = Path(results_path)
     done = _resume(results_path, batch.id)
     ran = ok = 0
-    with open(results_path, "a") as out:
+    with open(results_path, "a", encoding="utf-8") as out:
         for task in mine:
             if task.id in done:
                 continue
@@ -263,7 +263,7 @@ def read_results(path: Path) -> tuple[str, list[Outcome]]:
     """A results file's batch id and outcomes. A last line cut short (a crash mid-write) is
     ignored; any other malformed line is an error naming ``path:line``."""
     try:
-        data = Path(path).read_text()
+        data = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise BatchError(f"cannot read results file {path} ({exc})") from exc
     lines = data.splitlines()

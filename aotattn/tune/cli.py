@@ -271,7 +271,7 @@ def _batch_tasks(path: Path):
     from aotattn.tune.runner import Settings
     from aotattn.tune.tasks import read_batch_settings
 
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8")
     batch = pgdef_batch(text)
     if batch is not None:
         from aotattn.tune.app import parse_payload
@@ -293,9 +293,10 @@ def compile_command(batch: Path = typer.Argument(..., help="pgdef batch file or 
                     tuning_db: Path = TUNING_DB,
                     dry_run: bool = typer.Option(False, "--dry-run", help="only count the kernels")) -> None:
     """Compile every kernel a batch needs, ahead of the GPU slice, into an image folder."""
-    from aotattn.compiler.builder import DEFAULT_CACHE
+    from aotattn.compiler.builder import DEFAULT_CACHE, check_timeout
     from aotattn.tune import ahead
 
+    check_timeout(timeout)
     db = _db(tuning_db)
     pairs = _batch_tasks(batch)
     needed = ahead.plan(pairs, db)

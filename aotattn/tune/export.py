@@ -26,7 +26,8 @@ from aotattn.tune.runner import RESULT_FORMAT, TUNER_VERSION
 from aotattn.tune.tasks import Task, table_spec
 from aotattn.tune.timing import CLOCK_CUDA
 from aotattn.tuning import Database, Patch, TuningError, parse_patch, write_patch
-from aotattn.tuning.format import Edit, format_functional
+from aotattn.tuning.database import read_text
+from aotattn.tuning.format import Edit, apply_patch, follow_fallbacks, format_functional, text_lines
 
 PATCH_WHAT = "tuned"
 _CELL_PREFIX = "# cell "
@@ -132,14 +133,17 @@ def _patch_path(db: Database, arch: str, table: str) -> Path:
 
 
 def build_patch(spec: Any, results: list[Mapping[str, Any]], old: Patch | None,
-                where: str | None = None) -> tuple[Patch, int]:
+                where: str | None = None, needed: Iterable[str] = ()) -> tuple[Patch, int]:
     """The merged patch for one table: the new results' cells, then the old patch's other
-    cells. Returns (patch, old cells kept)."""
-    new_cells: dict[tuple[Functional, tuple[int, ...]], tuple[str, Config, str]] = {}
+    cells (where it sets a cell twice, the later line, which the lookup applies). ``needed``:
+    configuration names later patches use; those the old patch defines stay defined.
+    Returns (patch, old cells kept)."""
+    new_cells: dict[tuple[Functional, tuple[int, ...]], tuple[str, Config | None, str]] = {}
     comments: dict[str, str] = {}
     for result in sorted(results, key=lambda r: Task.from_json(r["task"]).describe()):
         task = Task.from_json(result["task"])
-        label = _cell_label(spec, task.functional, task.cell)
+        functional = spec.canonical_functional(task.functional)  # as the patch's blocks name it
+        label = _cell_label(spec, functional, task.cell)
         comments[label] = _comment(spec, result)
         if result.get("winner") is not None:
             space = dict(spec.tuning_space)
@@ -151,7 +155,7 @@ def build_patch(spec: Any, results: list[Mapping[str, Any]], old: Patch | None,
                                  f"({', '.join(f'{k} {vs}' for k, vs in space.items())}); re-run its task "
                                  "(aotattn tune dispatch --rerun LABEL) or leave it out")
             config = spec.canonical(Config.of(result["winner_config"]))  # a knob at its default is not spelled
-            new_cells[(task.functional, task.cell)] = (config_name(config), config, label)
+            new_cells[(functional, task.cell)] = (config_name(config), config, label)
     patch = Patch(spec.qualname)
     kept = 0
     if old is not None:
@@ -159,18 +163,25 @@ def build_patch(spec: Any, results: list[Mapping[str, Any]], old: Patch | None,
             if line.startswith(_CELL_PREFIX):
                 label = _label_of_comment(line, where)
                 comments.setdefault(label, line)
-        for edit in old.edits:
-            cell = tuple(chosen[0] for chosen in edit.selection)
+        old_cells: dict[tuple[Functional, tuple[int, ...]], Edit] = {}
+        for edit in old.edits:  # a cell set twice: the later line is the one the lookup applies
+            line = f"{where}:{edit.line}" if where else f"line {edit.line}"
             if any(len(chosen) != 1 for chosen in edit.selection):
-                raise TuningError(f"{spec.qualname}: the tuner's patch holds a range edit at line {edit.line}; "
-                                  "it writes single cells only (edit another patch instead)")
-            if (edit.functional, cell) not in new_cells:
-                new_cells[(edit.functional, cell)] = (edit.config, old.configs[edit.config], "")
+                raise TuningError(f"{spec.qualname}: the tuner's patch holds a range edit; it writes single cells "
+                                  "only (edit another patch instead)", line)
+            old_cells[(spec.canonical_functional(edit.functional), tuple(c[0] for c in edit.selection))] = edit
+        for key, edit in old_cells.items():
+            if key not in new_cells:  # a name the patch does not define is the table's (else _check says so)
+                new_cells[key] = (edit.config, old.configs.get(edit.config), "")
                 kept += 1
+        for name in needed:
+            if name in old.configs:
+                patch.configs[name] = old.configs[name]
     order = {f: i for i, f in enumerate(spec.enumerate_functionals())}
     for (functional, cell), (name, config, _) in sorted(new_cells.items(), key=lambda kv: (order.get(kv[0][0], -1),
                                                                                            kv[0][1])):
-        patch.configs.setdefault(name, config)
+        if config is not None:
+            patch.configs.setdefault(name, config)
         patch.edits.append(Edit(functional, tuple((value,) for value in cell), name, 0))
     patch.configs = dict(sorted(patch.configs.items()))
     patch.comments = [comments[label] for label in sorted(comments)]
@@ -205,7 +216,7 @@ def timed_cells(db: Database, arch: str, table: str) -> dict[str, Timed]:
     if not path.is_file():
         return {}
     cells: dict[str, Timed] = {}
-    for line in parse_patch(table_spec(table), path.read_text(), str(path)).comments:
+    for line in parse_patch(table_spec(table), read_text(path), str(path)).comments:
         if line.startswith(_CELL_PREFIX):
             if ": no eligible candidate" in line:
                 cells[_label_of_comment(line, str(path))] = Timed(None, None)
@@ -267,25 +278,52 @@ def export(results: Iterable[Mapping[str, Any]], db: Database, *, dry_run: bool 
     for (arch, table), group in sorted(groups.items()):
         spec = table_spec(table)
         path = _patch_path(db, arch, table)
-        old = parse_patch(spec, path.read_text(), str(path)) if path.is_file() else None
-        patch, kept = build_patch(spec, group, old, str(path))
+        old_text = read_text(path) if path.is_file() else None
+        old = parse_patch(spec, old_text, str(path)) if old_text is not None else None
+        later = [p for p in db.patch_paths(arch, table) if p.name > path.name]
+        patch, kept = build_patch(spec, group, old, str(path), needed=_names_used(spec, later))
         old_header = [c for c in (old.comments if old else []) if not c.startswith(_CELL_PREFIX)
                       and not c.startswith(_HEADER_PREFIX) and not c.startswith("# Each cell:")]
-        patch.comments = _header(group, len(patch.edits)) + old_header + patch.comments
-        text = write_patch(spec, patch)
+        patch.comments = (_header(group, len(patch.edits)) + old_header + patch.comments
+                          + (_body_comments(old_text) if old_text is not None else []))
+        changes: dict[Path, str | None] = {path: write_patch(spec, patch)}
         report = TableExport(arch, table, path, cells=sum(r.get("winner") is not None for r in group), kept=kept,
                              unchanged=sum(r.get("winner") is not None and r.get("winner") == r.get("current")
                                            for r in group),
                              empty=[f"{Task.from_json(r['task']).describe()}: {r.get('no_winner') or 'no eligible candidate'}"
                                     for r in group if r.get("winner") is None])
-        _check(db, arch, table, path, text)
-        if not dry_run:
-            write_atomically(path, text)
         if unmask:
-            report.unmasked, report.removed = _unmask(db, arch, table, path, group, dry_run)
+            report.unmasked, report.removed, rewrites = _unmask(db, arch, table, path, group)
+            changes.update(rewrites)
+        _check(db, arch, table, changes)
+        if not dry_run:
+            for changed, text in changes.items():
+                if text is None:
+                    changed.unlink()
+                else:
+                    write_atomically(changed, text)
         report.masked = _masked(db, arch, table, path, group, skip=report.unmasked if dry_run else {})
         done.append(report)
     return done
+
+
+def _names_used(spec: Any, paths: Iterable[Path]) -> set[str]:
+    """The configuration names the edits of these patches use (an earlier patch may define them)."""
+    return {edit.config for p in paths for edit in parse_patch(spec, read_text(p), str(p)).edits}
+
+
+def _body_comments(text: str) -> list[str]:
+    """The comments below a patch's header, which a rewrite would drop (a patch keeps
+    comments in its header only): rewritten patches keep them there."""
+    body, in_header = [], True
+    for line in text_lines(text):
+        stripped = line.strip()
+        if in_header and (not stripped or stripped.startswith("#")):
+            continue
+        in_header = False
+        if stripped.startswith("#") and not stripped.startswith("#!"):
+            body.append(stripped)
+    return body
 
 
 def _covers_exactly(spec: Any, edit: Edit, task: Task) -> bool:
@@ -295,15 +333,20 @@ def _covers_exactly(spec: Any, edit: Edit, task: Task) -> bool:
 
 
 def _unmask(db: Database, arch: str, table: str, path: Path, results: list[Mapping[str, Any]],
-            dry_run: bool) -> tuple[dict[str, list[str]], list[str]]:
+            ) -> tuple[dict[str, list[str]], list[str], dict[Path, str | None]]:
     """Take the tuned cells out of the patches applied after ``path`` (:func:`export`'s
-    ``unmask``): (patch name -> the cells taken out, the patches deleted)."""
+    ``unmask``): (patch name -> the cells taken out, the patches deleted, the new text of
+    each patch changed, None for one deleted). A patch keeps the configurations later
+    patches use, and is deleted only when it has neither lines nor such configurations."""
     spec = table_spec(table)
     tasks = [Task.from_json(r["task"]) for r in results if r.get("winner") is not None]
     unmasked: dict[str, list[str]] = {}
     removed: list[str] = []
-    for later_path in [p for p in db.patch_paths(arch, table) if p.name > path.name]:
-        patch = parse_patch(spec, later_path.read_text(), str(later_path))
+    rewrites: dict[Path, str | None] = {}
+    later_paths = [p for p in db.patch_paths(arch, table) if p.name > path.name]
+    for i, later_path in enumerate(later_paths):
+        text = read_text(later_path)
+        patch = parse_patch(spec, text, str(later_path))
         kept, cells = [], []
         for edit in patch.edits:
             task = next((t for t in tasks if _covers_exactly(spec, edit, t)), None)
@@ -314,19 +357,18 @@ def _unmask(db: Database, arch: str, table: str, path: Path, results: list[Mappi
         if not cells:
             continue
         unmasked[later_path.name] = cells
-        if not kept:
-            removed.append(later_path.name)
-            if not dry_run:
-                later_path.unlink()
-            continue
-        used = {edit.config for edit in kept}
-        patch.edits = kept
+        used = {edit.config for edit in kept} | _names_used(spec, later_paths[i + 1:])
         patch.configs = {name: c for name, c in patch.configs.items() if name in used}
-        patch.comments = [*patch.comments, f"# {len(cells)} cell(s) re-tuned and taken out by `aotattn tune export "
-                                           f"--unmask` into {path.name}"]
-        if not dry_run:
-            write_atomically(later_path, write_patch(spec, patch))
-    return unmasked, removed
+        if not kept and not patch.configs:
+            removed.append(later_path.name)
+            rewrites[later_path] = None
+            continue
+        patch.edits = kept
+        patch.comments = [*patch.comments, *_body_comments(text),
+                          f"# {len(cells)} cell(s) re-tuned and taken out by `aotattn tune export --unmask` into "
+                          f"{path.name}"]
+        rewrites[later_path] = write_patch(spec, patch)
+    return unmasked, removed, rewrites
 
 
 def _masked(db: Database, arch: str, table: str, path: Path, results: list[Mapping[str, Any]],
@@ -339,7 +381,7 @@ def _masked(db: Database, arch: str, table: str, path: Path, results: list[Mappi
     later = [p for p in db.patch_paths(arch, table) if p.name > path.name]
     masked: dict[str, str] = {}
     for later_path in later:
-        patch = parse_patch(spec, later_path.read_text(), str(later_path))
+        patch = parse_patch(spec, read_text(later_path), str(later_path))
         for result in results:
             if result.get("winner") is None:
                 continue
@@ -355,15 +397,19 @@ def _masked(db: Database, arch: str, table: str, path: Path, results: list[Mappi
     return masked
 
 
-def _check(db: Database, arch: str, table: str, path: Path, text: str) -> None:
-    """The database resolves with the new patch in place (every other patch included)."""
+def _check(db: Database, arch: str, table: str, changes: Mapping[Path, str | None]) -> None:
+    """The table resolves with ``changes`` (path -> new text, None: deleted) in place of
+    its files: every patch, before and after the changed ones, applied in order."""
     spec = table_spec(table)
-    patch = parse_patch(spec, text, str(path))
-    if write_patch(spec, patch) != text:
-        raise TuningError("the exported patch does not round-trip through the tuning format", str(path))
-    from aotattn.tuning.format import apply_patch
-
+    for path, text in changes.items():
+        if text is not None and write_patch(spec, parse_patch(spec, text, str(path))) != text:
+            raise TuningError("the exported patch does not round-trip through the tuning format", str(path))
     base = Database(db.root, db.specs)
-    table_now = base.effective(arch, table, patches=len([p for p in base.patch_paths(arch, table) if p != path
-                                                         and p.name < path.name]))
-    apply_patch(table_now, patch, str(path), fallback=spec.fallback)
+    merged, inherited = base.resolve(arch, table, patches=0)
+    added = {functional: set(cells) for functional, cells in inherited.items()}
+    for path in sorted(set(base.patch_paths(arch, table)) | set(changes), key=lambda p: p.name):
+        text = changes[path] if path in changes else read_text(path)
+        if text is not None:
+            merged = apply_patch(merged, parse_patch(spec, text, str(path)), str(path), fallback=spec.fallback,
+                                 added=added)
+    follow_fallbacks(merged, added, spec.fallback)

@@ -516,13 +516,15 @@ def errors(outputs: Mapping[str, torch.Tensor], references: Mapping[str, torch.T
 
 
 def current_config(db: Any, arch: str, table: str, functional: Functional, cell: tuple[int, ...]) -> Config | None:
-    """The database's configuration for the cell today, or None when it has none."""
-    from aotattn.tuning import TuningError
+    """The database's configuration for the cell today, or None when it names none (no
+    block, a ``.`` cell). A database that does not resolve is an error, not None: planning
+    and timing would quietly leave the current choice out."""
+    from aotattn.tuning import NoEntryError
 
     spec = next(s for s in rules.TABLES if s.qualname == table)
     try:
         return db.lookup(arch, spec, functional, dict(zip((k for k, _ in spec.tuning_keys), cell)))
-    except TuningError:
+    except NoEntryError:
         return None
 
 

@@ -50,7 +50,7 @@ def pgdef_batch(text: str) -> dict | None:
 
 
 def is_pgdef_batch(path: Path) -> bool:
-    return pgdef_batch(Path(path).read_text()) is not None
+    return pgdef_batch(Path(path).read_text(encoding="utf-8")) is not None
 
 
 def run_batch(batch: Path, results: Path, *, shard: str = "0/1", device: str | None = None,
@@ -59,7 +59,7 @@ def run_batch(batch: Path, results: Path, *, shard: str = "0/1", device: str | N
     """Run the shard's tasks of a ``tune plan --out`` file without pgdef; returns how many ran."""
     start = time.monotonic()
     index, count = parse_shard(shard)
-    entries = read_batch_settings(Path(batch).read_text(), str(batch), Settings.of_line)[index::count]
+    entries = read_batch_settings(Path(batch).read_text(encoding="utf-8"), str(batch), Settings.of_line)[index::count]
     results = Path(results)
     results.mkdir(parents=True, exist_ok=True)
     ran = 0

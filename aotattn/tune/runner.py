@@ -240,7 +240,7 @@ class Journal:
         """Finished records by name; a candidate started and never finished is crashed."""
         if self.path is None or not self.path.is_file():
             return {}
-        lines = self.path.read_text().splitlines()
+        lines = self.path.read_text(encoding="utf-8").splitlines()
         try:
             first = json.loads(lines[0]) if lines else None
         except json.JSONDecodeError:

@@ -124,6 +124,8 @@ def parse_where(text: str | None) -> dict[str, tuple[str, ...]]:
         if axis in allowed:
             raise SelectionError(f"--where: axis {axis} given twice")
         allowed[axis] = tuple(v for v in values.split(",") if v)
+        if not allowed[axis]:
+            raise SelectionError(f"--where: expected axis=value[,value...], got {token!r} (no value)")
     return allowed
 
 
@@ -263,7 +265,10 @@ def read_batch_settings(text: str, where: str = "<batch>",
         settings = data.pop("settings", None)
         if settings is not None and not isinstance(settings, dict):
             raise SelectionError(f"{where}:{number}: settings: expected an object, got {settings!r}")
-        task = Task.from_json(data)
+        try:
+            task = Task.from_json(data)
+        except ValueError as exc:
+            raise SelectionError(f"{where}:{number}: {exc}") from exc
         if "id" in data and data["id"] != task.id:
             raise SelectionError(f"{where}:{number}: id {data['id']} does not match the task ({task.id})")
         if settings_of is not None:

@@ -21,7 +21,7 @@ from typing import Any
 from aotattn.files import TEMPORARY_SUFFIX, write_atomically
 from aotattn.paths import installed_tuning_db
 from aotattn.spec import Config, Functional
-from aotattn.tuning.format import (NO_ENTRY, Table, TuningError, apply_patch, block_for, bucket_index,
+from aotattn.tuning.format import (NO_ENTRY, NoEntryError, Table, TuningError, apply_patch, block_for, bucket_index,
                                    fallback_chain, follow_fallbacks, format_config, parse_config, parse_patch,
                                    parse_table, split_directive, text_lines, write_patch, write_table)
 
@@ -62,6 +62,9 @@ class Database:
         self.root = Path(root) if root is not None else default_root()
         self.specs = dict(_default_tables() if specs is None else specs)
         self._effective: dict[tuple[str, str, int | None, frozenset | None], Table] = {}
+        # the cells patches set in the blocks they added (refinements), per effective table:
+        # an architecture based on this one re-follows the other cells of those blocks to its own
+        self._added: dict[tuple[str, str, int | None, frozenset | None], dict[Functional, set[tuple[int, int]]]] = {}
         self._lookups: dict[tuple, Config] = {}
         self._lock = threading.Lock()
 
@@ -128,11 +131,18 @@ class Database:
         ``errors``: collect the patches' edits in error there, leave them out and go on
         (``lint``: every bad edit, not the first); the result is then not cached.
         """
+        return self.resolve(arch, table, patches, _stack, only, errors)[0]
+
+    def resolve(self, arch: str, table: str, patches: int | None = None, _stack: tuple[str, ...] = (),
+                only: frozenset[Functional] | None = None, errors: list[TuningError] | None = None,
+                ) -> tuple[Table, dict[Functional, set[tuple[int, int]]]]:
+        """:meth:`effective` and the cells the patches (this table's and its bases') set in
+        the blocks they added (the caller's to read, not change)."""
         key = (arch, table, patches, only)
         with self._lock:
             cached = self._effective.get(key) if errors is None else None
-        if cached is not None:
-            return cached
+            if cached is not None:
+                return cached, self._added[key]
         own = self.own_table(arch, table, only)
         path = self.table_path(arch, table)
         if own.base:
@@ -148,15 +158,18 @@ class Database:
             if not self.table_path(own.base, table).is_file():  # an error at the line that names it, as above
                 raise TuningError(f"#! base {own.base}: {own.base} has no {table} table (expected "
                                   f"{self.table_path(own.base, table)}): add it, or base this table on another", where)
-            base = self.effective(own.base, table, None, _stack + (arch,), only)
+            base, base_added = self.resolve(own.base, table, None, _stack + (arch,), only, None)
             merged = base.copy()
             merged.arch, merged.base, merged.comments = arch, own.base, own.comments
             merged.configs.update(own.configs)
             merged.blocks.update(own.blocks)
+            # a block the base's patches added keeps the cells they set; its other cells follow
+            # this table's blocks (its own root, say), not the base's
+            added = {f: set(cells) for f, cells in base_added.items() if f not in own.blocks}
         else:
             merged = own
+            added = {}
         spec = self.spec(table)
-        added: dict[Functional, set[tuple[int, int]]] = {}  # refinement blocks the patches add
         for patch_path in self.patch_paths(arch, table)[:patches]:
             patch = parse_patch(spec, read_text(patch_path), str(patch_path), only=only)
             merged = apply_patch(merged, patch, str(patch_path), only, spec.fallback, added, errors)
@@ -164,7 +177,8 @@ class Database:
         if errors is None:
             with self._lock:
                 self._effective[key] = merged
-        return merged
+                self._added[key] = added
+        return merged, added
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, arch: str, spec: Any, functional: Functional, sizes: Mapping[str, int]) -> Config:
@@ -185,7 +199,7 @@ class Database:
         name = grid[cell_index[0] if cell_index else 0][cell_index[1] if len(cell_index) > 1 else 0]
         if name == NO_ENTRY:
             where = " ".join(f"{k}={buckets[i]}" for (k, buckets), i in zip(spec.tuning_keys, cell_index))
-            raise TuningError(f"{arch} / {spec.qualname} / [{used}]: cell {where} has no entry ('.')")
+            raise NoEntryError(f"{arch} / {spec.qualname} / [{used}]: cell {where} has no entry ('.')")
         config = table.configs[name]
         self._lookups[key] = config
         return config
@@ -310,6 +324,7 @@ class Database:
                     write_atomically(path, canonical)
                     fixed.append(path)
         self._effective.clear()
+        self._added.clear()
         self._lookups.clear()
         return fixed
 
@@ -332,6 +347,7 @@ class Database:
         for patch in patches:
             patch.unlink()
         self._effective.clear()
+        self._added.clear()
         self._lookups.clear()
         return patches
 
@@ -340,6 +356,11 @@ class Database:
         value}`` as written in a table); returns the files rewritten. For experiments, on
         a copy of a database: every cell then runs its tiles with those knobs."""
         spec = self.spec(table)
+        base = self.own_table(arch, table).base
+        if base:  # its inherited cells would keep the base's knobs: only some cells would change
+            raise TuningError(f"{arch} / {table} takes its other cells from {base} (#! base): set-knobs rewrites one "
+                              f"architecture's files, so those would keep their knobs; set them on {base} in the copy "
+                              "(every architecture based on it changes with it)", str(self.table_path(arch, table)))
         setting = " ".join(f"{knob}={value}" for knob, value in knobs.items())
         written = []
         for path in [self.table_path(arch, table), *self.patch_paths(arch, table)]:
@@ -356,6 +377,7 @@ class Database:
             write_atomically(path, write_patch(spec, parsed) if is_patch else write_table(spec, parsed))
             written.append(path)
         self._effective.clear()
+        self._added.clear()
         self._lookups.clear()
         return written
 

@@ -53,6 +53,12 @@ class TuningError(AotattnError, ValueError):
         super().__init__(f"{where}: {message}" if where else message)
 
 
+
+class NoEntryError(TuningError):
+    """The database resolves but names no configuration for a call: no block for its
+    functional (nor a fallback's), or a ``.`` cell."""
+
+
 class _Report:
     """Where parse errors go: raised at once (the default), or collected so that one pass
     finds every error of a file (``aotattn tuning lint``)."""
@@ -220,8 +226,12 @@ def _blank_other_sections(text: str, only: Collection[Functional] | None, spec: 
     keep = True
     for i, line in enumerate(lines):
         if line.startswith("["):
-            header = line.rstrip()[1:-1]
-            keep = header == "configs" or header_key(header, spec) in wanted
+            stripped = line.rstrip()
+            header = stripped[1:-1]
+            well_formed = stripped.endswith("]") and "[" not in header and "]" not in header
+            # a malformed header is left to the parser, which reports it: blanked, a call's own
+            # block with a comment after its "]" would be skipped for its fallback's, silently
+            keep = not well_formed or header == "configs" or header_key(header, spec) in wanted
         if not keep:
             lines[i] = ""
     return "\n".join(lines)
@@ -352,6 +362,8 @@ def _parse_configs(spec: Any, body, configs: dict[str, Config], report: _Report,
         name, eq, values = line.partition("=")
         name = name.strip()
         try:
+            if eq and name and name != NO_ENTRY and not _is_name(name):
+                broken.add(name)  # its uses are not errors of their own
             if not eq or not name or not _is_name(name) or name == NO_ENTRY:
                 raise TuningError(f"expected 'name = knob=value ...', got {line!r}", where)
             if name in configs or name in broken:
@@ -666,7 +678,7 @@ def block_for(table: Table, chain: Sequence[Functional], where: str, source: str
     for; a :class:`TuningError` naming ``where`` (and the file, ``source``) when none has."""
     used = next((f for f in chain if f in table.blocks), None)
     if used is None:
-        raise TuningError(f"{where}: no block for functional [{chain[0]}]"
+        raise NoEntryError(f"{where}: no block for functional [{chain[0]}]"
                           + (f" nor its fallbacks [{'], ['.join(map(str, chain[1:]))}]" if len(chain) > 1 else "")
                           + (f" in {source}" if source else ""))
     return used

@@ -380,3 +380,186 @@ def test_a_hand_broken_cell_comment_is_one_line_naming_the_patch(forward_results
                                               r"\[functional\] label: .*fix or remove the line") as raised:
             attempt()
         assert "\n" not in str(raised.value)
+
+
+def _hand_patch(path, configs: dict[str, dict], lines: list[tuple[str, tuple[int, int], str]], head: str = "") -> None:
+    """A hand patch: ``configs`` name -> knobs, ``lines`` (functional header, cell, config name)."""
+    text = head + "#! aotattn-patch 1\n#! table flash.attn_fwd\n"
+    if configs:
+        text += "\n[configs]\n" + "".join(f"{n} = {' '.join(f'{k}={v}' for k, v in c.items())}\n"
+                                          for n, c in configs.items())
+    for header, (sq, sk), name in lines:
+        text += f"\n{header}\nseqlen_q={sq} seqlen_k={sk}: {name}\n"
+    path.write_text(text)
+
+
+def test_a_reexport_keeps_the_configurations_later_patches_use(forward_results, tuning_copy):
+    """A later patch may name a configuration the tuner's patch defines; when a re-export
+    no longer uses it for any cell, it stays defined (the later patch's lookups raised
+    'unknown configuration' after an export that exited 0)."""
+    results, _ = forward_results
+    first = results[0]
+    done = export.export([first], tuning_copy, allow_cpu_clock=True)
+    task = Task.from_json(first["task"])
+    header = format_functional(rules.ATTN_FWD, task.functional)
+    neighbour = (16, 32) if task.cell != (16, 32) else (32, 16)
+    hand = done[0].path.with_name("flash.attn_fwd.0009-by-hand.dbpatch")
+    _hand_patch(hand, {}, [(header, neighbour, first["winner"])])  # the tuner's winner, defined by its patch only
+    assert _lookup(tuning_copy, first, neighbour) == Config.of(first["winner_config"])
+    rerun = copy.deepcopy(first)
+    other = next(c for c in rerun["candidates"] if c["name"] != rerun["winner"] and c.get("median_ms"))
+    rerun.update(winner=other["name"], winner_config=other["config"], date="2999-01-01T00:00:00+00:00")
+    export.export([rerun], tuning_copy, allow_cpu_clock=True)
+    assert not Database(tuning_copy.root).lint()
+    assert _lookup(tuning_copy, rerun) == Config.of(other["config"])
+    assert _lookup(tuning_copy, first, neighbour) == Config.of(first["winner_config"])
+
+
+def test_unmask_keeps_a_patch_whose_configurations_a_later_one_uses(forward_results, tuning_copy):
+    results, _ = forward_results
+    first = results[0]
+    done = export.export([first], tuning_copy, allow_cpu_clock=True)
+    task = Task.from_json(first["task"])
+    header = format_functional(rules.ATTN_FWD, task.functional)
+    other = next(c for c in first["candidates"] if c["name"] != first["winner"])
+    neighbour = (16, 32) if task.cell != (16, 32) else (32, 16)
+    hand = done[0].path.with_name("flash.attn_fwd.0009-by-hand.dbpatch")
+    _hand_patch(hand, {other["name"]: other["config"]}, [(header, task.cell, other["name"])])
+    after = done[0].path.with_name("flash.attn_fwd.0010-uses-it.dbpatch")
+    _hand_patch(after, {}, [(header, neighbour, other["name"])], head="# keep\n")
+    text = after.read_text()
+    after.write_text(text + "# why: measured on the H200, 2026-12-07\n")  # a body comment
+    report = export.export([first], tuning_copy, allow_cpu_clock=True, unmask=True)[0]
+    assert report.unmasked == {hand.name: [task.describe()]} and report.removed == []
+    assert hand.exists() and parse_patch(rules.ATTN_FWD, hand.read_text()).edits == []
+    assert not Database(tuning_copy.root).lint()
+    assert _lookup(tuning_copy, first) == Config.of(first["winner_config"])
+    assert _lookup(tuning_copy, first, neighbour) == Config.of(other["config"])
+    # the body comment of a rewritten patch is kept (in its header)
+    _hand_patch(hand, {other["name"]: other["config"]}, [(header, task.cell, other["name"]),
+                                                         (header, neighbour, other["name"])])
+    hand.write_text(hand.read_text() + "# the neighbour: by hand\n")
+    export.export([first], tuning_copy, allow_cpu_clock=True, unmask=True)
+    assert "# the neighbour: by hand" in parse_patch(rules.ATTN_FWD, hand.read_text()).comments
+
+
+def test_a_cell_the_tuners_patch_sets_twice_keeps_its_later_line(forward_results, tuning_copy):
+    """The lookup applies the later of two lines over one cell; a re-export of other cells
+    kept the earlier (and so changed the cell, silently). A ``.`` line is kept as ``.``."""
+    results, _ = forward_results
+    first, second = results
+    done = export.export([first], tuning_copy, allow_cpu_clock=True)
+    path = done[0].path
+    task = Task.from_json(first["task"])
+    header = format_functional(rules.ATTN_FWD, task.functional)
+    other = next(c for c in first["candidates"] if c["name"] != first["winner"])
+    values = " ".join(f"{k}={v}" for k, v in other["config"].items())
+    path.write_text(path.read_text().replace("[configs]\n", f"[configs]\n{other['name']} = {values}\n")
+                    + f"\n{header}\nseqlen_q={task.cell[0]} seqlen_k={task.cell[1]}: {other['name']}\n")
+    assert not Database(tuning_copy.root).lint()
+    assert _lookup(tuning_copy, first) == Config.of(other["config"])
+    export.export([second], tuning_copy, allow_cpu_clock=True)
+    assert _lookup(tuning_copy, first) == Config.of(other["config"])
+    assert _lookup(tuning_copy, second) == Config.of(second["winner_config"])
+    path.write_text(path.read_text() + f"\n{header}\nseqlen_q={task.cell[0]} seqlen_k={task.cell[1]}: .\n")
+    report = export.export([second], tuning_copy, allow_cpu_clock=True)[0]  # was KeyError: '.'
+    assert report.kept == 1
+    from aotattn.tuning import NoEntryError
+
+    with pytest.raises(NoEntryError, match="has no entry"):
+        _lookup(tuning_copy, first)
+
+
+def test_a_tuners_patch_line_naming_no_configuration_is_one_line(forward_results, tuning_copy):
+    from aotattn.tuning import TuningError
+
+    results, _ = forward_results
+    done = export.export(results[:1], tuning_copy, allow_cpu_clock=True)
+    task = Task.from_json(results[0]["task"])
+    header = format_functional(rules.ATTN_FWD, task.functional)
+    path = done[0].path
+    path.write_text(path.read_text() + f"\n{header}\nseqlen_q=64 seqlen_k=64: nosuch\n")
+    with pytest.raises(TuningError, match=r"0001-tuned\.dbpatch:\d+: unknown configuration 'nosuch'$"):
+        export.export(results[1:], tuning_copy, allow_cpu_clock=True, dry_run=True)
+    path.write_text(path.read_text().replace("seqlen_q=64 seqlen_k=64: nosuch", "seqlen_q=* seqlen_k=64: "
+                                             + results[0]["winner"]))
+    with pytest.raises(TuningError, match=r"0001-tuned\.dbpatch:\d+: flash\.attn_fwd: the tuner's patch holds a range"):
+        export.export(results[1:], tuning_copy, allow_cpu_clock=True, dry_run=True)
+
+
+def test_a_result_spelling_an_axis_at_its_default_sets_the_same_cell():
+    """flash.backward's GROUPED=False may be spelled or left out (the same functional): a
+    result spelling it replaces the patch's line, it does not add a second one (which lost
+    to the old line, written after it)."""
+    spec = rules.BACKWARD
+    functional = next(iter(spec.enumerate_functionals()))
+    spelled = {**functional.as_dict(), "GROUPED": False}
+    old = parse_patch(spec, "#! aotattn-patch 1\n#! table flash.backward\n\n"
+                      f"{format_functional(spec, functional)}\nseqlen_q=1024 seqlen_k=1024: ws\n")
+    result = {"task": {"arch": "sm_90", "table": spec.qualname, "functional": spelled, "cell": [1024, 1024]},
+              "candidates": [{"name": "split", "config": {"backend": "split"}, "median_ms": 1.0, "error": 0.0},
+                             {"name": "ws", "config": {"backend": "ws"}, "median_ms": 2.0, "error": 0.0}],
+              "winner": "split", "winner_config": {"backend": "split"}, "current": "ws",
+              "shape": "B1 H1 Sq1024 Sk1024 D16", "device": "test", "date": "2026-12-07"}
+    patch, kept = export.build_patch(spec, [result], old)
+    assert kept == 0 and [(e.selection, e.config) for e in patch.edits] == [(((1024,), (1024,)), "split")]
+
+
+def test_export_reads_the_patches_as_utf8_whatever_the_locale(forward_results, tuning_copy, tmp_path):
+    """Export and ``--stale`` read the tuner's patch with Path.read_text(), in the locale's
+    encoding: under LC_ALL=C a comment's 'é' (which lint accepts) failed both with an
+    'ascii' codec error."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    results, _ = forward_results
+    done = export.export(results[:1], tuning_copy, allow_cpu_clock=True)
+    path = done[0].path
+    path.write_bytes(("# réglé à la main\n" + path.read_text("utf-8")).encode("utf-8"))
+    assert not Database(tuning_copy.root).lint()
+    (tmp_path / "results.json").write_text(json.dumps(results[1:]))
+    project = Path(__file__).resolve().parents[2]
+    script = (f"import json; from aotattn.tune import export; from aotattn.tune.tasks import Task; "
+              f"from aotattn.tuning import Database; db = Database({str(tuning_copy.root)!r}); "
+              f"r = json.load(open({str(tmp_path / 'results.json')!r})); "
+              f"export.export(r, db, allow_cpu_clock=True); t = Task.from_json(r[0]['task']); "
+              f"print(export.stale([t], {{t: r[0]['shape']}}, db))")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0",
+           "PYTHONPATH": str(project)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=project, capture_output=True, timeout=300)
+    assert run.returncode == 0, run.stderr.decode(errors="replace")
+    assert "# réglé à la main" in path.read_text("utf-8")
+    assert _lookup(tuning_copy, results[1]) == Config.of(results[1]["winner_config"])
+
+
+def test_current_config_is_none_only_where_the_database_names_none(tuning_copy):
+    """A database that does not resolve is an error for the tuner, not "no current choice"
+    (plans and timings went on without it, silently)."""
+    from aotattn.tune import flash
+    from aotattn.tuning import TuningError
+    from tests.tune.conftest import forward_task
+
+    task = forward_task(cell=(1024, 1024))
+    assert flash.current_config(tuning_copy, "sm_90", task.table, task.functional, task.cell) is not None
+    patch = tuning_copy.arch_dir("sm_90") / "flash.attn_fwd.0099-broken.dbpatch"
+    header = format_functional(rules.ATTN_FWD, task.functional)
+    patch.write_text(f"#! aotattn-patch 1\n#! table flash.attn_fwd\n\n{header}\nseqlen_q=1024 seqlen_k=1024: nosuch\n")
+    with pytest.raises(TuningError, match="0099-broken.dbpatch:5: unknown configuration 'nosuch'"):
+        flash.current_config(Database(tuning_copy.root), "sm_90", task.table, task.functional, task.cell)
+    patch.write_text(patch.read_text().replace("nosuch", "."))
+    assert flash.current_config(Database(tuning_copy.root), "sm_90", task.table, task.functional, task.cell) is None
+
+
+@pytest.mark.parametrize("timeout", ["0", "-5", "nan"])
+def test_tune_compile_refuses_a_timeout_that_is_not_above_zero(timeout, tmp_path):
+    from typer.testing import CliRunner
+
+    from aotattn.cli import app
+
+    result = CliRunner().invoke(app, ["tune", "compile", str(tmp_path / "batch.jsonl"), "--images",
+                                      str(tmp_path / "images"), "--timeout", timeout])
+    assert result.exit_code == 1 and "--timeout: expected a number of seconds above 0" in result.output, result.output
+    assert not (tmp_path / "images").exists()

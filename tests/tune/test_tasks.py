@@ -83,9 +83,15 @@ def test_payload_round_trip_and_validation():
     assert tasks.Task.from_json(json.loads(json.dumps(payload))) == sample[0]
     for broken, message in [({**payload, "cell": [100, 100]}, "bucket"), ({**payload, "cell": [256]}, "cell"),
                             ({**payload, "table": "flash.nosuch"}, "table"), ({"arch": "sm_90"}, "payload"),
-                            ({**payload, "functional": {**payload["functional"], "dtype": "fp64"}}, "dtype")]:
+                            ({**payload, "functional": {**payload["functional"], "dtype": "fp64"}}, "dtype"),
+                            # 0 == False and 1 == True in Python: of another type, not the same value
+                            ({**payload, "functional": {**payload["functional"], "VARLEN": 0}}, "VARLEN=0"),
+                            ({**payload, "functional": {**payload["functional"], "BIAS": False}}, "BIAS=False")]:
         with pytest.raises(ValueError, match=message):
             tasks.Task.from_json(broken)
+    first = json.loads(text.splitlines()[0])
+    with pytest.raises(tasks.SelectionError, match=r"^b\.jsonl:2: cell: "):  # the line named, as settings errors are
+        tasks.read_batch(text.splitlines()[0] + "\n" + json.dumps({**first, "cell": [3, 3]}), "b.jsonl")
     line = json.dumps({**json.loads(text.splitlines()[0]), "id": "0" * 20})
     with pytest.raises(tasks.SelectionError, match="id"):
         tasks.read_batch(line)
@@ -123,6 +129,7 @@ def test_cells_a_call_never_looks_up_are_not_tuned():
     (["--dtype", "bf16", "--where", "dtype=fp16"], "--dtype and --where dtype=... both given"),
     (["--head-dim", "64", "--where", "BLOCK_D=128"], "--head-dim and --where BLOCK_D=... both given"),
     (["--where", "MSAK=2"], "--where MSAK: no table of the selection has that axis"),
+    (["--where", "MASK=,"], "--where: expected axis=value[,value...], got 'MASK=,' (no value)"),  # said: bias, varlen
 ])
 def test_plan_refuses_a_where_that_would_silently_select_something_else(args, message):
     from typer.testing import CliRunner

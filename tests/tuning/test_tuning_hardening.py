@@ -11,11 +11,13 @@ from typer.testing import CliRunner
 
 from aotattn import families
 from aotattn.cli import app
+from aotattn.spec import Config
 from aotattn.tuning import Database, TuningError, parse_patch, parse_table
 from aotattn.tuning.database import MAX_BASE_DEPTH
 from tests.tuning.test_tuning import HEADER, SPECS, TABLE, TOY, f, make_db
 
-PATCH = "#! aotattn-patch 1\n#! table toy.k\n\n[dtype=fp16 PAD=False]\nseqlen_q=16 seqlen_k=*: big\n"
+PATCH_HEAD = "#! aotattn-patch 1\n#! table toy.k\n"
+PATCH = PATCH_HEAD + "\n[dtype=fp16 PAD=False]\nseqlen_q=16 seqlen_k=*: big\n"
 
 
 def lint_cli(root):
@@ -380,3 +382,61 @@ def test_lint_reports_a_table_outside_an_architecture_folder(tmp_path):
     assert sorted(p.where for p in problems) == [str(tmp_path / "nvidia/toy.k.txt"), str(tmp_path / "toy.k.0001-x.dbpatch")]
     assert all("outside an architecture folder is never read" in str(p) for p in problems)
     assert lint_cli(tmp_path).exit_code == 1
+
+
+@pytest.mark.parametrize("header", ["[dtype=fp16 PAD=True]  # hand-picked", "[dtype=fp16 PAD=True", "[dtype=fp16 PAD=True]]"])
+@pytest.mark.parametrize("where", ["table", "patch"])
+def test_a_malformed_header_is_an_error_not_a_silent_fallback(tmp_path, header, where):
+    """A lookup parses only its own blocks; a header it could not match (a comment after
+    its "]", a bracket missing or doubled) was skipped, and the call ran its fallback's
+    configuration (``PAD=False``'s) with lint the only one to say so."""
+    pad_block = f"\n{header}\nseqlen_q=16..64: small*3\n"
+    files = {"nvidia/sm_90/toy.k.txt": TABLE + (pad_block if where == "table" else "")}
+    if where == "patch":
+        files["nvidia/sm_90/toy.k.0001-hand.dbpatch"] = PATCH_HEAD + pad_block
+    db = make_db(tmp_path, files)
+    with pytest.raises(TuningError, match=r"toy\.k\.(txt|0001-hand\.dbpatch):[0-9]+: (unclosed section header|PAD: 'True\]')"):
+        db.lookup("sm_90", TOY, f(pad=True), {"seqlen_q": 64, "seqlen_k": 64})
+    assert len(db.lint()) == 1
+
+
+def test_a_refused_configuration_name_is_one_problem_not_one_per_use(tmp_path):
+    table = TABLE.replace("big = BLOCK=64 num_warps=8", "1big = BLOCK=64 num_warps=8").replace("big", "1big") \
+        .replace("11big", "1big")
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": table})
+    problems = db.lint()
+    assert len(problems) == 1 and "expected 'name = knob=value ...'" in str(problems[0])
+
+
+def test_a_derived_table_fills_a_refinement_its_base_patched_from_its_own_blocks(tmp_path):
+    """sm_90's patch sets one cell of a PAD=True block (which its table lacks); sm_80 is
+    based on sm_90 with its own PAD=False root. sm_80's PAD=True cells the patch did not set
+    follow sm_80's root, not sm_90's (they took sm_90's tiles, all of them, before)."""
+    base = HEADER.format(arch="sm_90", base="") + "\n[configs]\nbig = BLOCK=64 num_warps=8\n\n" \
+        "[dtype=fp16 PAD=False]\nseqlen_q=16..64: big*3\n"
+    derived = HEADER.format(arch="sm_80", base="#! base sm_90\n") + "\n[configs]\nsmall = BLOCK=16 num_warps=4\n\n" \
+        "[dtype=fp16 PAD=False]\nseqlen_q=16..64: small*3\n"
+    patch = PATCH_HEAD + "\n[configs]\nmid = BLOCK=32 num_warps=4\n\n[dtype=fp16 PAD=True]\nseqlen_q=64 seqlen_k=64: mid\n"
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": base, "nvidia/sm_80/toy.k.txt": derived,
+                            "nvidia/sm_90/toy.k.0001-pad.dbpatch": patch})
+    big, small, mid = (Config.of(c) for c in ({"BLOCK": 64, "num_warps": 8}, {"BLOCK": 16, "num_warps": 4},
+                                              {"BLOCK": 32, "num_warps": 4}))
+    for arch, other in (("sm_90", big), ("sm_80", small)):
+        assert db.lookup(arch, TOY, f(pad=True), {"seqlen_q": 64, "seqlen_k": 64}) == mid
+        for sq, sk in ((16, 16), (64, 16), (32, 64)):
+            assert db.lookup(arch, TOY, f(pad=True), {"seqlen_q": sq, "seqlen_k": sk}) == other, (arch, sq, sk)
+        assert db.lookup(arch, TOY, f(), {"seqlen_q": 64, "seqlen_k": 64}) == other
+    assert not db.lint()
+
+
+def test_set_knobs_refuses_a_table_with_a_base(tmp_path):
+    derived = HEADER.format(arch="sm_80", base="#! base sm_90\n") + "\n[configs]\nsmall = BLOCK=16 num_warps=4\n\n" \
+        "[dtype=fp16 PAD=False]\nseqlen_q=16..64: small*3\n"
+    db = make_db(tmp_path, {"nvidia/sm_90/toy.k.txt": TABLE, "nvidia/sm_80/toy.k.txt": derived})
+    before = (tmp_path / "nvidia/sm_80/toy.k.txt").read_text()
+    with pytest.raises(TuningError, match="takes its other cells from sm_90"):
+        db.set_knobs("sm_80", "toy.k", {"num_warps": "8"})
+    assert (tmp_path / "nvidia/sm_80/toy.k.txt").read_text() == before
+    assert db.set_knobs("sm_90", "toy.k", {"num_warps": "8"})
+    assert {c.as_dict()["num_warps"] for c in db.effective("sm_80", "toy.k").configs.values()} == {4, 8}
+    assert db.lookup("sm_80", TOY, f("bf16"), {"seqlen_q": 64, "seqlen_k": 64}).as_dict()["num_warps"] == 8
