@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import string
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -366,6 +367,19 @@ class KernelSpec(_Table):
         if self.derive is not None:
             values.update(self.derive(values))
         return values
+
+    @property
+    def declaration(self) -> str:
+        """What of this declaration an image's binary and its launch depend on beyond the
+        kernel's source (argument types and order, alignment hints, the knobs and axes a
+        configuration or functional may leave out), as text: an archive records it in its
+        source hash, so one built under another declaration is refused, not launched with
+        this one's argument layout."""
+        return json.dumps({"function": self.function, "language": self.language,
+                           "arguments": [[a.name, a.type, a.aligned] for a in self.arguments],
+                           "knob_defaults": [[k, repr(v)] for k, v in self.knob_defaults],
+                           "axis_defaults": [[k, repr(v)] for k, v in self.axis_defaults],
+                           "table_axes": list(self.table_axes)}, sort_keys=True)
 
     def signature(self, functional: Functional) -> dict[str, str]:
         """Triton signature of the runtime arguments, in order."""

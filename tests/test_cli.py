@@ -164,7 +164,7 @@ def _one_archive(root):
                          num_warps=4, warp_size=32, global_scratch_size=0, global_scratch_align=1,
                          profile_scratch_size=0, binary="cubin", file="flash.dropout_mask/k.cubin", blob="")
     path = images.archive_path(root, "sm_90", spec.qualname)
-    images.write_archive(path, "sm_90", spec.qualname, "3.6.0", images.source_hash(spec.module),
+    images.write_archive(path, "sm_90", spec.qualname, "3.6.0", images.source_hash(spec.module, spec.declaration),
                          [(entry, b"\x7fELF" + bytes(range(256)))])
     return path
 

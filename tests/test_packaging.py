@@ -59,7 +59,7 @@ def fake_image(root: Path) -> bytes:
                          global_scratch_align=1, profile_scratch_size=0, binary="cubin", file=f"{TABLE}/a.cubin",
                          blob="")
     images.write_archive(images.archive_path(root, "sm_90", TABLE), "sm_90", TABLE, "3.6.0",
-                         images.source_hash(spec.module), [(entry, binary)])
+                         images.source_hash(spec.module, spec.declaration), [(entry, binary)])
     return binary
 
 

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table as RichTable
+from rich.text import Text
 
 from aotattn.arch import ARCHES
 from aotattn.runtime.images import ENV_VAR, SUFFIX, Archive, ImageError, image_roots, images_root
@@ -117,8 +118,9 @@ def build_command(
                 progress.console.print(escape(f"FAILED {job.arch} {job.table} [{job.functional}] {job.config}: {last}"),
                                        style="red")
 
-        report = build(archs, tables, where, out or images_root(), cache or DEFAULT_CACHE, jobs or usable_cores(),
-                       timeout, db, on_outcome=done, line_info=line_info, forced=forced_backends,
+        out, cache = (out or images_root()).expanduser(), (cache or DEFAULT_CACHE).expanduser()  # --out=~/x
+        report = build(archs, tables, where, out, cache, jobs or usable_cores(), timeout, db, on_outcome=done,
+                       line_info=line_info, forced=forced_backends,
                        warn=lambda line: progress.console.print(escape(f"warning: {line}"), style="yellow"))
     counts = {}
     for outcome in report.outcomes:
@@ -127,7 +129,7 @@ def build_command(
     console.print(f"{len(report.outcomes)} kernel(s): " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
                   + f"; {len(report.archives)} archive(s), {size / 2**20:.1f} MiB; {report.seconds:.1f} s")
     for path in report.archives:
-        console.print(f"  {path}")
+        console.print(f"  {path}", markup=False, highlight=False)
     if failures:
         raise typer.Exit(1)
 
@@ -167,8 +169,8 @@ def ls(paths: list[Path] = typer.Argument(None, help=_FOLDERS)) -> None:
             console.print(escape(str(exc)), style="red")
             bad += 1
             continue
-        table.add_row(str(path), h.arch, h.table, str(len(h.entries)), h.triton_version,
-                      f"{path.stat().st_size / 1024:.0f} KiB")
+        table.add_row(*(Text(cell) for cell in (str(path), h.arch, h.table, str(len(h.entries)), h.triton_version,
+                                                 f"{path.stat().st_size / 1024:.0f} KiB")))  # never markup
     console.print(table)
     console.print(f"{len(found)} archive(s)")
     if bad:
@@ -180,7 +182,7 @@ def extract(archive: Path = typer.Argument(..., help="an archive"),
             target: Path = typer.Argument(..., help="a new or empty folder to write into")) -> None:
     """Write an archive's kernels (and index.json) into a new or empty folder; never outside it."""
     written = Archive(archive).extract(target)
-    console.print(f"{len(written)} file(s) under {target}")
+    console.print(f"{len(written)} file(s) under {target}", markup=False, highlight=False)
 
 
 @images_app.command()
@@ -206,7 +208,7 @@ def verify(paths: list[Path] = typer.Argument(None, help=_FOLDERS)) -> None:
             if spec is None:
                 problems.append(f"{path}: no kernel family declares {archive.table}")
             else:
-                check_loadable(archive, archive.arch, archive.table, spec.module)
+                check_loadable(archive, archive.arch, spec)
             # the runtime opens <arch>/<table>.aotimg under an image folder and refuses one holding another arch
             # or kernel: one copied or renamed into another's place is a problem where it lies
             placed = Path(archive.arch, f"{archive.table}{SUFFIX}")

@@ -55,7 +55,7 @@ class Job:
 def source_hash(spec: Any) -> str:
     """The hash an archive records for the kernel's source: the one the runtime recomputes,
     without Triton, to refuse images of another source (:func:`aotattn.runtime.images.source_hash`)."""
-    return images.source_hash(spec.module)
+    return images.source_hash(spec.module, spec.declaration)
 
 
 def _triton_inputs(job: Job) -> tuple[Any, dict, dict, dict, dict]:

@@ -92,10 +92,12 @@ class LoadedKernel:
         del keep
 
 
-def check_loadable(archive: Archive, arch: str, table: str, module: str) -> None:
+def check_loadable(archive: Archive, arch: str, spec: Any) -> None:
     """Refuse an archive this runtime must not launch from: another arch or kernel, another
-    Triton minor (another argument layout), or another source of the kernel's module (a
-    stale image whose arguments may no longer match the host code)."""
+    Triton minor (another argument layout), or another source of the kernel's module or
+    another declaration of the kernel (a stale image whose arguments may no longer match
+    the host code)."""
+    table, module = spec.qualname, spec.module
     rebuild = f"rebuild with: aotattn build --arch {arch} --kernel {table}"
     if archive.arch != arch or archive.table != table:
         raise ImageError(f"{archive.path}: holds {archive.arch} / {archive.table}, expected {arch} / {table}; "
@@ -103,9 +105,10 @@ def check_loadable(archive: Archive, arch: str, table: str, module: str) -> None
     if triton_abi(archive.triton_version) != TRITON_ABI:
         raise ImageError(f"{archive.path}: compiled by Triton {archive.triton_version}, but this aotattn launches "
                          f"Triton {TRITON_ABI} kernels; {rebuild}")
-    expected = source_hash(module)
+    expected = source_hash(module, spec.declaration)
     if archive.source_hash != expected:
-        raise ImageError(f"{archive.path}: compiled from another version of {module} (source hash "
+        raise ImageError(f"{archive.path}: compiled from another version of {module} or of {table}'s declaration "
+                         f"(source hash "
                          f"{archive.source_hash[:12]}, installed {expected[:12]}); {rebuild} (or set AOTATTN_MODE=jit)")
 
 
@@ -138,7 +141,7 @@ class ImageStore:
             loaded = self._kernels.get(key)
             if loaded is None:
                 arch = arch_of(device)
-                archives = self.archives(arch, spec.qualname, spec.module)
+                archives = self.archives(arch, spec)
                 variant = spec.variant(plan.functional)
                 wanted = entry_key(plan.functional.as_dict(), plan.config.as_dict(), variant)
                 found = next(((a, e) for a in archives if (e := a.entry(wanted)) is not None), None)
@@ -154,14 +157,15 @@ class ImageStore:
                 self._kernels[key] = loaded
         return loaded
 
-    def archives(self, arch: str, table: str, module: str) -> tuple[Archive, ...]:
-        """The archives of ``arch`` / ``table`` under the roots, in order, opened and checked."""
+    def archives(self, arch: str, spec: Any) -> tuple[Archive, ...]:
+        """The archives of ``arch`` / ``spec``'s kernel under the roots, in order, opened and checked."""
+        table = spec.qualname
         found = self._archives.get((arch, table))
         if found is None:
             found = tuple(Archive(path) for root in self.roots
                           if os.path.lexists(path := archive_path(root, arch, table)))
             for archive in found:
-                check_loadable(archive, arch, table, module)
+                check_loadable(archive, arch, spec)
             self._archives[(arch, table)] = found
         return found
 

@@ -64,6 +64,8 @@ _LZMA_MEMLIMIT = 128 << 20  # the writer's preset 6 needs about 9 MiB to inflate
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*")
+_VERSION = re.compile(r"[0-9]+(\.[0-9A-Za-z]+)*([+-][0-9A-Za-z.+_-]*)?")  # 3.6.0, 3.6.0+git1a2b, 3.7.0-rc1
+_HASH = re.compile(r"[0-9a-f]{64}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _VARIANTS = tuple(VARIANTS)
 _BINARIES = ("cubin", "hsaco")
@@ -120,7 +122,7 @@ class Header:
 def images_root() -> Path:
     """Where ``aotattn build`` writes: ``$AOTATTN_IMAGES``, else the checkout's ``images/``,
     else the user's cache (``~/.cache/aotattn/images``); see :mod:`aotattn.paths`."""
-    return Path(os.environ.get(ENV_VAR) or paths.default_images())
+    return Path(os.environ.get(ENV_VAR) or paths.default_images()).expanduser()  # no shell expands it in a unit file
 
 
 def image_roots() -> list[Path]:
@@ -128,7 +130,7 @@ def image_roots() -> list[Path]:
     when it is set; else :func:`images_root`, then the images installed with the package
     (a wheel built to carry them)."""
     if os.environ.get(ENV_VAR):
-        return [Path(os.environ[ENV_VAR])]
+        return [Path(os.environ[ENV_VAR]).expanduser()]
     packaged = paths.package_data(paths.IMAGES)
     return [paths.default_images()] + ([packaged] if packaged is not None else [])
 
@@ -143,14 +145,18 @@ def archive_path(root: Path, arch: str, table: str) -> Path:
     return Path(root) / arch / f"{table}{SUFFIX}"
 
 
-def source_hash(module: str) -> str:
+def source_hash(module: str, declaration: str = "") -> str:
     """SHA-256 of the kernel module's source and of the modules of its own package it
     imports from (a family's shared kernel code), found without importing them (so
-    without Triton): what an archive records, and what the runtime compares."""
+    without Triton), and of the kernel's ``declaration`` (``KernelSpec.declaration``: the
+    argument types, hints and defaults the host code packs by, which the untyped kernel
+    source does not show): what an archive records, and what the runtime compares."""
     digest = hashlib.sha256()
     for name, path in sorted(_kernel_sources(module).items()):
         digest.update(f"{name}\0".encode())
         digest.update(path.read_bytes())
+    if declaration:
+        digest.update(b"\0declaration\0" + declaration.encode())
     return digest.hexdigest()
 
 
@@ -388,6 +394,10 @@ def _frame(data: Any, data_size: int) -> dict[str, Any]:
             raise ValueError(f"the index: {name} is {data[name]!r}, expected a string")
     if not _NAME.fullmatch(data["arch"]) or not _TABLE.fullmatch(data["table"]):
         raise ValueError(f"the index names arch {data['arch']!r} / table {data['table']!r}")
+    # printed by `images ls` and in errors: a control character there would reach the terminal
+    if not _VERSION.fullmatch(data["triton_version"]) or not _HASH.fullmatch(data["source_hash"]):
+        raise ValueError(f"the index gives triton_version {data['triton_version']!r} / source_hash "
+                         f"{data['source_hash']!r}, expected a version like 3.6.0 and a SHA-256 in hex")
     entries = data["entries"]
     if not isinstance(entries, list) or len(entries) > MAX_ENTRIES:
         raise ValueError(f"the index: entries must be a list of at most {MAX_ENTRIES}")
@@ -545,8 +555,10 @@ class Archive:
         """Write each binary (and an index.json) into ``target``, a new or empty folder.
 
         Everything is written into a fresh staging folder beside ``target`` (no link can be
-        there), each binary checked, and the folder renamed into place at the end: on any
-        failure nothing is left, and nothing outside ``target`` is ever written.
+        there), each binary checked, and the folder renamed into place at the end (into an
+        existing empty ``target``, its contents moved in: the folder itself, its mode, owner
+        and inode, stays): on any failure nothing is left, and nothing outside ``target`` is
+        ever written.
         """
         problems = _file_problems(self.header.entries)
         if problems:
@@ -559,6 +571,7 @@ class Archive:
             raise ImageError(f"{self.path}: {target} is not empty: extract into a new or empty folder")
         created = [p for p in reversed(target.parents) if not p.exists()]
         staging = None
+        moved: list[Path] = []
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -567,9 +580,20 @@ class Archive:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 _write_new(out, self.binary(entry))
             _write_new(staging / "index.json", json.dumps(asdict(self.header), indent=1, sort_keys=True).encode())
-            os.chmod(staging, 0o755)
-            os.rename(staging, target)  # replaces an empty folder, never follows a link
+            if target.is_dir():  # the user's empty folder (the shell's own, maybe): fill it, keep it
+                for child in sorted(staging.iterdir()):
+                    os.rename(child, target / child.name)
+                    moved.append(target / child.name)
+                staging.rmdir()
+            else:
+                os.chmod(staging, 0o755)
+                os.rename(staging, target)  # never follows a link
         except BaseException as exc:
+            for path in moved:
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
             for folder in reversed(created):

@@ -136,7 +136,7 @@ def lint(tuning_db: Path = TUNING_DB,
     for problem in problems:
         affects = f"  (affects {', '.join(problem.archs)})" if problem.archs else "  (affects no architecture)"
         console.print(escape(f"{problem}{affects}"), style="red", highlight=False)
-    console.print(f"{len(problems)} problem(s) in {db.root}")
+    console.print(f"{len(problems)} problem(s) in {db.root}", markup=False, highlight=False)
     if problems:
         raise typer.Exit(1)
 
@@ -167,4 +167,5 @@ def squash(arch: str = typer.Option(..., help="architecture"),
     """Fold a table's patches into its file and delete them (for a release)."""
     db = _db(tuning_db)
     removed = db.squash(arch, table)
-    console.print(f"folded {len(removed)} patch(es) into {db.table_path(arch, table)}")
+    console.print(f"folded {len(removed)} patch(es) into {db.table_path(arch, table)}", markup=False,
+                  highlight=False)

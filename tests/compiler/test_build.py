@@ -172,7 +172,7 @@ def _evil_archive(path: Path) -> None:
     entry = Entry(key="||generic", functional={}, config={}, variant="generic", symbol="k", shared=0, num_warps=4,
                   warp_size=32, global_scratch_size=0, global_scratch_align=1, profile_scratch_size=0, binary="cubin",
                   file="../../escaped.cubin", blob="")
-    write_archive(path, "sm_90", "flash.dropout_mask", "3.6.0", "x", [(entry, b"\x7fELF evil")])
+    write_archive(path, "sm_90", "flash.dropout_mask", "3.6.0", "0" * 64, [(entry, b"\x7fELF evil")])
 
 
 def test_a_path_traversing_archive_is_rejected(tmp_path):
@@ -341,7 +341,7 @@ def test_a_build_never_merges_an_archive_of_another_arch_or_kernel_copied_into_p
                      symbol="other", shared=0, num_warps=4, warp_size=32, global_scratch_size=0,
                      global_scratch_align=1, profile_scratch_size=0, binary="cubin", file="x/other.cubin", blob="")
     path = images.archive_path(tmp_path / "images", "sm_90", "flash.dropout_mask")
-    write_archive(path, arch, table, triton.__version__, images.source_hash(rules_kernels()[table].module),
+    write_archive(path, arch, table, triton.__version__, images.source_hash(rules_kernels()[table].module, rules_kernels()[table].declaration),
                   [(stranger, b"\x7fELF a stranger")])
     assert builder.pack([job], tmp_path / "cache", tmp_path / "images") == [path]
     archive = Archive(path)

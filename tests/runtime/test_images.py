@@ -46,7 +46,7 @@ def make_archive(path: Path, names=("a", "b"), table: str = TABLE, triton_versio
     binaries = {name: b"\x7fELF" + os.urandom(300) for name in names}
     spec = families.kernels()[table]
     write_archive(path, "sm_90", table, triton_version,
-                  source_hash if source_hash is not None else images.source_hash(spec.module),
+                  source_hash if source_hash is not None else images.source_hash(spec.module, spec.declaration),
                   [(kernel_entry(name, **fields), binary) for name, binary in binaries.items()])
     return binaries
 
@@ -231,7 +231,7 @@ def test_the_runtime_loader_reports_archive_errors_as_one_image_error(tmp_path, 
     path.parent.mkdir(parents=True)
     make_archive(path)
     mutate(path, SCHEMA_CASES["wrong type"])
-    archive, = image_loader.ImageStore([tmp_path]).archives("sm_90", TABLE, spec.module)
+    archive, = image_loader.ImageStore([tmp_path]).archives("sm_90", spec)
     broken, fine = (e["key"] for e in split(path)[0]["entries"])
     with pytest.raises(ImageError) as info:
         archive.entry(broken)
@@ -239,7 +239,7 @@ def test_the_runtime_loader_reports_archive_errors_as_one_image_error(tmp_path, 
     assert archive.binary(archive.entry(fine))[:4] == b"\x7fELF"
     mutate(path, SCHEMA_CASES["extra header key"])
     with pytest.raises(ImageError) as info:
-        image_loader.ImageStore([tmp_path]).archives("sm_90", TABLE, spec.module)
+        image_loader.ImageStore([tmp_path]).archives("sm_90", spec)
     assert "extra" in one_line_error(info.value, path)
 
 
@@ -268,7 +268,7 @@ def test_a_damaged_archive_the_runtime_reads_says_to_rebuild_it(tmp_path, damage
     make_archive(path, names=("a",))
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(ImageError) as info:
-        archive, = image_loader.ImageStore([tmp_path]).archives("sm_90", TABLE, spec.module)
+        archive, = image_loader.ImageStore([tmp_path]).archives("sm_90", spec)
         archive.binary(archive.header.entries[0])
     assert "aotattn build" in one_line_error(info.value, path)
     result = cli("images", "verify", str(tmp_path))
@@ -288,6 +288,46 @@ def test_extract_writes_every_binary_and_the_index(tmp_path):
     assert {name: (out / TABLE / f"{name}.cubin").read_bytes() for name in binaries} == binaries
     assert json.loads((out / "index.json").read_text())["table"] == TABLE
     assert sorted(os.listdir(tmp_path / "new")) == ["out"]  # no staging folder left behind
+
+
+def test_extract_into_an_existing_empty_folder_keeps_that_folder(tmp_path, monkeypatch):
+    """The folder was replaced by the staging one: a private 0700 folder became 0755 under a
+    new inode, and extracting into ``.`` left the shell in a deleted folder."""
+    path = tmp_path / "x.aotimg"
+    binaries = make_archive(path)
+    out = tmp_path / "private"
+    out.mkdir(mode=0o700)
+    os.chmod(out, 0o700)
+    before = os.stat(out)
+    monkeypatch.chdir(out)
+    written = Archive(path).extract(Path("."))
+    after = os.stat(out)
+    assert (after.st_ino, after.st_mode) == (before.st_ino, before.st_mode)
+    assert {name: (out / TABLE / f"{name}.cubin").read_bytes() for name in binaries} == binaries
+    assert sorted(os.listdir(".")) == [TABLE, "index.json"] and all(p.exists() for p in written)
+    assert sorted(os.listdir(tmp_path)) == ["private", "x.aotimg"]  # no staging folder left behind
+
+
+@pytest.mark.parametrize("field, value", [("triton_version", "3.6.0\x1b]0;pwned\x07"),
+                                          ("triton_version", "3.6.0\x1b[2J"), ("source_hash", "\x1b[2J" + "0" * 60)])
+def test_an_index_string_that_would_reach_the_terminal_is_refused(tmp_path, field, value):
+    """``images ls`` prints the Triton version and errors name the hashes: an escape sequence
+    there (clear the screen, set the window title) reached the terminal, and passed verify."""
+    path = tmp_path / "x.aotimg"
+    make_archive(path)  # the writer refuses such strings: a hostile archive is written otherwise
+    index, blobs = split(path)
+    rewrite(path, {**index, field: value}, blobs)
+    with pytest.raises(ImageError, match=f"{field}.*expected a version like 3.6.0") as info:
+        Archive(path).header
+    assert "\x1b" not in str(info.value) and "\n" not in str(info.value)
+    result = cli("images", "ls", str(tmp_path))
+    assert result.exit_code == 1 and "\x1b" not in result.output
+
+
+def test_a_tilde_in_the_images_variable_is_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(images.ENV_VAR, "~/aotimgs")
+    assert images.images_root() == tmp_path / "aotimgs" and images.image_roots() == [tmp_path / "aotimgs"]
 
 
 def test_extract_never_follows_a_link_in_the_target(tmp_path):
@@ -423,7 +463,7 @@ def _open_for_runtime(tmp_path, **kwargs):
     path = images.archive_path(tmp_path, "sm_90", TABLE)
     path.parent.mkdir(parents=True, exist_ok=True)
     make_archive(path, **kwargs)
-    return image_loader.ImageStore([tmp_path]).archives("sm_90", TABLE, spec.module)[0], path
+    return image_loader.ImageStore([tmp_path]).archives("sm_90", spec)[0], path
 
 
 def test_the_runtime_refuses_another_triton_abi_naming_both_versions(tmp_path):
@@ -436,13 +476,37 @@ def test_the_runtime_refuses_another_triton_abi_naming_both_versions(tmp_path):
 
 
 def test_the_runtime_refuses_images_of_another_kernel_source_naming_both_hashes(tmp_path):
-    expected = images.source_hash(families.kernels()[TABLE].module)
+    expected = images.source_hash(families.kernels()[TABLE].module, families.kernels()[TABLE].declaration)
     with pytest.raises(ImageError, match="source") as info:
         _open_for_runtime(tmp_path, source_hash="0" * 64)
     text = info.value.args[0]
     assert "0" * 12 in text and expected[:12] in text and "aotattn build" in text and "\n" not in text
     result = cli("images", "verify", str(tmp_path))
     assert result.exit_code == 1 and expected[:12] in result.output
+
+
+@pytest.mark.parametrize("change", ["an argument widened", "an alignment hint", "a knob default"])
+def test_the_runtime_refuses_images_built_under_another_declaration(tmp_path, monkeypatch, change):
+    """Triton kernels are untyped: argument types, hints and defaults live in the family's
+    declaration (rules.py), which the kernel source's hash did not cover. An archive built
+    before such a change loaded, and its binary was launched with the new argument layout."""
+    import dataclasses
+
+    spec = families.kernels()[TABLE]
+    _open_for_runtime(tmp_path)  # built under today's declaration: loads
+    arg = next(a for a in spec.arguments if a.type in ("i32", "i64"))
+    if change == "an argument widened":
+        changed = dataclasses.replace(spec, arguments=tuple(
+            dataclasses.replace(a, type="i64" if a.type == "i32" else "i32") if a is arg else a for a in spec.arguments))
+    elif change == "an alignment hint":
+        changed = dataclasses.replace(spec, arguments=tuple(
+            dataclasses.replace(a, aligned=not a.aligned) if a is arg else a for a in spec.arguments))
+    else:
+        changed = dataclasses.replace(spec, knob_defaults=(*spec.knob_defaults, ("NEW_KNOB", 0)))
+    assert changed.declaration != spec.declaration
+    with pytest.raises(ImageError, match="another version of .* or of flash.dropout_mask's declaration") as info:
+        image_loader.ImageStore([tmp_path]).archives("sm_90", changed)
+    assert "aotattn build --arch sm_90 --kernel flash.dropout_mask" in info.value.args[0]
 
 
 def test_the_runtime_refuses_an_archive_of_another_kernel_in_its_place_saying_what_to_do(tmp_path):
@@ -453,7 +517,7 @@ def test_the_runtime_refuses_an_archive_of_another_kernel_in_its_place_saying_wh
     path.parent.mkdir(parents=True)
     make_archive(path, names=("a",), table=other)
     with pytest.raises(ImageError, match=other) as info:
-        image_loader.ImageStore([tmp_path]).archives("sm_90", TABLE, families.kernels()[TABLE].module)
+        image_loader.ImageStore([tmp_path]).archives("sm_90", families.kernels()[TABLE])
     assert f"aotattn build --arch sm_90 --kernel {TABLE}" in one_line_error(info.value, path)
 
 
@@ -580,7 +644,7 @@ def test_the_same_kernels_in_any_order_give_the_same_bytes(tmp_path):
     paths = []
     for n, order in enumerate([kernels, kernels[::-1], kernels[2:] + kernels[:2]]):
         paths.append(tmp_path / f"{n}.aotimg")
-        write_archive(paths[-1], "sm_90", TABLE, "3.6.0", images.source_hash(spec.module), order)
+        write_archive(paths[-1], "sm_90", TABLE, "3.6.0", images.source_hash(spec.module, spec.declaration), order)
     assert paths[0].read_bytes() == paths[1].read_bytes() == paths[2].read_bytes()
     archive = Archive(paths[0])
     assert not archive.verify()

@@ -78,7 +78,7 @@ def build_image(root, spec=PHILOX, source_hash: str | None = None) -> bytes:
     # no NUL byte: the fake driver sees the image through a char pointer, up to the first NUL
     binary = b"\x7fELF" + bytes(random.randint(1, 255) for _ in range(200))
     write_archive(images.archive_path(root, "sm_90", spec.qualname), "sm_90", spec.qualname, "3.6.0",
-                  source_hash or images.source_hash(spec.module), [(entry, binary)])
+                  source_hash or images.source_hash(spec.module, spec.declaration), [(entry, binary)])
     return binary
 
 

@@ -25,6 +25,7 @@ from aotattn.families.flash.planning import (Call, accumulated_dq_scale, backwar
                                              forward_plan, lse_shape, new_call, new_output, philox_state,
                                              run_backward, run_forward, trim_keys, zeroed_rows)
 from aotattn.runtime import launch, prepare
+from aotattn.runtime.images import ENV_VAR as IMAGES_VAR
 from aotattn.runtime.launcher import MODE_VAR
 from aotattn.tuning import ENV_VAR as TUNING_DB_VAR
 from aotattn.spec import LaunchPlan
@@ -157,17 +158,18 @@ def _apply(function: type[torch.autograd.Function], *args):
 
 
 def _environment() -> tuple:
-    """The environment variables a cached plan depends on (launch mode, tuning database),
-    read from ``os.environ``'s own dict: ``os.environ.get`` encodes and decodes each name
-    and value, two microseconds of a tiny call's host time."""
+    """The environment variables a cached plan depends on (launch mode, tuning database,
+    image folder: a plan holds the kernel loaded from it), read from ``os.environ``'s own
+    dict: ``os.environ.get`` encodes and decodes each name and value, two microseconds of a
+    tiny call's host time."""
     data = getattr(os.environ, "_data", None)
     if data is None or _ENV_KEYS is None:
-        return os.environ.get(MODE_VAR), os.environ.get(TUNING_DB_VAR)
-    return data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1])
+        return os.environ.get(MODE_VAR), os.environ.get(TUNING_DB_VAR), os.environ.get(IMAGES_VAR)
+    return data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1]), data.get(_ENV_KEYS[2])
 
 
 try:
-    _ENV_KEYS = (os.environ.encodekey(MODE_VAR), os.environ.encodekey(TUNING_DB_VAR))
+    _ENV_KEYS = tuple(os.environ.encodekey(name) for name in (MODE_VAR, TUNING_DB_VAR, IMAGES_VAR))
 except AttributeError:  # not CPython's os._Environ
     _ENV_KEYS = None
 

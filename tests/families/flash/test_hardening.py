@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -251,7 +252,7 @@ def test_plan_cache_with_an_unhashable_argument_reports_it_warm():
 @pytest.mark.parametrize("device", DEVICES)
 def test_plan_cache_follows_the_launch_mode_and_tuning_database(device, monkeypatch, tmp_path):
     """The environment a plan was made under is part of its key: after warm calls, a new
-    ``AOTATTN_MODE`` or ``AOTATTN_TUNING_DB`` misses the cache (a plan of its own), under
+    ``AOTATTN_MODE``, ``AOTATTN_TUNING_DB`` or ``AOTATTN_IMAGES`` misses the cache (a plan of its own), under
     autograd or not; on a GPU a bad value is then reported (CPU tensors always run in the
     interpreter with its own configs)."""
     q, k, v = (torch.randn(1, 8, 2, 16, device=device, requires_grad=True) for _ in range(3))
@@ -261,11 +262,13 @@ def test_plan_cache_follows_the_launch_mode_and_tuning_database(device, monkeypa
         with torch.no_grad():
             aotattn.flash_attn_func(q, k, v, causal=True)
     assert len(ops._PLANS.entries) == 1
-    for name, value in (("AOTATTN_TUNING_DB", str(tmp_path / "no-such-db")), ("AOTATTN_MODE", "bogus")):
+    for name, value in (("AOTATTN_TUNING_DB", str(tmp_path / "no-such-db")), ("AOTATTN_MODE", "bogus"),
+                        ("AOTATTN_IMAGES", str(tmp_path / "other-images"))):  # a plan holds the kernel it loaded
         monkeypatch.setenv(name, value)
         for grad in (True, False):
-            with torch.set_grad_enabled(grad):
-                if device == "cuda":
+            with torch.set_grad_enabled(grad), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # on a GPU, no images there: the JIT's fallback warning
+                if device == "cuda" and name != "AOTATTN_IMAGES":
                     with pytest.raises(Exception, match="no-such-db|AOTATTN_MODE"):
                         aotattn.flash_attn_func(q, k, v, causal=True)
                 else:
