@@ -25,7 +25,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from aotattn.perfmon.entries import BACKWARD_PASSES
+from aotattn.perfmon.entries import BACKWARD_PASSES, Entry
 from aotattn.perfmon.perfdb import Perfdb, Record
 from aotattn.perfmon.providers import AOTATTN, FORCED, PEERS
 
@@ -100,6 +100,41 @@ def faults(db: Perfdb, margin: float = 0.0) -> list[Fault]:
     return found
 
 
+# Axes a table leaves out of a cell's name at their default (``axis_defaults``) whose value an
+# entry's own fields decide. A note written before such an axis existed reads as its default;
+# where the entry's call has another value, it reads another cell now. (A test checks that
+# every such axis of flash.backward is here.)
+ENTRY_AXES = {"GROUPED": lambda entry: entry.group_size > 1}
+
+
+def note_problem(entry: Entry, cell: str) -> str | None:
+    """Why the cell a note names is not a cell ``entry``'s call reads with the tables as
+    declared now, or None: a cell named in an older format (before the table had some of its
+    axes), or one without an axis the entry decides (:data:`ENTRY_AXES`: a grouped-query
+    call noted before ``GROUPED`` existed reads the ``GROUPED=True`` cell now). A patch made
+    from such a note would edit a block the timed call no longer reads."""
+    from aotattn.perfmon.provenance import parse_cell
+
+    try:
+        parsed = parse_cell(cell)
+    except ValueError as exc:
+        reason = str(exc).removeprefix(f"cell {cell!r}: ").removeprefix("cell: ")
+        return f"not a cell of the tables as declared now ({reason}): measure the entry again"
+    return _axis_problem(entry, parsed)
+
+
+def _axis_problem(entry: Entry, parsed) -> str | None:
+    from aotattn import families
+
+    defaults = dict(getattr(families.tables()[parsed.table], "axis_defaults", ()))
+    values = parsed.functional.as_dict()
+    for axis, decide in ENTRY_AXES.items():
+        if axis in defaults and values.get(axis, defaults[axis]) != decide(entry):
+            return (f"noted without {axis}={decide(entry)}, which the entry's call has: noted before {parsed.table} "
+                    "had that axis, the call reads another cell now (measure the entry again)")
+    return None
+
+
 def patchable(db: Perfdb, found: list[Fault]) -> tuple[dict[str, str], dict[str, list[str]]]:
     """The backend each faulty cell can be set to, and the cells left alone with why.
 
@@ -123,16 +158,30 @@ def patchable(db: Perfdb, found: list[Fault]) -> tuple[dict[str, str], dict[str,
             contested.setdefault(cell, []).append(f"not a {BACKEND_TABLE} cell: the backend choice is made there")
     changes = {cell: next(iter(w)) for cell, w in winners.items() if len(w) == 1}
     records = db.by_key()
+    parsed: dict[str, object] = {}
     for name, pass_, unforced, choice, noise in _backward_passes(db, records):
         cell = unforced.notes().get("cell")
         backend = changes.get(cell)
-        if backend is None or backend == choice:
+        if backend is None or backend == choice or _reads_another_cell_now(db.entries[name], cell, parsed):
             continue
         other = _forced(records, name, pass_).get(backend)
         if other is not None and other.ms - unforced.ms > max(noise, _noise(other)):
             contested.setdefault(cell, []).append(
                 f"{name} {pass_} is faster with {choice} ({unforced.ms:.4g} ms against {backend} {other.ms:.4g} ms)")
     return {cell: b for cell, b in changes.items() if cell not in contested}, contested
+
+
+def _reads_another_cell_now(entry: Entry, cell: str, parsed: dict[str, object]) -> bool:
+    """The entry's note names ``cell`` as a table did before an axis the entry decides: its
+    timing says nothing about that cell now (``parsed``: a cache of parsed cells)."""
+    from aotattn.perfmon.provenance import parse_cell
+
+    if cell not in parsed:
+        try:
+            parsed[cell] = parse_cell(cell)
+        except ValueError:
+            parsed[cell] = None  # not a cell of today's tables: the faults' own check says so
+    return parsed[cell] is not None and _axis_problem(entry, parsed[cell]) is not None
 
 
 @dataclass(frozen=True)
@@ -174,6 +223,12 @@ class Comparison:
     @property
     def improvements(self) -> list[Change]:
         return [c for c in self.changes if c.verdict == "improvement"]
+
+    @property
+    def in_both(self) -> list[Change]:
+        """The (entry, pass, provider) records both runs have, of the same declaration: what
+        was compared (none: a pass of `--fail-on-regression` would mean nothing)."""
+        return [c for c in self.changes if c.verdict not in ("only in A", "only in B", "changed")]
 
     def geomeans(self) -> dict[tuple[str, str, str], tuple[int, float]]:
         """(group, pass, provider) -> (entries compared, geometric mean of the speed)."""

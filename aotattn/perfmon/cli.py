@@ -54,10 +54,23 @@ def _fail(message: str) -> typer.Exit:
 def _entries(match: list[str] | None, group: list[str] | None) -> list[Entry]:
     from aotattn.perfmon.entries import declared, select
 
+    _check_selectors(declared(), match, group, " (list them with `aotattn perfmon list -v`)")
     chosen = select(declared(), match or (), group or ())
     if not chosen:
         raise _fail("no entry matches --match/--group (list them with `aotattn perfmon list`)")
     return chosen
+
+
+def _check_selectors(entries: list[Entry], match: list[str] | None, group: list[str] | None, where: str) -> None:
+    """Refuse a --match or --group that selects nothing: beside one that matched, it was ignored."""
+    from aotattn.perfmon.entries import unmatched
+
+    for kind, value in unmatched(entries, match or (), group or ()):
+        if kind == "match":
+            scope = f" of --group {', '.join(group)}" if group else ""
+            raise _fail(f"no entry{scope} matches --match {value!r}{where}")
+        wanted = f" matching --match {' '.join(match)}" if match else ""
+        raise _fail(f"no entry{wanted} in --group {value!r}{where}")
 
 
 FLEX_ALL = typer.Option(False, "--flex-all", help="time FlexAttention on every entry it supports, not only those "
@@ -188,15 +201,18 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
     options = Options(plan, peers=not no_peers, flex=flex, seed=seed)
     header = {"tag": tag, **environment(dev, plan)}
     path = out or store.path_for(tag, header["arch"], root)
-    store.check_folder(path, header["arch"])  # before measuring: write() would refuse it after the first entry
     db = store.Perfdb(header=header)
-    if path.exists() and not force:
-        if resume:
+    try:
+        store.check_folder(path, header["arch"])  # before measuring: write() would refuse it after the first entry
+        if path.exists() and not force:
+            if not resume:
+                raise _fail(f"{path} exists: pass --resume to complete it or --force to replace it")
             db = store.Perfdb.read(path)
             _check_resumable(db.header, header, path)
             db.comments.append(f"resumed {header['date']}: {header['command']}")
-        else:
-            raise _fail(f"{path} exists: pass --resume to complete it or --force to replace it")
+        db.checked_text(path)  # the header and comments read back (not only at the first write)
+    except store.PerfdbError as exc:
+        raise _fail(str(exc)) from exc
     todo = [e for e in entries if e.name not in db.entries or db.entries[e.name] != e]
     for e in todo:
         if e.name in db.entries:  # declared differently since: measure it again
@@ -233,16 +249,17 @@ def run(tag: str = typer.Option(..., "--tag", help="the run's name: perfdb/<arch
         raise typer.Exit(1)
 
 
-# a resumed run keeps one header: records of another GPU, build or tuning would hide under it
-RESUME_KEYS = ("tag", "arch", "gpu", "mode", "aotattn", "tuning", "triton", "torch")
+# a resumed run keeps one header: records of another GPU, build, tuning or timing (--reps,
+# --rounds, --warmup, --hide-host-ms) would hide under it
+RESUME_KEYS = ("tag", "arch", "gpu", "mode", "aotattn", "tuning", "triton", "torch", "timing")
 
 
 def _check_resumable(stored: dict[str, str], header: dict[str, str], path: Path) -> None:
     differ = [f"{key} {stored.get(key)!r} there, {header[key]!r} here"
               for key in RESUME_KEYS if stored.get(key) != header[key]]
     if differ:
-        raise _fail(f"--resume: {path} was measured elsewhere ({'; '.join(differ)}): "
-                    "resume it where it ran, or pass --force to measure every entry again")
+        raise _fail(f"--resume: {path} was measured elsewhere or timed otherwise ({'; '.join(differ)}): "
+                    "resume it where it ran, with its timing options, or pass --force to measure every entry again")
 
 
 def _warm_flex(entries: list[Entry], device: str, flex: bool | str, seed: int, jobs: int) -> None:
@@ -478,9 +495,13 @@ def compare(a: str = typer.Argument(..., help="the baseline: a tag or a perfdb f
                 else f"; plan changed: {', '.join(c.plan_changes)}" if c.plan_changes else "; same plan")
         console.print(escape(f"  {c.verdict}: {c.entry} {c.pass_} {c.provider}: {_ms(c.a_ms)} -> {_ms(c.b_ms)} ms"
                              f"{speed}{plan}"), style=style, highlight=False)
+    both = result.in_both
     console.print(f"{len(result.regressions)} regression(s), {len(result.failures)} lost figure(s), "
                   f"{len(result.improvements)} improvement(s) beyond noise and {threshold:.0%}, "
-                  f"{len(result.changes)} compared")
+                  f"{len(both)} compared, {len(result.changes) - len(both)} in one run only or declared differently")
+    if fail and not both:  # "0 regression(s)" of nothing is no pass
+        raise _fail(f"--fail-on-regression: no (entry, pass, provider) of {', '.join(chosen) or 'any provider'} "
+                    f"is in both {pa} and {pb} with the same declaration: nothing was compared")
     if fail and (result.regressions or result.failures):
         raise typer.Exit(1)
 
@@ -524,8 +545,21 @@ def faults(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: 
     db, path = _read(tag, arch, root)
     found = _print_faults(db, path.stem, margin)
     if patch is not None and found:
-        from aotattn.perfmon.analysis import patchable
+        from aotattn.perfmon.analysis import note_problem, patchable
 
+        # a note naming its cell as an older table did is not evidence about a cell of today's
+        stale: dict[tuple[str, str], list] = {}
+        for f in found:
+            problem = note_problem(db.entries[f.entry], f.cell) if f.cell else None
+            if problem is not None:
+                stale.setdefault((f.cell, problem), []).append(f)
+        for (cell, problem), skipped in stale.items():
+            first = skipped[0]
+            console.print(escape(f"{path}:{db.lines.get((first.entry, first.pass_, 'aotattn'), '?')}: left out "
+                                 f"{cell} ({first.entry} {first.pass_}"
+                                 + (f" and {len(skipped) - 1} more fault(s)" if len(skipped) > 1 else "")
+                                 + f"): {problem}"), style="yellow", highlight=False)
+        found = [f for f in found if not any(f in skipped for skipped in stale.values())]
         # a cell the run's entries disagree about is left for a person (or the tuner) to settle
         agreed, contested = patchable(db, found)
         for cell, reasons in contested.items():
@@ -533,9 +567,11 @@ def faults(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: 
         changes = {parse_cell(cell): Config.of(backend=backend) for cell, backend in agreed.items()}
         if not changes:
             cellless = sum(1 for f in found if not f.cell)
-            console.print("no patch written: " + ("every faulty cell is contested" if contested else
-                                                  f"the {cellless} fault(s) name no database cell (a run in the "
-                                                  "interpreter reads none)"))
+            why = [f"{len(contested)} contested cell(s)"] if contested else []
+            why += [f"{len({cell for cell, _ in stale})} cell(s) named as an older table did"] if stale else []
+            if cellless:
+                why.append(f"{cellless} fault(s) name no database cell (a run in the interpreter reads none)")
+            console.print(f"no patch written: {', '.join(why)}")
             if fail:
                 raise typer.Exit(1)
             return
@@ -557,7 +593,8 @@ def faults(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: 
 
 @perfdb_app.command()
 def plot(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: str = ARCH, root: Path = ROOT,
-         out: Path = typer.Option(None, "--out", help="PNG to write (default: beside the perfdb file)"),
+         out: str = typer.Option(None, "--out", help="PNG to write, or a folder (existing, or ending in /) "
+                                 "to write it into (default: beside the perfdb file)"),
          group: str = typer.Option("dense", help="entry group to draw (square sequences)"),
          dtype: str = typer.Option("bf16", help="fp16, bf16 or fp32")) -> None:
     """TFLOP/s against sequence length, per head dim and pass, aotattn beside its peers."""
@@ -569,7 +606,9 @@ def plot(tag: str = typer.Argument(..., help="a tag or a perfdb file"), arch: st
         raise typer.BadParameter(f"expected an entry group such as dense or gqa, got {group!r}", param_hint="--group")
     db, path = _read(tag, arch, root)
     name = f"{path.stem}.{group}-{dtype}.png"
-    target = out / name if out is not None and out.is_dir() else out or path.with_name(name)
+    # a Path drops the trailing slash: "--out new/" wrote a PNG named "new"
+    folder = out is not None and (out.endswith(tuple(filter(None, (os.sep, os.altsep)))) or Path(out).is_dir())
+    target = Path(out) / name if folder else Path(out) if out else path.with_name(name)
     try:
         draw(db, target, group, dtype)
     except store.PerfdbError as exc:
@@ -662,7 +701,9 @@ def standing(peer: str = typer.Option("flex", "--peer", "-p", help="the provider
             seen = sorted({db.header.get("gpu", "?").split(",")[0] for _, db in runs})
             raise _fail(f"--gpu {gpu!r}: no run under {folder} on such a GPU (its runs' GPUs: {', '.join(seen)})")
         runs = on
-    chosen = {e.name for e in select((e for _, db in runs for e in db.entries.values()), match or (), group or ())}
+    stored = [e for _, db in runs for e in db.entries.values()]
+    _check_selectors(stored, match, group, f" in the runs under {folder}")
+    chosen = {e.name for e in select(stored, match or (), group or ())}
     found = [s for s in stand(runs, peer) if s.entry in chosen]
     if not found:
         raise _fail(f"no entry{' of this selection' if match or group else ''} has aotattn and {peer} timed "

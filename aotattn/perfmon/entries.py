@@ -181,6 +181,7 @@ class Entry:
 
     def validate(self) -> None:
         """Raise ``ValueError`` for a declaration the operators would refuse or perfmon cannot time."""
+        check_name(self.name)
         problems = []
         if self.dtype not in DTYPES:
             problems.append(f"dtype {self.dtype!r} not in {DTYPES}")
@@ -217,6 +218,16 @@ class Entry:
             problems.append("training entries, and only they, time fwdbwd")
         if problems:
             raise ValueError(f"entry {self.name}: " + "; ".join(problems))
+
+
+def check_name(name: object) -> str:
+    """An entry's name as the perfdb file spells it: one printable token without spaces, not
+    starting with ``#`` or ``[`` (a line starting so reads as a comment, a directive or a
+    section, and the entry was silently lost)."""
+    if not isinstance(name, str) or not name or not name.isprintable() or " " in name or name[0] in "#[":
+        raise ValueError(f"entry name {name!r}: expected one printable token without spaces, not starting with "
+                         "'#' or '[' (it would read as a comment or a section)")
+    return name
 
 
 _SHORT = {"batch": "B", "heads_q": "Hq", "heads_k": "Hk", "seqlen_q": "Sq", "seqlen_k": "Sk", "head_dim": "D",
@@ -403,6 +414,20 @@ def select(entries: Iterable[Entry], patterns: Sequence[str] = (), groups: Seque
               if (not patterns or any(fnmatch.fnmatchcase(e.name, p) for p in patterns))
               and (not groups or e.group in groups)]
     return chosen
+
+
+def unmatched(entries: Iterable[Entry], patterns: Sequence[str] = (), groups: Sequence[str] = ()
+              ) -> list[tuple[str, str]]:
+    """The selectors that add nothing to :func:`select`'s choice, as ``("match", glob)`` or
+    ``("group", name)``: a glob no entry of the groups matches, a group without an entry the
+    globs match (with several, one that matched nothing was silently ignored)."""
+    entries = list(entries)
+    found = [("match", p) for p in patterns
+             if not any(fnmatch.fnmatchcase(e.name, p) and (not groups or e.group in groups) for e in entries)]
+    found += [("group", g) for g in groups
+              if not any(e.group == g and (not patterns or any(fnmatch.fnmatchcase(e.name, p) for p in patterns))
+                         for e in entries)]
+    return found
 
 
 def by_name(entries: Iterable[Entry]) -> dict[str, Entry]:

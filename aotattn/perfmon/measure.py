@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -257,6 +258,31 @@ def measure_entry(entry: Entry, device: torch.device, options: Options) -> list[
     return records
 
 
+def shell_line(args: Iterable[str]) -> str:
+    """``args`` as one shell line that runs them again: each word quoted where it needs it, and
+    a word with a newline or another unprintable character written as bash's ``$'...'`` (a
+    raw newline in ``#! command`` ended the header line, and the run failed at its first write)."""
+    words = []
+    for arg in args:
+        if arg.isprintable():
+            words.append(shlex.quote(arg))
+        else:
+            words.append("$'" + "".join(_ESCAPED.get(c) or (c if c.isprintable() else _escape(c)) for c in arg) + "'")
+    return " ".join(words)
+
+
+_ESCAPED = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _escape(char: str) -> str:
+    """bash's escape of one unprintable character: ``\\xHH`` is a byte, so ASCII, or the byte
+    an argument that was not UTF-8 carries (Python holds it as a surrogate, U+DC80..U+DCFF)."""
+    code = ord(char)
+    if code < 0x80 or 0xDC80 <= code <= 0xDCFF:
+        return f"\\x{code & 0xFF:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 def environment(device: torch.device, plan: Plan, command: str | None = None) -> dict[str, str]:
     """The header of a perfdb file: versions, tuning revision, GPU, date, timing method."""
     from aotattn import tuning
@@ -294,7 +320,7 @@ def environment(device: torch.device, plan: Plan, command: str | None = None) ->
                       if plan.hide_host_ms else "")
                    + f"; training entries: back to back, no flush, {plan.training_reps} samples a round); "
                    "spread = largest - smallest round median"),
-        "command": command or " ".join(["aotattn", *sys.argv[1:]]),
+        "command": command or shell_line(["aotattn", *sys.argv[1:]]),
     }
 
 

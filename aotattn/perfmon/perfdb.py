@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aotattn.files import write_atomically
-from aotattn.perfmon.entries import Entry
+from aotattn.perfmon.entries import Entry, check_name
+from aotattn.perfmon.providers import ALL as _PROVIDERS
 
 FORMAT_VERSION = 1
 ENV_VAR = "AOTATTN_PERFDB"
@@ -48,11 +49,6 @@ _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _COLUMNS = ("entry", "pass", "provider", "ms", "spread%", "TFLOP/s", "aot/x", "note")
 _WIDTHS = (44, 7, 16, 10, 8, 9, 7)
 MISSING = "-"
-
-
-def _line_of(text: str, prefix: str) -> int:
-    """The number of the first line starting with ``prefix`` (1 if none)."""
-    return next((n for n, line in enumerate(text.splitlines(), start=1) if line.startswith(prefix)), 1)
 
 
 class PerfdbError(ValueError):
@@ -97,11 +93,17 @@ class Perfdb:
     entries: dict[str, Entry] = field(default_factory=dict)
     records: list[Record] = field(default_factory=list)
     comments: list[str] = field(default_factory=list)
+    # where each directive ("#! arch": "arch") and each record (its key) was read: line numbers
+    lines: dict[str | tuple[str, str, str], int] = field(default_factory=dict, compare=False, repr=False)
 
     def by_key(self) -> dict[tuple[str, str, str], Record]:
         return {r.key: r for r in self.records}
 
     def add(self, entry: Entry, records: Iterable[Record]) -> None:
+        try:
+            check_name(entry.name)  # a name read as a comment: the file would silently lose the entry
+        except ValueError as exc:
+            raise PerfdbError(str(exc)) from None
         self.entries[entry.name] = entry
         self.records.extend(records)
 
@@ -151,7 +153,11 @@ class Perfdb:
                                       f"{', '.join(HEADER_KEYS)})", where)
                 if key in db.header:
                     raise PerfdbError(f"directive '#! {key}' given twice", where)
+                if not value.strip():  # an empty arch was checked against the folder as "" ("move it to /")
+                    raise PerfdbError(f"directive '#! {key}' has no value: write '#! {key} VALUE' or drop the line",
+                                      where)
                 db.header[key] = value.strip()
+                db.lines[key] = number
                 continue
             if not line.strip():
                 continue
@@ -162,6 +168,9 @@ class Perfdb:
             if line in ("[entries]", "[results]"):
                 if line[1:-1] == section or (section == "results" and line == "[entries]"):
                     raise PerfdbError(f"{line} again: a perfdb file has one [entries] then one [results]", where)
+                if section is None and line == "[results]":  # a run with no entries still has its section
+                    raise PerfdbError("[results] before [entries]: a perfdb file has one [entries] then one "
+                                      "[results]", where)
                 section = line[1:-1]
                 continue
             if section == "entries":
@@ -184,6 +193,7 @@ class Perfdb:
                     raise PerfdbError(f"two results for {' / '.join(record.key)}", where)
                 seen.add(record.key)
                 db.records.append(record)
+                db.lines[record.key] = number
             else:
                 raise PerfdbError(f"expected [entries] or [results] before {line[:40]!r}", where)
         if section != "results":
@@ -202,22 +212,38 @@ class Perfdb:
             raise PerfdbError(f"not UTF-8 text (byte {exc.start}): a perfdb file is text written by "
                               "`aotattn perfmon run`; restore it from git or measure it again", str(path)) from exc
         db = cls.from_text(text, str(path))
-        db._check_folder(path, text)
+        db._check_folder(path, str(path))
         return db
 
-    def _check_folder(self, path: Path, text: str) -> None:
-        check_folder(path, self.header.get("arch"), f"{path}:{_line_of(text, '#! arch ')}")
+    def _check_folder(self, path: Path, shown: str) -> None:
+        """:func:`check_folder`, at the ``#! arch`` line as read (``shown``: the text's name)."""
+        line = self.lines.get("arch")
+        check_folder(path, self.header.get("arch"), f"{shown}:{line}" if line else None)
 
-    def write(self, path: Path | str) -> Path:
-        """Write atomically (a temporary file, then a rename) what :meth:`read` reads back
-        (a name with a space or a note with a newline, say, from another host's results, is
-        refused before anything is written)."""
-        path = Path(path)
+    def checked_text(self, path: Path | str) -> str:
+        """The text :meth:`write` writes to ``path``, refused unless it reads back as this run
+        (a name with a space, a note with a newline or an entry named like a comment, say,
+        from another host's results): call it before measuring, as a run would only find out
+        at its first write."""
         text = self.to_text()
         try:
-            Perfdb.from_text(text, "<the text to write>")._check_folder(path, text)
+            again = Perfdb.from_text(text, "<the text to write>")
+            again._check_folder(Path(path), "<the text to write>")
         except PerfdbError as exc:
             raise PerfdbError(f"not written, it would not read back: {exc}", str(path)) from None
+        back = again.to_text()
+        if back != text:  # read without an error, yet not the same run (a line read as a comment)
+            number, ours, theirs = next((n, a, b) for n, (a, b) in enumerate(
+                zip([*text.splitlines(), ""], [*back.splitlines(), ""]), start=1) if a != b)
+            raise PerfdbError(f"not written, it would not read back: line {number} {ours[:60]!r} reads back as "
+                              f"{theirs[:60]!r}", str(path))
+        return text
+
+    def write(self, path: Path | str) -> Path:
+        """Write atomically (a temporary file, then a rename) what :meth:`read` reads back as
+        this run (:meth:`checked_text`), or nothing."""
+        path = Path(path)
+        text = self.checked_text(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         return write_atomically(path, text)
 
@@ -267,7 +293,7 @@ def _parse_record(line: str, where: str) -> Record:
 
 
 _PASS_ORDER = ("fwd", "bwd", "fwdbwd")
-_PROVIDER_ORDER = ("aotattn", "aotattn:split", "aotattn:fused", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
+_PROVIDER_ORDER = _PROVIDERS  # the providers' declaration order (a list here left aotattn:ws out, after flex)
 
 
 def _pass_order(name: str) -> tuple[int, str]:

@@ -294,6 +294,82 @@ def test_plot_gives_each_provider_one_color_of_its_own(tuning_copy, tmp_path, mo
     assert len({c for (c,) in by_provider.values()}) == len(by_provider), by_provider
 
 
+def _random_run(patterns: list[str], tag: str = "lines") -> Perfdb:
+    """A run of the entries matching ``patterns``: random figures, aotattn and sdpa-flash per pass."""
+    rng = random.Random()
+    run = Perfdb(header={"tag": tag, "arch": "sm_90", "gpu": "fabricated", "date": "2026-12-07"})
+    for entry in select(declared(), patterns):
+        records = []
+        for pass_ in entry.passes:
+            ours = rng.uniform(0.05, 20.0)
+            for provider, ms in (("aotattn", ours), ("sdpa-flash", ours * rng.uniform(0.5, 2.0))):
+                records.append(Record(entry.name, pass_, provider, ms, 0.01 * ms, entry.flops(pass_) / ms / 1e9,
+                                      ms / ours))
+        run.add(entry, records)
+    return run
+
+
+@pytest.mark.parametrize("group, apart", [("gqa", {"g=4", "g=8"}), ("bias", {"bias=bias", "bias=bias-grad"}),
+                                          ("odd-dim", {"Dv=192", "Dv=128"}),
+                                          ("model", {"model-bert-large-uncased", "model-distilbert-base-uncased"})])
+def test_plot_draws_each_distinct_call_as_its_own_line(group, apart, monkeypatch, tmp_path):
+    """Entries differing in more than the sequence length (GQA group size, Dv, bias kind, the
+    model) were joined into one zigzag line, two points at each x: every distinct call is a
+    line of its own now, named in the legend."""
+    import dataclasses
+
+    from matplotlib.figure import Figure
+
+    from aotattn.perfmon import plot
+
+    run = _random_run([f"{group}-bf16-*", f"{group}-*"])
+    by_figure = {(e.head_dim, r.pass_, r.provider, round(r.tflops, 9)): e for r in run.records
+                 for e in [run.entries[r.entry]]}
+    data = plot.series(run, group, "bf16")
+    drawn = 0
+    labels = set()
+    for (dim, pass_), lines in data.items():
+        for key, points in lines.items():
+            xs = [x for x, _ in points]
+            assert len(xs) == len(set(xs)), (dim, pass_, key, points)  # no zigzag
+            provider, mask, line = key
+            calls = {dataclasses.replace(by_figure[dim, pass_, provider, round(y, 9)], name="", seqlen_q=0,
+                                         seqlen_k=0, batch=0, flex=False) for _, y in points}
+            assert len(calls) == 1, (key, calls)  # one call along a line, whatever the sequence length
+            drawn += len(points)
+            labels.add(line)
+    squares = [r for r in run.records for e in [run.entries[r.entry]]
+               if e.dtype == "bf16" and e.seqlen_q == e.seqlen_k and e.mask_name in ("none", "causal")]
+    assert drawn == len(squares)  # every point on a line
+    assert apart <= labels, labels
+
+    figures: list[Figure] = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    plot.plot(run, tmp_path / "x.png", group, "bf16")
+    for ax in figures[0].axes:
+        names = [line.get_label() for line in ax.get_lines()]
+        assert len(names) == len(set(names)), names  # each line of a panel named apart
+        for line in ax.get_lines():
+            xs = list(line.get_xdata())
+            assert len(xs) == len(set(xs)), line.get_label()
+    legend = {text.get_text() for text in figures[0].legends[0].get_texts()}
+    assert apart <= legend and {"aotattn", "sdpa-flash"} <= legend, legend
+
+
+def test_plot_out_ending_in_a_slash_is_a_folder(tmp_path):
+    """`perfdb plot --out newdir/` wrote a PNG named newdir (a Path drops the slash)."""
+    root = tmp_path / "perfdb"
+    _write(_random_run(["dense-bf16-d64-*"], "lines"), root, "lines")
+    for out in (tmp_path / "new" / "deeper", tmp_path / "other"):
+        result = CliRunner().invoke(cli, ["perfdb", "plot", "lines", "--out", str(out) + os.sep, "--perfdb", str(root)])
+        assert result.exit_code == 0, result.output
+        assert out.is_dir() and (out / "lines.dense-bf16.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    named = tmp_path / "a-file.png"  # without the slash: the file named
+    drawn = CliRunner().invoke(cli, ["perfdb", "plot", "lines", "--out", str(named), "--perfdb", str(root)])
+    assert drawn.exit_code == 0, drawn.output
+    assert named.is_file()
+
+
 def test_a_fault_on_a_refinement_patches_the_refinement_not_its_fallback(tuning_copy):
     """A dropout call reads the dense block (the seeded operator table has only roots): its
     fault names the dropout cell, and the suggested patch adds the dropout block, leaving
@@ -435,6 +511,88 @@ def test_cli_faults_leaves_contested_cells_out_of_the_patch(tmp_path):
     edits = parse_patch(rules.BACKWARD, written.read_text()).edits
     assert "seqlen_q=1024 seqlen_k=1024: ws" in written.read_text() and "seqlen_q=512" not in written.read_text()
     assert edits
+
+
+CURRENT = "flash.backward[dtype=bf16,BLOCK_D=128,PAD_HEAD=False,MASK=2,VARLEN=False,DROPOUT=False,BIAS=0," \
+          "DETERMINISTIC=False]@seqlen_q=1024,seqlen_k=1024"
+OLDER = "flash.backward[dtype=bf16,BLOCK_D=64,MASK=2,DETERMINISTIC=False]@seqlen_q=512,seqlen_k=512"  # s1 notes
+UNGROUPED = "flash.backward[dtype=bf16,BLOCK_D=64,PAD_HEAD=False,MASK=2,VARLEN=False,DROPOUT=False,BIAS=0," \
+            "DETERMINISTIC=False]@seqlen_q=1024,seqlen_k=1024"  # what a grouped call noted before GROUPED existed
+
+
+def test_faults_patch_skips_cells_named_as_an_older_table_did(tmp_path):
+    """`faults --patch` failed as a whole on a run whose notes name cells in an older format
+    (before PAD_HEAD, VARLEN, DROPOUT and BIAS were axes). Such a cell is left out with a
+    warning at its result line, and so is a grouped-query fault noted before GROUPED existed
+    (patching it would edit the block of the calls without groups); the rest is patched."""
+    rng = random.Random()
+    dense, grouped = select(declared(), ["dense-bf16-d128-s1024-causal"])[0], \
+        select(declared(), ["gqa-bf16-d64-g4-s1024-causal"])[0]
+    plain = select(declared(), ["dense-bf16-d64-s512-causal"])[0]
+    run = Perfdb(header={"tag": "old", "arch": "sm_90", "gpu": "fabricated", "date": "2026-11-30"})
+    for entry, cell in ((plain, OLDER), (dense, CURRENT), (grouped, UNGROUPED)):
+        ms = rng.uniform(1.0, 5.0)
+        run.add(entry, [Record(entry.name, "bwd", "aotattn", ms, 0.001, note=f"choice=split cell={cell}"),
+                        Record(entry.name, "bwd", "aotattn:split", ms, 0.001),
+                        Record(entry.name, "bwd", "aotattn:fused", ms * rng.uniform(0.5, 0.8), 0.001)])
+    root = tmp_path / "perfdb"
+    path = _write(run, root, "old")
+    lines = path.read_text().splitlines()
+    out = CliRunner().invoke(cli, ["perfdb", "faults", "old", "--patch", str(tmp_path / "p"), "--perfdb", str(root)])
+    assert out.exit_code == 0, out.output
+    warned = [line for line in out.output.splitlines() if line.startswith(f"{path}:")]
+    assert len(warned) == 2, out.output
+    for entry, reason in ((plain, "the functional lacks axes PAD_HEAD, VARLEN, DROPOUT, BIAS"),
+                          (grouped, "noted without GROUPED=True")):
+        (line,) = [w for w in warned if entry.name in w]
+        number = int(line[len(str(path)) + 1:].split(":")[0])
+        assert lines[number - 1].split()[:3] == [entry.name, "bwd", "aotattn"] and reason in line, line
+    (written,) = (tmp_path / "p").glob("*.dbpatch")
+    text = written.read_text()
+    assert parse_patch(rules.BACKWARD, text).edits
+    assert "BLOCK_D=128" in text and "BLOCK_D=64" not in text  # the current cell only
+
+    # only such cells: nothing to write, and the command says why
+    alone = Perfdb(header=dict(run.header), entries={plain.name: plain},
+                   records=[r for r in run.records if r.entry == plain.name])
+    _write(alone, root, "older")
+    out = CliRunner().invoke(cli, ["perfdb", "faults", "older", "--patch", str(tmp_path / "q"), "--perfdb", str(root)])
+    assert out.exit_code == 0 and "no patch written: 1 cell(s) named as an older table did" in out.output, out.output
+    assert not (tmp_path / "q").exists()
+
+
+def test_note_problem_knows_every_axis_a_cell_name_may_leave_out():
+    """A defaulted axis is left out of a cell's name at its default, so an old note reads as
+    that default: perfmon must know how each such axis of flash.backward follows from an
+    entry, or it cannot tell an old note from a current one."""
+    assert set(dict(rules.BACKWARD.axis_defaults)) <= set(analysis.ENTRY_AXES)
+    grouped = select(declared(), ["gqa-bf16-d64-g4-s1024-causal"])[0]
+    plain = select(declared(), ["dense-bf16-d64-s1024-causal"])[0]
+    assert analysis.note_problem(plain, UNGROUPED) is None
+    noted_grouped = UNGROUPED.replace("DETERMINISTIC=False", "DETERMINISTIC=False,GROUPED=True")
+    assert analysis.note_problem(grouped, noted_grouped) is None
+    assert "GROUPED=True" in analysis.note_problem(grouped, UNGROUPED)
+    assert "lacks axes" in analysis.note_problem(plain, OLDER)
+
+
+def test_compare_fails_when_nothing_was_compared(tmp_path):
+    """`compare --fail-on-regression` passed when B had none of A's entries ("0 lost ... 6
+    compared", exit 0)."""
+    root = tmp_path / "perfdb"
+    _write(_random_run(["dense-bf16-d64-s512-*"]), root, "a")
+    _write(_random_run(["dense-bf16-d128-s512-*"]), root, "b")
+    _write(_random_run(["dense-bf16-d64-s512-*"]), root, "a2")
+
+    def invoke(*args):
+        return CliRunner().invoke(cli, ["perfdb", "compare", *args, "--perfdb", str(root)])
+
+    apart = invoke("a", "b", "--fail-on-regression")
+    assert apart.exit_code == 1 and "nothing was compared" in apart.output, apart.output
+    assert invoke("a", "b").exit_code == 0  # without the flag: a report
+    only_peers = invoke("a", "b", "--provider", "sdpa-flash", "--fail-on-regression")
+    assert only_peers.exit_code == 1 and "sdpa-flash" in only_peers.output
+    shared = invoke("a", "a2", "--fail-on-regression", "--threshold", "100")  # no regression beyond 100x
+    assert shared.exit_code == 0 and "4 compared" in shared.output, shared.output
 
 
 def test_a_peer_that_raises_is_reported_not_only_recorded(tmp_path):
@@ -581,7 +739,8 @@ def test_resume_refuses_a_run_measured_on_another_gpu_or_build(tmp_path):
     from aotattn.perfmon.measure import environment
 
     entry = select(declared(), ["dense-bf16-d64-s512-full"])[0]
-    args = ["perfmon", "run", "--tag", "t", "--device", "cpu", "--match", entry.name, "--no-peers"]
+    args = ["perfmon", "run", "--tag", "t", "--device", "cpu", "--match", entry.name, "--no-peers",
+            "--rounds", "1", "--reps", "1", "--warmup", "0"]  # the timing of `here`
     here = {"tag": "t", **environment(torch.device("cpu"), Plan(rounds=1, reps=1, warmup=0))}
     for key, value in (("gpu", "NVIDIA H200, sm_90, 132 SMs"), ("tuning", "sha256:0123456789abcdef"),
                        ("torch", "2.0.0"), ("tag", "other")):
@@ -598,6 +757,101 @@ def test_resume_refuses_a_run_measured_on_another_gpu_or_build(tmp_path):
     assert result.exit_code == 0 and "0 of 1 entries to measure" in result.output, result.output
 
 
+def test_resume_refuses_a_run_timed_with_other_options(tmp_path):
+    """`perfmon run --resume` with other --reps, --rounds, --warmup or --hide-host-ms kept the
+    stored '#! timing' header, which then lied about the entries measured on resuming."""
+    import torch
+
+    from aotattn.cli import app
+    from aotattn.perfmon.budget import Plan
+    from aotattn.perfmon.measure import environment
+
+    rng = random.Random()
+    rounds, reps, warmup = rng.randint(1, 4), rng.randint(1, 9), rng.randint(0, 3)
+    entry = rng.choice(select(declared(), ["dense-*"]))
+    path = tmp_path / "t.txt"
+    here = {"tag": "t", **environment(torch.device("cpu"), Plan(rounds=rounds, reps=reps, warmup=warmup))}
+    Perfdb(header=here, entries={entry.name: entry}).write(path)
+    before = path.read_text()
+    args = ["perfmon", "run", "--tag", "t", "--device", "cpu", "--match", entry.name, "--no-peers", "--out", str(path),
+            "--resume"]
+    same = ["--rounds", str(rounds), "--reps", str(reps), "--warmup", str(warmup)]
+    for other in (["--rounds", str(rounds + 1), *same[2:]], [*same[:2], "--reps", str(reps + 1), *same[4:]],
+                  [*same[:4], "--warmup", str(warmup + 1)], [*same, "--hide-host-ms", "0.5"]):
+        result = CliRunner().invoke(app, [*args, *other])
+        assert result.exit_code == 1 and "timing 'median of" in result.output and "--force" in result.output, \
+            (other, result.output)
+        assert path.read_text() == before
+    result = CliRunner().invoke(app, [*args, *same])
+    assert result.exit_code == 0 and "0 of 1 entries to measure" in result.output, result.output
+
+
+def test_a_newline_in_an_argument_is_recorded_as_one_shell_line(tmp_path, monkeypatch):
+    """`#! command` was the raw arguments joined by spaces: a newline in one (here in the
+    --perfdb folder) ended the header line, and the run measured its first entry, then
+    failed to write. The command is one shell line that runs the same arguments again."""
+    import subprocess
+    import sys
+
+    import aotattn.perfmon.measure as measure
+    from aotattn.cli import app
+
+    entry = select(declared(), ["train-tiny-sdpa"])[0]
+    measured = []
+
+    def fake(e, device, options):  # the measuring is not what is tested: a figure for each pass
+        measured.append(e.name)
+        return [Record(e.name, p, "aotattn", 1.25, 0.01, 1.0, 1.0) for p in e.passes]
+
+    monkeypatch.setattr(measure, "measure_entry", fake)
+    root = tmp_path / "a\nb [results]"
+    args = ["perfmon", "run", "--tag", "nl", "--device", "cpu", "-m", entry.name, "--no-peers", "--perfdb", str(root)]
+    monkeypatch.setattr(sys, "argv", ["aotattn", *args])
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    db = Perfdb.read(root / "cpu" / "nl.txt")
+    assert measured == [entry.name] and list(db.entries) == [entry.name]
+    command = db.header["command"]
+    assert "\n" not in command and "$'" in command
+    shell = shutil.which("bash")
+    if shell:  # bash reads the line back into the same arguments
+        words = subprocess.run([shell, "-c", f'printf "%s\\0" {command}'], capture_output=True, text=True,
+                               check=True).stdout.split("\0")[:-1]
+        assert words == ["aotattn", *args]
+
+    # a header that would not read back is refused before anything is measured
+    real = measure.environment
+    monkeypatch.setattr(measure, "environment", lambda *a, **k: {**real(*a, **k), "gpu": "odd\n[entries]"})
+    measured.clear()
+    result = CliRunner().invoke(app, [*args[:3], "other", *args[4:]])
+    assert result.exit_code == 1 and "would not read back" in result.output, result.output
+    assert measured == [] and not (root / "cpu" / "other.txt").exists()
+
+
+@pytest.mark.parametrize("selectors, named", [
+    (["--group", "dense", "--group", "bogus"], "--group 'bogus'"),
+    (["-m", "dense-bf16-d64-s512-full", "-m", "zzz*"], "--match 'zzz*'"),
+    (["-m", "dense-*", "-m", "gqa-*", "-g", "dense"], "--match 'gqa-*'"),
+    (["-m", "dense-*", "-g", "dense", "-g", "gqa"], "--group 'gqa'"),
+])
+@pytest.mark.parametrize("command", [["perfmon", "list"], ["perfmon", "images", "--dry-run"],
+                                     ["perfmon", "run", "--tag", "t", "--device", "cpu"]])
+def test_a_selector_that_matches_nothing_is_refused_beside_one_that_does(command, selectors, named, tmp_path,
+                                                                          monkeypatch):
+    """With several --match globs or --group names, one that matched nothing was ignored when
+    another matched (a typo ran a different selection than asked)."""
+    import aotattn.perfmon.measure as measure
+    from aotattn.cli import app
+
+    def refuse(*args, **kwargs):  # a run that got this far measured the other selection
+        raise AssertionError("measured an entry")
+
+    monkeypatch.setattr(measure, "measure_entry", refuse)
+    result = CliRunner().invoke(app, [*command, *selectors, *(["--perfdb", str(tmp_path)] if "run" in command else [])])
+    assert result.exit_code == 1 and named in result.output, result.output
+    assert not list(tmp_path.rglob("*.txt"))
+
+
 def test_run_without_a_gpu_is_refused_unless_the_interpreter_is_asked_for(tmp_path, monkeypatch):
     """Without --device on a CPU build, `perfmon run` started the interpreter on GPU-sized
     entries (hours for the first one) and wrote them under perfdb/cpu/."""
@@ -609,3 +863,24 @@ def test_run_without_a_gpu_is_refused_unless_the_interpreter_is_asked_for(tmp_pa
     result = CliRunner().invoke(app, ["perfmon", "run", "--tag", "t", "-m", "model-gpt2", "--perfdb", str(tmp_path)])
     assert result.exit_code == 1 and "no CUDA GPU" in result.output and "--device cpu" in result.output
     assert not list(tmp_path.rglob("*.txt"))
+
+
+def test_shell_line_gives_back_the_same_arguments():
+    """`#! command`'s quoting: spaces, quotes, newlines, other unprintable characters, and the
+    bytes of an argument that was not UTF-8, each read back by bash as it was given."""
+    import subprocess
+
+    from aotattn.perfmon.measure import shell_line
+
+    shell = shutil.which("bash")
+    if shell is None:
+        pytest.skip("needs bash")
+    rng = random.Random()
+    pieces = [b"plain", b"two words", b"it's", b"new\nline", b"tab\t", b"back\\slash", b"$'x'", b"", b"\x01\x7f",
+              "\u2028\x85\U0001F600".encode(), b"not utf-8 \xff\xfe", b"[results]", b"#! arch"]
+    for _ in range(20):
+        raw = [b"aotattn", *(b"".join(rng.sample(pieces, rng.randint(1, 3))) for _ in range(rng.randint(1, 6)))]
+        line = shell_line([os.fsdecode(arg) for arg in raw])
+        assert "\n" not in line and line.isprintable()
+        words = subprocess.run([shell, "-c", f'printf "%s\\0" {line}'], capture_output=True, check=True)
+        assert words.stdout.split(b"\0")[:-1] == raw, line

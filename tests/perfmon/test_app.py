@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import tempfile
 from pathlib import Path
 
@@ -203,11 +204,15 @@ def test_export_trusts_nothing_in_a_result():
         store.path_for("ok", evil.header["arch"])
     newline = _output("ok")
     newline["records"][0]["note"] = "line1\nline2"
-    spaced = _output("ok", entry="bad name")
-    for output, words in ((newline, "a result line has 7 columns"), (spaced, "entry bad")):
-        db = perfmon_app.collect([output], "ok")
-        with pytest.raises(store.PerfdbError, match=f"not written, it would not read back: .*{words}"):
-            db.write(Path(tempfile.mkdtemp()) / "cpu" / "ok.txt")
+    db = perfmon_app.collect([newline], "ok")
+    with pytest.raises(store.PerfdbError, match="not written, it would not read back: .*a result line has 7 columns"):
+        db.write(Path(tempfile.mkdtemp()) / "cpu" / "ok.txt")
+    # an entry name that would not read back: with a space, or read as a comment (the file lost it)
+    for name in ("bad name", "#" + ENTRIES[0].name, "[entries]"):
+        spaced = _output("ok", entry=name)
+        spaced["records"][0]["entry"] = name
+        with pytest.raises(ValueError, match=f"malformed perfmon result for entry {re.escape(repr(name))}.*entry name"):
+            perfmon_app.collect([_output("ok"), spaced], "ok")
     with pytest.raises(ValueError, match="malformed perfmon result .*records: expected a list"):
         perfmon_app.collect([_output("ok", records="notalist")], "ok")
     # a record's figures of another type: "ms": true was written as 1 ms, "ms": "fast" failed in the writer
@@ -223,6 +228,23 @@ def test_export_trusts_nothing_in_a_result():
     no_tag = {k: v for k, v in _output("ok").items() if k != "tag"}
     with pytest.raises(ValueError, match="no perfmon results for tag"):
         perfmon_app.collect([no_tag], "ok")
+
+
+def test_export_refuses_an_entry_named_like_a_comment(tmp_path):
+    """An entry named '#...' in a results file was exported as a comment line: the file read
+    back without it, and the export said nothing."""
+    results = tmp_path / "results.jsonl"
+    lines = [json.dumps({"format": "pgdef-results/1", "batch_id": "b" * 32, "host": "h"})]
+    for i, name in enumerate([ENTRIES[0].name, "#" + ENTRIES[0].name]):
+        output = _output("t", entry=name)
+        output["records"][0]["entry"] = name
+        lines.append(json.dumps({"task_id": i + 1, "attempt": 1, "ok": True, "output": output, "error": None,
+                                 "permanent": False, "elapsed_s": 0.1, "worker_id": "w"}))
+    results.write_text("\n".join(lines) + "\n")
+    exported = CliRunner().invoke(cli, ["perfmon", "export", "--tag", "t", str(results), "--perfdb",
+                                        str(tmp_path / "perfdb")])
+    assert exported.exit_code != 0 and "entry name '#" in str(exported.output) + str(exported.exception)
+    assert not list(tmp_path.rglob("t.txt"))
 
 
 def test_export_from_the_cli_refuses_an_arch_that_is_a_path(tmp_path):

@@ -135,6 +135,18 @@ def test_select():
     assert select(ENTRIES, ["no-such-*"]) == []
 
 
+def test_unmatched_names_each_selector_that_adds_nothing():
+    """With several globs or groups, one that matched nothing was ignored beside one that did."""
+    from aotattn.perfmon.entries import unmatched
+
+    assert unmatched(ENTRIES, ["dense-*", "model-gpt*"], ["dense", "model"]) == []
+    assert unmatched(ENTRIES, ["dense-bf16-d64-s512-full", "zzz*"]) == [("match", "zzz*")]
+    assert unmatched(ENTRIES, groups=["dense", "bogus"]) == [("group", "bogus")]
+    # a glob outside the groups asked for, a group without an entry the globs match
+    assert unmatched(ENTRIES, ["dense-*", "gqa-*"], ["dense"]) == [("match", "gqa-*")]
+    assert unmatched(ENTRIES, ["dense-*"], ["dense", "gqa"]) == [("group", "gqa")]
+
+
 # one entry per kind of call (dtype, head-dim bucket, mask, api, dropout, bias, determinism,
 # padded or unequal heads); the whole declaration is planned by `aotattn perfmon images
 # --dry-run` (the smallest of each kind: planning allocates the entry's tensors)

@@ -87,6 +87,15 @@ def test_one_line_per_entry_pass_and_provider():
     # sections: one [entries] then one [results], which a file cut short lacks
     (lambda t: t.split("\n[results]")[0] + "\n", "no \\[results\\] section: the file is cut short", None),
     (lambda t: t.replace("[results]\n", "[results]\n[entries]\n"), "\\[entries\\] again", None),
+    # a run without its [entries] section read as a run of no entries (compare then passed on it)
+    (lambda t: t.split("\n\n[entries]")[0] + "\n\n[results]\n", "\\[results\\] before \\[entries\\]", 8),
+    # a directive without a value: an empty arch was checked against the folder as "" ("move it to /")
+    (lambda t: t.replace("#! arch sm_90", "#! arch"), "directive '#! arch' has no value", 3),
+    (lambda t: t.replace("#! gpu NVIDIA", "#! gpu  \n#! x NVIDIA"), "directive '#! gpu' has no value", 5),
+    # an entry line whose name holds a tab (a token of its own for the result lines)
+    (lambda t: t.replace("[entries]\n", "[entries]\nbad\tname group=dense dtype=bf16 B=1 Hq=1 Hk=1 Sq=1 Sk=1 D=1 "
+                         "Dv=1\n"),
+     "entry name 'bad\\\\tname'", 9),
     # numbers: float() reads "1_5" as 15; a spread without a time
     (lambda t: t.replace("[results]\n", "[results]\n" + t.split("[entries]\n")[1].split()[0] + " fwd odd 1_5 1 1 1\n"),
      "ms: expected a number or '-', got '1_5'", None),
@@ -214,3 +223,86 @@ def test_a_run_in_an_architectures_folder_declares_its_arch(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "t.txt").write_text(text)
     assert Perfdb.read(tmp_path / "elsewhere" / "t.txt").header.get("arch") is None
+
+
+def test_a_bad_arch_line_is_reported_at_its_line(tmp_path):
+    """'#! arch' with no value was reported at line 1 as "move it to /"; with extra spaces
+    ('#!  arch  sm_80') the folder error named line 1 too."""
+    text = random_run(7, n=2).to_text()
+    lines = text.splitlines()
+    at = next(n for n, line in enumerate(lines, start=1) if line.startswith("#! arch"))
+    (tmp_path / "sm_90").mkdir()
+    for line, message in (("#! arch", "directive '#! arch' has no value"),
+                          ("#! arch   ", "directive '#! arch' has no value"),
+                          ("#!  arch  sm_80", "'#! arch sm_80' in folder sm_90/: .*move it to sm_80/")):
+        path = tmp_path / "sm_90" / "t.txt"
+        path.write_text("\n".join([*lines[:at - 1], line, *lines[at:]]) + "\n")
+        with pytest.raises(PerfdbError, match=message) as info:
+            Perfdb.read(path)
+        assert info.value.where == f"{path}:{at}", info.value
+        assert "move it to /" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["#" + declared()[0].name, "[results]", "two words", "tab\tname", "new\nline",
+                                  "sep\x1carator", ""])
+def test_an_entry_name_that_would_not_read_back_is_refused(tmp_path, name):
+    """An entry named '#...' (from another host's results) was written as a comment line: the
+    file silently lost it and its records. Names are checked where entries are parsed and
+    added, and `write` refuses a text that does not read back as the same run."""
+    import dataclasses
+
+    from aotattn.perfmon.entries import Entry
+
+    entry = declared()[0]
+    with pytest.raises(ValueError, match="entry name"):
+        Entry.parse(name, entry.describe())
+    db = random_run(8, n=2)
+    with pytest.raises(PerfdbError, match="entry name"):
+        db.add(dataclasses.replace(entry, name=name), [])
+    # past the checks (the fields set by hand): the write finds what would not read back
+    db.entries[name] = dataclasses.replace(entry, name=name)
+    db.records.append(Record(name, "fwd", "aotattn", 1.5, 0.01, 2.0, 1.0))
+    path = tmp_path / "sm_90" / "t8.txt"
+    with pytest.raises(PerfdbError, match="not written, it would not read back"):
+        db.write(path)
+    assert not path.exists()
+
+
+def test_write_refuses_what_reads_back_as_other_data(tmp_path):
+    """`write` promised to write only what reads back; it checked that the text parsed, not
+    that it parsed to the same run (a header value's spaces, a comment's trailing blank)."""
+    for change in (lambda db: db.header.update(gpu=" NVIDIA H200"), lambda db: db.comments.append("trailing ")):
+        db = random_run(9, n=2)
+        change(db)
+        path = tmp_path / "sm_90" / "t9.txt"
+        with pytest.raises(PerfdbError, match="reads back as"):
+            db.write(path)
+        assert not path.exists()
+    db = random_run(9, n=2)
+    assert Perfdb.read(db.write(tmp_path / "sm_90" / "t9.txt")).to_text() == db.to_text()
+
+
+def test_providers_are_written_in_their_declaration_order():
+    """aotattn:ws was missing from the writer's order and sorted after flex."""
+    from aotattn.perfmon.providers import ALL
+
+    entry = next(e for e in declared() if e.group == "dense" and "bwd" in e.passes)
+    rng = random.Random()
+    providers = list(ALL)
+    rng.shuffle(providers)
+    db = Perfdb(header={"tag": "order"})
+    db.add(entry, [Record(entry.name, "bwd", p, rng.uniform(0.1, 9)) for p in providers])
+    written = [line.split()[2] for line in db.to_text().split("[results]\n", 1)[1].splitlines()[1:]]
+    assert written == list(ALL)
+
+
+def test_every_committed_run_still_reads_and_rewrites_to_the_same_lines():
+    """The committed perfdb files read; written again, only lines' order may change (the
+    aotattn:ws lines, sorted after flex before the writer took the providers' order)."""
+    paths = sorted((Path(__file__).resolve().parents[2] / "perfdb").glob("*/*.txt"))
+    assert paths
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        again = Perfdb.read(path).to_text()
+        assert sorted(again.splitlines()) == sorted(text.splitlines()), path
+        assert Perfdb.from_text(again).to_text() == again
