@@ -65,7 +65,6 @@ _LZMA_MEMLIMIT = 128 << 20  # the writer's preset 6 needs about 9 MiB to inflate
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*")
 _VERSION = re.compile(r"[0-9]+(\.[0-9A-Za-z]+)*([+-][0-9A-Za-z.+_-]*)?")  # 3.6.0, 3.6.0+git1a2b, 3.7.0-rc1
-_HASH = re.compile(r"[0-9a-f]{64}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _VARIANTS = tuple(VARIANTS)
 _BINARIES = ("cubin", "hsaco")
@@ -164,7 +163,15 @@ def source_hash(module: str, declaration: str = "") -> str:
 # imports too): the import statements source_hash follows. A line scan, not ast.parse:
 # parsing the Gluon kernel modules took 10-20 ms of a process's first call on the H200.
 # A docstring line that reads like an import only adds that module's file to the hash.
-_FROM_IMPORT = re.compile(rb"(?:^|;)[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import\b", re.MULTILINE)
+_FROM_IMPORT = re.compile(rb"(?:^|;)[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]*(\([^)]*\)|[^\n;#]*)",
+                          re.MULTILINE)
+_IMPORT = re.compile(rb"(?:^|;)[ \t]*import[ \t]+([^\n;#]+)", re.MULTILINE)  # import pkg.mod [as m], ...
+
+
+def _imported(names: bytes) -> list[str]:
+    """The dotted names of an import list (``a as b, (c,\n d)``), aliases dropped."""
+    text = names.decode(errors="replace").strip().strip("()").replace("\\\n", " ")
+    return [part.split()[0] for part in text.split(",") if part.split()]
 
 
 @functools.cache
@@ -173,6 +180,8 @@ def _kernel_sources(module: str) -> dict[str, Path]:
     package = module.rpartition(".")[0]
     sources: dict[str, Path] = {}
     pending = [module]
+    found = importlib.util.find_spec(module)
+    root = Path(found.origin).parent if found is not None and found.origin else Path()  # the package's folder
     while pending:
         name = pending.pop()
         if name in sources:
@@ -181,12 +190,19 @@ def _kernel_sources(module: str) -> dict[str, Path]:
         if found is None or not found.origin or not os.path.isfile(found.origin):
             raise ImageError(f"cannot find the source of kernel module {name}")
         sources[name] = Path(found.origin)
-        for dots, target in _FROM_IMPORT.findall(sources[name].read_bytes()):
+        text = sources[name].read_bytes()
+        for dots, target, names in _FROM_IMPORT.findall(text):
             target = target.decode()
             if dots:
                 target = importlib.util.resolve_name(dots.decode() + target, package)
             if target.startswith(package + "."):
                 pending.append(target)
+            if target == package or target.startswith(package + "."):  # `from . import common`: a module
+                folder = root.joinpath(*target[len(package):].split(".")[1:])
+                pending += [f"{target}.{n}" for n in _imported(names)
+                            if (folder / f"{n}.py").is_file() or (folder / n / "__init__.py").is_file()]
+        for names in _IMPORT.findall(text):
+            pending += [n for n in _imported(names) if n.startswith(package + ".")]
     return sources
 
 
@@ -236,8 +252,13 @@ def write_archive(path: Path, arch: str, table: str, triton_version: str, source
     header = Header(arch, table, triton_version, source_hash, final)
     index = _canonical(asdict(header))
     _header_from_json(json.loads(index), str(path), position)  # never write what the reader refuses
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as tmp:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.NamedTemporaryFile(dir=path.parent, delete=False)
+    except OSError as exc:  # named the temporary file, and said nothing of what to do
+        raise ImageError(f"cannot write {path}: {exc.strerror}: make {path.parent} writable, or write the images "
+                         f"elsewhere (--out, or {ENV_VAR})") from None
+    with tmp:
         try:
             tmp.write(_HEAD.pack(MAGIC, VERSION, len(index), hashlib.sha256(index).digest()))
             tmp.write(index)
@@ -395,7 +416,7 @@ def _frame(data: Any, data_size: int) -> dict[str, Any]:
     if not _NAME.fullmatch(data["arch"]) or not _TABLE.fullmatch(data["table"]):
         raise ValueError(f"the index names arch {data['arch']!r} / table {data['table']!r}")
     # printed by `images ls` and in errors: a control character there would reach the terminal
-    if not _VERSION.fullmatch(data["triton_version"]) or not _HASH.fullmatch(data["source_hash"]):
+    if not _VERSION.fullmatch(data["triton_version"]) or not _SHA256.fullmatch(data["source_hash"]):
         raise ValueError(f"the index gives triton_version {data['triton_version']!r} / source_hash "
                          f"{data['source_hash']!r}, expected a version like 3.6.0 and a SHA-256 in hex")
     entries = data["entries"]

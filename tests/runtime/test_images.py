@@ -324,6 +324,25 @@ def test_an_index_string_that_would_reach_the_terminal_is_refused(tmp_path, fiel
     assert result.exit_code == 1 and "\x1b" not in result.output
 
 
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_an_unwritable_folder_is_one_line_naming_the_archive(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    os.chmod(folder, 0o555)
+    try:
+        with pytest.raises(ImageError, match=r"cannot write .*x\.aotimg: Permission denied: make .* writable") as info:
+            make_archive(folder / "x.aotimg")
+        assert "\n" not in str(info.value) and "tmp" not in str(info.value).rsplit("/", 1)[-1]
+    finally:
+        os.chmod(folder, 0o755)
+
+
+def test_an_archive_whose_folder_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ImageError, match=r"cannot write .*x\.aotimg: .*write the images elsewhere"):
+        make_archive(tmp_path / "file" / "x.aotimg")
+
+
 def test_a_tilde_in_the_images_variable_is_the_home_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv(images.ENV_VAR, "~/aotimgs")
@@ -594,14 +613,23 @@ def test_source_hash_covers_the_sibling_modules_a_kernel_imports(tmp_path, monke
     (package / "common.py").write_text("X = 1\n")
     (package / "forward.py").write_text("from kpkg.common import X\nimport os\n"
                                         "def f():\n    from .inner import (Z,\n        W)\n"
-                                        "import sys; from .tail import T\n")
-    (package / "tail.py").write_text("T = 0\n")
+                                        "import sys; from .tail import T\n"
+                                        "from . import (helpers as h,  # a module by name\n    tail)\n"
+                                        "import kpkg.dotted as d, json\nfrom kpkg import byname, X as Y\n")
+    for name in ("tail", "helpers", "dotted", "byname"):
+        (package / f"{name}.py").write_text(f"{name.upper()} = 0\n")
     (package / "inner.py").write_text("Z = W = 0\n")
     (package / "other.py").write_text("Y = 2\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     images._kernel_sources.cache_clear()
     before = images.source_hash("kpkg.forward")
-    assert set(images._kernel_sources("kpkg.forward")) == {"kpkg.forward", "kpkg.common", "kpkg.inner", "kpkg.tail"}
+    assert set(images._kernel_sources("kpkg.forward")) == {"kpkg.forward", "kpkg.common", "kpkg.inner", "kpkg.tail",
+                                                           "kpkg.helpers", "kpkg.dotted", "kpkg.byname"}
+    for name in ("helpers", "dotted", "byname"):  # `from . import m`, `import pkg.m`, `from pkg import m`
+        (package / f"{name}.py").write_text(f"{name.upper()} = 1\n")
+        images._kernel_sources.cache_clear()
+        assert images.source_hash("kpkg.forward") != before, name
+        before = images.source_hash("kpkg.forward")
     (package / "inner.py").write_text("Z = W = 1\n")  # imported inside a function, relatively
     images._kernel_sources.cache_clear()
     assert images.source_hash("kpkg.forward") != before
@@ -612,6 +640,13 @@ def test_source_hash_covers_the_sibling_modules_a_kernel_imports(tmp_path, monke
     (package / "common.py").write_text("X = 2\n")
     images._kernel_sources.cache_clear()
     assert images.source_hash("kpkg.forward") != before
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a name inside a module, not a package
+        return False
 
 
 @pytest.mark.parametrize("module", sorted({spec.module for spec in families.kernels().values()}))
@@ -632,6 +667,10 @@ def test_the_import_scan_finds_what_the_parser_finds(module):
                           if node.level else node.module)
                 if target and target.startswith(package + "."):
                     pending.append(target)
+                if target and (target == package or target.startswith(package + ".")):  # from . import module
+                    pending += [f"{target}.{a.name}" for a in node.names if _is_module(f"{target}.{a.name}")]
+            elif isinstance(node, ast.Import):
+                pending += [a.name for a in node.names if a.name.startswith(package + ".")]
     assert set(images._kernel_sources(module)) == parsed
 
 
