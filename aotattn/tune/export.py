@@ -280,8 +280,8 @@ def export(results: Iterable[Mapping[str, Any]], db: Database, *, dry_run: bool 
         path = _patch_path(db, arch, table)
         old_text = read_text(path) if path.is_file() else None
         old = parse_patch(spec, old_text, str(path)) if old_text is not None else None
-        later = [p for p in db.patch_paths(arch, table) if p.name > path.name]
-        patch, kept = build_patch(spec, group, old, str(path), needed=_names_used(spec, later))
+        later = _later_patches(db, spec, arch, table, path)
+        patch, kept = build_patch(spec, group, old, str(path), needed={e.config for _, _, p in later for e in p.edits})
         old_header = [c for c in (old.comments if old else []) if not c.startswith(_CELL_PREFIX)
                       and not c.startswith(_HEADER_PREFIX) and not c.startswith("# Each cell:")]
         patch.comments = (_header(group, len(patch.edits)) + old_header + patch.comments
@@ -293,7 +293,7 @@ def export(results: Iterable[Mapping[str, Any]], db: Database, *, dry_run: bool 
                              empty=[f"{Task.from_json(r['task']).describe()}: {r.get('no_winner') or 'no eligible candidate'}"
                                     for r in group if r.get("winner") is None])
         if unmask:
-            report.unmasked, report.removed, rewrites = _unmask(db, arch, table, path, group)
+            report.unmasked, report.removed, rewrites = _unmask(spec, path, later, group)
             changes.update(rewrites)
         _check(db, arch, table, changes)
         if not dry_run:
@@ -307,9 +307,14 @@ def export(results: Iterable[Mapping[str, Any]], db: Database, *, dry_run: bool 
     return done
 
 
-def _names_used(spec: Any, paths: Iterable[Path]) -> set[str]:
-    """The configuration names the edits of these patches use (an earlier patch may define them)."""
-    return {edit.config for p in paths for edit in parse_patch(spec, read_text(p), str(p)).edits}
+def _later_patches(db: Database, spec: Any, arch: str, table: str, path: Path) -> list[tuple[Path, str, Patch]]:
+    """The patches applied after ``path``, in order: each file, its text and the patch parsed."""
+    later = []
+    for p in db.patch_paths(arch, table):
+        if p.name > path.name:
+            text = read_text(p)
+            later.append((p, text, parse_patch(spec, text, str(p))))
+    return later
 
 
 def _body_comments(text: str) -> list[str]:
@@ -332,21 +337,20 @@ def _covers_exactly(spec: Any, edit: Edit, task: Task) -> bool:
             and all(tuple(chosen) == (size,) for size, chosen in zip(task.cell, edit.selection)))
 
 
-def _unmask(db: Database, arch: str, table: str, path: Path, results: list[Mapping[str, Any]],
+def _unmask(spec: Any, path: Path, later: list[tuple[Path, str, Patch]], results: list[Mapping[str, Any]],
             ) -> tuple[dict[str, list[str]], list[str], dict[Path, str | None]]:
     """Take the tuned cells out of the patches applied after ``path`` (:func:`export`'s
     ``unmask``): (patch name -> the cells taken out, the patches deleted, the new text of
     each patch changed, None for one deleted). A patch keeps the configurations later
     patches use, and is deleted only when it has neither lines nor such configurations."""
-    spec = table_spec(table)
     tasks = [Task.from_json(r["task"]) for r in results if r.get("winner") is not None]
     unmasked: dict[str, list[str]] = {}
     removed: list[str] = []
     rewrites: dict[Path, str | None] = {}
-    later_paths = [p for p in db.patch_paths(arch, table) if p.name > path.name]
-    for i, later_path in enumerate(later_paths):
-        text = read_text(later_path)
-        patch = parse_patch(spec, text, str(later_path))
+    used_after: list[set[str]] = [set()]  # [i]: the names the patches after later[-1 - i] use
+    for _, _, patch in reversed(later[1:]):
+        used_after.append(used_after[-1] | {edit.config for edit in patch.edits})
+    for i, (later_path, text, patch) in enumerate(later):
         kept, cells = [], []
         for edit in patch.edits:
             task = next((t for t in tasks if _covers_exactly(spec, edit, t)), None)
@@ -357,7 +361,7 @@ def _unmask(db: Database, arch: str, table: str, path: Path, results: list[Mappi
         if not cells:
             continue
         unmasked[later_path.name] = cells
-        used = {edit.config for edit in kept} | _names_used(spec, later_paths[i + 1:])
+        used = {edit.config for edit in kept} | used_after[len(later) - 1 - i]
         patch.configs = {name: c for name, c in patch.configs.items() if name in used}
         if not kept and not patch.configs:
             removed.append(later_path.name)
